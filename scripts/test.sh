@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite, lint included. Used verbatim by .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+ruff check src tests benchmarks
+python -m pytest -q "$@"
