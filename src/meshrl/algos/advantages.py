@@ -50,6 +50,15 @@ def _group_stats(rewards: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor
     return mean[idx], std[idx], count[idx]
 
 
+def _group_varies(rewards: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: the row's group holds at least two different rewards (exact min/max comparison)."""
+    n_groups = int(idx.max()) + 1
+    r = rewards.to(torch.float64)
+    lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, idx, r, "amin")
+    hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, idx, r, "amax")
+    return (hi > lo)[idx]
+
+
 @register_advantage("grpo")
 def group_advantages(
     rewards: torch.Tensor,
@@ -67,27 +76,35 @@ def group_advantages(
                                                                              Liu et al. 2025, §3.1)
 
     ``std`` is the unbiased (n-1) estimator, as ``torch.std`` in verl's ``compute_grpo_outcome_advantage``.
-    A group of one rollout gets advantage 0 (nothing to compare against).
+    A group of one rollout gets advantage 0 (nothing to compare against). Groups whose rewards are all
+    equal get exactly 0 as well: in floating point their mean need not equal each reward
+    (``(0.1 + 0.1 + 0.1) / 3 != 0.1``), and dividing that rounding residue by a std of the same size
+    would turn it into an O(1) advantage when ``eps`` is small or zero.
 
     Args:
         rewards: ``[B]`` float rewards.
         group_ids: ``[B]`` hashable labels (e.g. query ids) or an integer tensor; need not be contiguous.
         scale: ``"std"`` or ``"none"``.
-        eps: added to the std (guards all-equal groups, which get advantage 0).
+        eps: ``>= 0``, added to the std (keeps the scale finite for near-constant groups).
     Returns:
-        ``[B]`` advantages in ``rewards.dtype``.
+        ``[B]`` advantages in ``rewards.dtype`` when it is floating point, else in the default float
+        dtype (integer or bool rewards such as 0/1 correctness must not truncate the advantages).
     """
     check_tensor("rewards", rewards, ndim=1)
     check_choice("scale", scale, ("std", "none"))
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
     idx = group_index(group_ids, rewards.shape[0])
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
     if rewards.numel() == 0:
-        return rewards.clone()
+        return rewards.to(out_dtype).clone()
     mean, std, count = _group_stats(rewards, idx)
     adv = rewards.to(torch.float64) - mean
     if scale == "std":
         adv = adv / (std + eps)
-    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
-    return adv.to(rewards.dtype)
+    # Groups of one and all-equal groups carry no comparison: advantage exactly 0.
+    adv = torch.where((count > 1) & _group_varies(rewards, idx), adv, torch.zeros_like(adv))
+    return adv.to(out_dtype)
 
 
 @register_advantage("dr_grpo")
@@ -105,7 +122,9 @@ def advantage_estimator(name: str) -> Callable[..., torch.Tensor]:
     return ADVANTAGE_ESTIMATORS[name]
 
 
-def dynamic_sampling_mask(rewards: torch.Tensor, group_ids: Sequence[Hashable] | torch.Tensor) -> torch.Tensor:
+def dynamic_sampling_mask(
+    rewards: torch.Tensor, group_ids: Sequence[Hashable] | torch.Tensor
+) -> torch.Tensor:
     """DAPO dynamic sampling filter: ``True`` for rows whose group's rewards are not all equal.
 
     Source: Yu et al. 2025, "DAPO", eq. 11 constraint ``0 < |{o_i : is_equivalent(a, o_i)}| < G``,
@@ -118,11 +137,7 @@ def dynamic_sampling_mask(rewards: torch.Tensor, group_ids: Sequence[Hashable] |
     idx = group_index(group_ids, rewards.shape[0])
     if rewards.numel() == 0:
         return torch.zeros(0, dtype=torch.bool)
-    n_groups = int(idx.max()) + 1
-    r = rewards.to(torch.float64)
-    lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, idx, r, "amin")
-    hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, idx, r, "amax")
-    return (hi > lo)[idx]
+    return _group_varies(rewards, idx)
 
 
 def overlong_penalty(

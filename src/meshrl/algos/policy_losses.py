@@ -49,7 +49,9 @@ def _prepare(
     elif tuple(advantages.shape) == tuple(logp.shape):
         adv = advantages
     else:
-        raise ValueError(f"advantages shape {tuple(advantages.shape)} is neither [B] nor logp's {tuple(logp.shape)}")
+        raise ValueError(
+            f"advantages shape {tuple(advantages.shape)} is neither [B] nor logp's {tuple(logp.shape)}"
+        )
     log_ratio = (logp - old_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return log_ratio, adv.to(logp.dtype).detach(), m
 

@@ -1,0 +1,74 @@
+"""``meshrl train``: run or resume a GRPO-family training run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from meshrl.algos import RECIPES
+
+HELP = """Train a policy with a recipe on a task. Precedence: built-in defaults < --config file <
+explicit flags < --set overrides. Every resolved setting is written to RUN_DIR/config.yaml."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="run or resume a training run", description=HELP)
+    p.add_argument("--recipe", choices=sorted(RECIPES), help="algorithm preset (default grpo)")
+    p.add_argument("--model", help="tiny | tiny:small | smollm2-135m | path to a local HF model directory")
+    p.add_argument("--task", help="tiny:repeat | tiny:add | rg:NAME | jsonl:PATH | parquet:PATH | math500 | gsm8k")
+    p.add_argument("--steps", type=int, help="total training steps (with --resume: continue to this total)")
+    p.add_argument("--out", type=Path, help="run directory (config, metrics, samples, checkpoints)")
+    p.add_argument("--config", type=Path, help="YAML file with any RunConfig keys")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optim.lr=3e-5 --set algo.clip_high=0.28 (repeatable)")
+    p.add_argument("--seed", type=int, help="seed for weights init, problem order and sampling")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its latest checkpoint")
+    p.add_argument("--report-to", help="comma list of trackers: tensorboard,wandb,trackio")
+    p.add_argument("--strict-rewards", action="store_true", help="abort on a reward-function error or timeout")
+    p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    p.set_defaults(func=run)
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[str]:
+    out = []
+    for key in ("recipe", "model", "task", "steps", "seed"):
+        value = getattr(args, key)
+        if value is not None:
+            out.append(f"{key}={value}")
+    if args.report_to:
+        out.append(f"log.report_to=[{args.report_to}]")
+    if args.strict_rewards:
+        out.append("reward.strict=true")
+    if args.no_progress:
+        out.append("log.progress=false")
+    return out + list(args.overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshrl.trainer import load_config, train
+
+    if args.resume is not None:
+        run_dir = args.resume
+        cfg_file = run_dir / "config.yaml"
+        if not cfg_file.is_file():
+            raise ValueError(f"--resume {run_dir}: no config.yaml there (not a meshrl run directory)")
+        if args.config is not None or args.recipe or args.model or args.task:
+            raise ValueError("--resume takes the run's own config; only --steps and --set may change it")
+        cfg = load_config(cfg_file, _flag_overrides(args))
+        resume = True
+    else:
+        if args.out is None:
+            raise ValueError("--out RUN_DIR is required (or --resume RUN_DIR)")
+        run_dir = args.out
+        if (run_dir / "checkpoints" / "latest").exists():
+            raise ValueError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
+        cfg = load_config(args.config, _flag_overrides(args))
+        resume = False
+    history = train(cfg, run_dir, resume=resume)
+    if history:
+        last = history[-1]
+        print(f"done: step {last['step']} reward/mean {last.get('reward/mean', float('nan')):.4f} "
+              f"acc/mean {last.get('acc/mean', float('nan')):.4f}; run directory {run_dir}", file=sys.stderr)
+    return 0

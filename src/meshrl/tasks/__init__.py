@@ -1,0 +1,45 @@
+"""Tasks: problems with reference answers and a reward function.
+
+``load_task(spec, *, seed=0, **options)`` builds a :class:`Task` from a spec:
+
+* ``tiny:repeat``, ``tiny:add`` - tiny built-in tasks for tests and quick runs,
+* ``math500``, ``gsm8k`` - benchmark files in the shared data directory,
+* ``rg:NAME`` - a reasoning-gym dataset,
+* ``jsonl:PATH``, ``parquet:PATH`` - your own problems file.
+
+Options go as keyword arguments or in the spec: ``jsonl:data.jsonl?problem=question&answer=ans``.
+"""
+
+from meshrl.tasks import files, rg, tiny  # noqa: F401  (registers the built-in tasks)
+from meshrl.tasks.base import (
+    BOXED_INSTRUCTION,
+    REWARD_KINDS,
+    Problem,
+    StaticTask,
+    Task,
+    list_tasks,
+    load_task,
+    register_task,
+    register_task_prefix,
+)
+from meshrl.tasks.files import FileTask, data_dir, load_file_task
+from meshrl.tasks.rg import ReasoningGymTask
+from meshrl.tasks.tiny import AddTask, RepeatTask
+
+__all__ = [
+    "BOXED_INSTRUCTION",
+    "REWARD_KINDS",
+    "AddTask",
+    "FileTask",
+    "Problem",
+    "ReasoningGymTask",
+    "RepeatTask",
+    "StaticTask",
+    "Task",
+    "data_dir",
+    "list_tasks",
+    "load_file_task",
+    "load_task",
+    "register_task",
+    "register_task_prefix",
+]

@@ -1,0 +1,192 @@
+"""Task/Problem contract, the task registry and ``load_task``.
+
+A :class:`Task` is a named, deterministic collection of :class:`Problem` objects split into
+``train``/``eval`` (and ``all``) plus a scorer that maps a model completion to a reward in ``[0, 1]``.
+
+Tasks are created from a *spec* string by :func:`load_task`:
+
+* a registered built-in name (``tiny:add``, ``tiny:repeat``, ``math500``, ``gsm8k``),
+* a prefix form: ``rg:NAME``, ``jsonl:PATH``, ``parquet:PATH``.
+
+Any spec may carry options as a query string, ``SPEC?key=value&key=value``; values are coerced to
+``int``/``float``/``bool``/JSON lists where they parse as such.  Keyword options given to
+:func:`load_task` override options from the query string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshrl.tasks._spec import split_spec
+
+BOXED_INSTRUCTION = "Put your final answer within \\boxed{}."
+REWARD_KINDS = ("math", "number", "choice", "exact", "custom")
+
+TaskFactory = Callable[..., "Task"]
+PrefixFactory = Callable[..., "Task"]
+
+_BUILTINS: dict[str, TaskFactory] = {}
+_PREFIXES: dict[str, tuple[PrefixFactory, str]] = {}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem of a task.
+
+    ``prompt`` is the bare question (no answer-format instruction); ``answer`` is the reference
+    answer as a string; ``meta`` holds task-specific data (source row, reasoning-gym entry, ...).
+    """
+
+    id: str
+    prompt: str
+    answer: str
+    meta: dict = field(default_factory=dict)
+
+
+class Task:
+    """Base class of all tasks.
+
+    Subclasses set ``name``, ``reward_kind``, ``instruction`` and ``splits`` and implement
+    :meth:`problems`; :meth:`score` defaults to ``meshrl.rewards.grade`` with ``reward_kind``.
+    """
+
+    name: str = "task"
+    reward_kind: str = "exact"
+    instruction: str | None = BOXED_INSTRUCTION
+    splits: tuple[str, ...] = ("train",)
+
+    def problems(self, split: str = "train") -> list[Problem]:
+        """Return the problems of ``split`` (deterministic for a given seed and options)."""
+        raise NotImplementedError
+
+    def score(self, completion: str, problem: Problem) -> float:
+        """Reward in ``[0, 1]`` for ``completion`` graded against ``problem.answer``."""
+        from meshrl.rewards import grade
+
+        return float(grade(completion, problem.answer, self.reward_kind))
+
+    def format_prompt(self, problem: Problem) -> str:
+        """The user message: the problem prompt followed by the answer-format instruction."""
+        if not self.instruction:
+            return problem.prompt
+        return f"{problem.prompt}\n\n{self.instruction}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, reward_kind={self.reward_kind!r})"
+
+
+class StaticTask(Task):
+    """A task whose splits are materialised lists of problems.
+
+    ``split_problems`` maps split name to problems; an ``all`` split (every problem, in split
+    order) is added automatically unless given.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        split_problems: dict[str, list[Problem]],
+        *,
+        reward_kind: str | None = None,
+        instruction: str | None = BOXED_INSTRUCTION,
+    ) -> None:
+        self.name = name
+        if reward_kind is not None:
+            self.reward_kind = reward_kind
+        if self.reward_kind not in REWARD_KINDS:
+            known = ", ".join(REWARD_KINDS)
+            raise ValueError(f"task {name!r}: unknown reward kind {self.reward_kind!r}; known: {known}")
+        self.instruction = instruction
+        self._splits = dict(split_problems)
+        if "all" not in self._splits:
+            self._splits["all"] = [p for part in split_problems.values() for p in part]
+        self.splits = tuple(self._splits)
+        _check_unique_ids(name, self._splits["all"])
+
+    def problems(self, split: str = "train") -> list[Problem]:
+        """Return a copy of the problem list of ``split``; unknown splits raise ``ValueError``."""
+        if split not in self._splits:
+            raise ValueError(self._missing_split_message(split))
+        return list(self._splits[split])
+
+    def _missing_split_message(self, split: str) -> str:
+        return f"task {self.name!r} has no split {split!r}; available: {', '.join(self.splits)}"
+
+
+def _check_unique_ids(name: str, problems: Iterable[Problem]) -> None:
+    seen: set[str] = set()
+    for problem in problems:
+        if problem.id in seen:
+            raise ValueError(f"task {name!r}: duplicate problem id {problem.id!r}")
+        seen.add(problem.id)
+
+
+def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
+    """Decorator registering a built-in task factory under ``name``.
+
+    The factory is called as ``factory(seed=seed, **options)`` and must return a :class:`Task`.
+    """
+
+    def decorate(factory: TaskFactory) -> TaskFactory:
+        if name in _BUILTINS:
+            raise ValueError(f"task {name!r} is already registered")
+        _BUILTINS[name] = factory
+        return factory
+
+    return decorate
+
+
+def register_task_prefix(prefix: str, form: str) -> Callable[[PrefixFactory], PrefixFactory]:
+    """Decorator registering a factory for specs ``PREFIX:ARG`` (e.g. ``rg:NAME``).
+
+    The factory is called as ``factory(arg, seed=seed, **options)``; ``form`` (e.g. ``"rg:NAME"``)
+    is what :func:`list_tasks` and error messages show.
+    """
+
+    def decorate(factory: PrefixFactory) -> PrefixFactory:
+        if prefix in _PREFIXES:
+            raise ValueError(f"task prefix {prefix!r} is already registered")
+        _PREFIXES[prefix] = (factory, form)
+        return factory
+
+    return decorate
+
+
+def _prefix_of(spec: str) -> str:
+    return spec.split(":", 1)[0] if ":" in spec else ""
+
+
+def list_tasks() -> list[str]:
+    """Registered built-in task names followed by the prefix forms (``rg:NAME``, ``jsonl:PATH``, ...)."""
+    return sorted(_BUILTINS) + sorted(form for _, form in _PREFIXES.values())
+
+
+def load_task(spec: str, *, seed: int = 0, **options: Any) -> Task:
+    """Create the task described by ``spec`` (see the module docstring for the syntax).
+
+    ``seed`` fixes every random choice (generated problems, held-out split); a ``seed`` in the
+    spec's query string overrides it.  Unknown specs raise ``ValueError`` listing the known forms.
+    """
+    base, query = split_spec(spec)
+    opts = {**query, **options}
+    seed = int(opts.pop("seed", seed))
+    if base in _BUILTINS:
+        return _BUILTINS[base](seed=seed, **opts)
+    prefix = _prefix_of(base)
+    if prefix in _PREFIXES:
+        arg = base[len(prefix) + 1 :]
+        factory, form = _PREFIXES[prefix]
+        if not arg:
+            raise ValueError(f"task spec {spec!r} is missing its argument; expected the form {form}")
+        return factory(arg, seed=seed, **opts)
+    raise ValueError(f"unknown task spec {spec!r}; known forms: {', '.join(list_tasks())}")
+
+
+def take_options(task: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``options`` into ``defaults``; an option not in ``defaults`` raises ``ValueError``."""
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ValueError(f"task {task!r}: unknown option(s) {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **options}

@@ -1,0 +1,398 @@
+"""The single-process training loop: rollouts -> rewards -> advantages -> PPO epochs -> AdamW.
+
+Read top to bottom: :func:`train` builds everything, :meth:`Trainer.step` does one step, and
+:meth:`Trainer.update` is the policy-gradient update over mini- and micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshrl.algos import (
+    aggregate,
+    js_divergence,
+    js_sampled,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+)
+from meshrl.trainer.batch import collate, micro_weight, response_logits, token_entropy, token_logprobs
+from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from meshrl.trainer.config import RunConfig, save_config
+from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData
+from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
+
+log = logging.getLogger("meshrl")
+
+
+class NonFiniteAbort(RuntimeError):
+    """Raised after ``failure.max_nonfinite`` consecutive steps with a non-finite loss or gradient."""
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        from meshrl.models import encode_prompt, load_model
+        from meshrl.rewards import RewardRunner
+        from meshrl.rollout import make_backend
+        from meshrl.tasks import load_task
+
+        self.cfg, self.run_dir = cfg, run_dir
+        self.recipe = cfg.resolved_recipe()
+        torch.manual_seed(cfg.seed)
+        self.task = load_task(cfg.task, seed=cfg.seed, **cfg.task_options)
+        self.problems = self.task.problems("train")
+        self.model, self.tokenizer = load_model(cfg.model, dtype=cfg.train.dtype, seed=cfg.seed)
+        self.ref_model = None
+        if cfg.train.lora_r > 0:
+            from meshrl.models import apply_lora
+
+            self.model = apply_lora(self.model, r=cfg.train.lora_r, alpha=cfg.train.lora_alpha)
+        elif self.recipe.needs_reference:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.model.eval()  # dropout off: RL log-probs must match the sampling distribution
+        self.pad_id = self._pad_id()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.backend = make_backend(cfg.rollout.backend, self.model, self.tokenizer,
+                                    batch_size=cfg.rollout.batch_size)
+        runner = RewardRunner(self.task.score, timeout_s=cfg.reward.timeout_s, strict=cfg.reward.strict)
+        self.sampler = RolloutStep(task=self.task, problems=self.problems, backend=self.backend,
+                                   tokenizer=self.tokenizer, reward_runner=runner, recipe=self.recipe,
+                                   cfg=cfg, encode_prompt=encode_prompt)
+        self.step_idx, self.cursor, self.bad_in_row = 0, 0, 0
+        self.last_data = StepData()
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if pad is None:
+            raise ValueError(f"model {self.cfg.model!r}: tokenizer has neither a pad nor an eos token")
+        return int(pad)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        state = {"cursor": self.cursor, "bad_in_row": self.bad_in_row}
+        return save_checkpoint(self.run_dir, self.step_idx, self.model, self.optimizer, state,
+                               keep_last=self.cfg.checkpoint.keep_last)
+
+    def restore(self) -> None:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            raise ValueError(f"no checkpoint to resume from in {self.run_dir}/checkpoints")
+        state = load_checkpoint(path, self.model, self.optimizer)
+        self.step_idx, self.cursor = int(state["step"]), int(state["cursor"])
+        self.bad_in_row = int(state.get("bad_in_row", 0))
+        self.backend.sync_weights(self.model)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        data, self.cursor = self.sampler.run(self.step_idx, self.cursor)
+        self.last_data = data
+        t1 = time.perf_counter()
+        self._set_lr()
+        metrics = self.update(data) if len(data) else {"skipped/empty_batch": 1.0}
+        self.backend.sync_weights(self.model)
+        t2 = time.perf_counter()
+        self.step_idx += 1
+        n_tokens = sum(len(p) + len(r) for p, r in zip(data.prompt_ids, data.response_ids, strict=True))
+        metrics.update(self._rollout_metrics(data))
+        metrics.update(data.stats)
+        metrics.update({
+            "step": self.step_idx,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "time/train_s": t2 - t1,
+            "time/step_s": t2 - t0,
+            "throughput/tokens_per_s": n_tokens / max(t2 - t0, 1e-9),
+            **self.sampler.rewards.pop_stats(),
+        })
+        return metrics
+
+    def _set_lr(self) -> None:
+        warm = self.cfg.optim.warmup_steps
+        scale = min(1.0, (self.step_idx + 1) / warm) if warm > 0 else 1.0
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.cfg.optim.lr * scale
+
+    @staticmethod
+    def _rollout_metrics(data: StepData) -> dict[str, float]:
+        if not len(data):
+            return {}
+        scores = torch.tensor(data.scores)
+        lengths = torch.tensor([len(r) for r in data.response_ids], dtype=torch.float32)
+        return {
+            "reward/mean": float(data.rewards.mean()),
+            "reward/std": float(data.rewards.std()) if len(data) > 1 else 0.0,
+            "score/mean": float(scores.mean()),
+            "acc/mean": float((scores >= CORRECT_AT).float().mean()),
+            "adv/abs_mean": float(data.advantages.abs().mean()),
+            "len/response_mean": float(lengths.mean()),
+            "len/response_max": float(lengths.max()),
+            "len/truncated_frac": float(torch.tensor(data.truncated, dtype=torch.float32).mean()),
+        }
+
+    # ------------------------------------------------------------------ the update
+    def _micro_batches(self, rows: list[int], data: StepData):
+        size = self.cfg.train.micro_batch_size
+        for i in range(0, len(rows), size):
+            idx = rows[i : i + size]
+            mb = collate([data.prompt_ids[j] for j in idx], [data.response_ids[j] for j in idx], self.pad_id)
+            yield idx, mb
+
+    @torch.no_grad()
+    def _logps(self, model: torch.nn.Module, data: StepData) -> list[torch.Tensor]:
+        """Per-row log-probs ``[T_i]`` of each response under ``model`` (old policy or reference)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(data)
+        temp = self.cfg.rollout.temperature
+        for idx, mb in self._micro_batches(list(range(len(data))), data):
+            lp = token_logprobs(response_logits(model, mb, self.cfg.train.autocast_bf16), mb.response_ids, temp)
+            for k, j in enumerate(idx):
+                out[j] = lp[k, : len(data.response_ids[j])].cpu()
+        return out
+
+    def _reference_forward(self, mb) -> torch.Tensor:
+        if self.ref_model is not None:
+            return response_logits(self.ref_model, mb, self.cfg.train.autocast_bf16)
+        from meshrl.models import reference_mode
+
+        with reference_mode(self.model):
+            return response_logits(self.model, mb, self.cfg.train.autocast_bf16)
+
+    def update(self, data: StepData) -> dict[str, Any]:
+        tc, rec = self.cfg.train, self.recipe
+        single_pass = tc.ppo_epochs == 1 and tc.mini_batches == 1
+        # With one optimiser step per batch the old policy IS the current one: reuse logp.detach().
+        old_logps = None if single_pass else self._logps(self.model, data)
+        need_ref_logp = rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled")
+        ref_logps = self._ref_logps(data) if need_ref_logp else None
+        sums: dict[str, float] = defaultdict(float)
+        n_updates = 0
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7 + self.step_idx)
+        for _epoch in range(tc.ppo_epochs):
+            order = torch.randperm(len(data), generator=gen).tolist() if not single_pass else list(range(len(data)))
+            for m in range(tc.mini_batches):
+                rows = order[m :: tc.mini_batches]
+                if not rows:
+                    continue
+                ok, mstats = self._mini_batch_update(rows, data, old_logps, ref_logps)
+                n_updates += 1
+                for k, v in mstats.items():
+                    sums[k] += v
+                if not ok:
+                    return self._skip_step(sums, n_updates)
+        self.bad_in_row = 0
+        return {k: v / max(n_updates, 1) for k, v in sums.items()}
+
+    def _ref_logps(self, data: StepData) -> list[torch.Tensor]:
+        if self.ref_model is not None:
+            return self._logps(self.ref_model, data)
+        from meshrl.models import reference_mode
+
+        with reference_mode(self.model):
+            return self._logps(self.model, data)
+
+    def _skip_step(self, sums: dict[str, float], n_updates: int) -> dict[str, Any]:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.bad_in_row += 1
+        log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)",
+                    self.step_idx + 1, self.bad_in_row)
+        if self.bad_in_row >= self.cfg.failure.max_nonfinite:
+            raise NonFiniteAbort(
+                f"{self.bad_in_row} consecutive steps had a non-finite loss or gradient (last at step "
+                f"{self.step_idx + 1}); aborting. Lower optim.lr or check the reward/model; the last good "
+                f"state is saved in {self.run_dir / 'checkpoints'}"
+            )
+        out = {k: v / max(n_updates, 1) for k, v in sums.items()}
+        out["skipped/nonfinite"] = 1.0
+        return out
+
+    def _mini_batch_update(self, rows, data, old_logps, ref_logps) -> tuple[bool, dict[str, float]]:
+        """Accumulate gradients over micro-batches of ``rows``, then clip and step. False if non-finite."""
+        rec = self.recipe
+        masks = [len(data.response_ids[j]) for j in rows]
+        mini_tokens, mini_nonempty, mini_rows = sum(masks), sum(1 for x in masks if x > 0), len(rows)
+        stats: dict[str, float] = defaultdict(float)
+        self.optimizer.zero_grad(set_to_none=True)
+        for idx, mb in self._micro_batches(rows, data):
+            if mb.num_tokens == 0:
+                continue
+            w = micro_weight(rec.loss_agg, mb.response_mask, mini_tokens, mini_nonempty, mini_rows)
+            loss, mstats = self._micro_loss(idx, mb, data, old_logps, ref_logps)
+            if not torch.isfinite(loss):
+                return False, dict(stats)
+            (loss * w).backward()
+            for k, v in mstats.items():  # metrics: row-weighted mean over micro-batches
+                stats[k] += v * len(idx) / len(rows)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
+        stats["grad/norm"] = float(grad_norm)
+        if not torch.isfinite(grad_norm):
+            return False, dict(stats)
+        self.optimizer.step()
+        return True, dict(stats)
+
+    def _micro_loss(self, idx, mb, data, old_logps, ref_logps) -> tuple[torch.Tensor, dict[str, float]]:
+        rec, temp = self.recipe, self.cfg.rollout.temperature
+        logits = response_logits(self.model, mb, self.cfg.train.autocast_bf16)
+        logp = token_logprobs(logits, mb.response_ids, temp)
+        mask = mb.response_mask
+        old = logp.detach() if old_logps is None else _pad_rows([old_logps[j] for j in idx], logp)
+        adv = data.advantages[idx].to(logp.device)
+        cfg = {"clip_low": rec.clip_low, "clip_high": rec.clip_high}
+        if rec.policy_loss == "ppo_clip":
+            cfg["clip_dual"] = rec.clip_dual
+        pg_mat, pg_stats = policy_loss(rec.policy_loss, logp, old, adv, mask, **cfg)
+        norm = self.cfg.rollout.max_new_tokens
+        pg = aggregate(pg_mat, mask, rec.loss_agg, norm_len=norm)
+        total = pg
+        stats = {"loss/policy": float(pg.detach()), **{k: float(v) for k, v in pg_stats.items()}}
+        stats["entropy/mean"] = float(masked_mean(token_entropy(logits.detach(), temp), mask))
+        if rec.kl_coef > 0:
+            ref = _pad_rows([ref_logps[j] for j in idx], logp)
+            kl = aggregate(kl_penalty(logp, ref, rec.kl_kind), mask, rec.loss_agg, norm_len=norm)
+            total = total + rec.kl_coef * kl
+            stats["kl/mean"] = float(kl.detach())
+        if rec.js_coef > 0:
+            if rec.js_mode == "exact":
+                with torch.no_grad():
+                    ref_logits = self._reference_forward(mb)
+                js_mat = js_divergence(logits / (temp if temp > 0 else 1.0),
+                                       ref_logits / (temp if temp > 0 else 1.0))
+            else:
+                js_mat = js_sampled(logp, _pad_rows([ref_logps[j] for j in idx], logp))
+            js = aggregate(js_mat, mask, rec.loss_agg, norm_len=norm)
+            total = total + rec.js_coef * js
+            stats["js/mean"] = float(js.detach())
+        stats["loss/total"] = float(total.detach())
+        return total, stats
+
+
+def _pad_rows(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r.to(like.device)
+    return out
+
+
+# ---------------------------------------------------------------------- entry point
+def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
+    """Run (or resume) training into ``run_dir``; return the metrics of the steps run now."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, run_dir)
+    if resume:
+        trainer.restore()
+        for name in ("metrics.jsonl", "samples.jsonl", "events.jsonl"):
+            truncate_after_step(run_dir / name, trainer.step_idx)
+    save_config(cfg, run_dir / "config.yaml")
+    writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events")}
+    trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
+    history: list[dict[str, Any]] = []
+    try:
+        with _progress(cfg, trainer.step_idx) as bar, _sigterm_as_interrupt():
+            while trainer.step_idx < cfg.steps:
+                metrics = trainer.step()
+                _write_samples(writers["samples"], trainer, metrics["step"])
+                writers["metrics"].write(metrics)
+                trackers.log(metrics, metrics["step"])
+                history.append(metrics)
+                if "skipped/nonfinite" in metrics:
+                    writers["events"].write({"step": metrics["step"], "event": "nonfinite_skip"})
+                if trainer.step_idx % cfg.checkpoint.every == 0 or trainer.step_idx == cfg.steps:
+                    trainer.save()
+                bar(metrics)
+    except KeyboardInterrupt:
+        path = trainer.save()
+        writers["events"].write({"step": trainer.step_idx, "event": "interrupted", "checkpoint": str(path)})
+        log.warning("interrupted: checkpoint saved at %s; continue with --resume %s", path, run_dir)
+        raise
+    except NonFiniteAbort:
+        # Skipped steps never touched the weights, so the current state is the last good one.
+        path = trainer.save()
+        writers["events"].write({"step": trainer.step_idx, "event": "nonfinite_abort", "checkpoint": str(path)})
+        raise
+    finally:
+        for w in writers.values():
+            w.close()
+        trackers.close()
+    return history
+
+
+def _write_samples(writer: JsonlWriter, trainer: Trainer, step: int) -> None:
+    data = trainer.last_data
+    k = min(trainer.cfg.log.samples_per_step, len(data))
+    if k == 0:
+        return
+    picks = torch.randperm(len(data), generator=torch.Generator().manual_seed(step))[:k].tolist()
+    for i in sorted(picks):
+        p = data.problems[i]
+        writer.write({"step": step, "problem_id": p.id, "prompt": trainer.task.format_prompt(p),
+                      "completion": data.texts[i], "reward": float(data.rewards[i]),
+                      "score": data.scores[i], "advantage": float(data.advantages[i]),
+                      "truncated": data.truncated[i]})
+
+
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+class _sigterm_as_interrupt:
+    """Treat SIGTERM like Ctrl-C so schedulers that stop a job also get a checkpoint."""
+
+    def __enter__(self):
+        self._old = signal.getsignal(signal.SIGTERM)
+        try:
+            signal.signal(signal.SIGTERM, _raise_interrupt)
+        except ValueError:  # not in the main thread
+            self._old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+        return False
+
+
+class _progress:
+    """Rich progress bar with ETA and the latest reward/accuracy; a no-op when disabled."""
+
+    def __init__(self, cfg: RunConfig, start: int) -> None:
+        self.cfg, self.start = cfg, start
+        self._p = None
+
+    def __enter__(self):
+        if self.cfg.log.progress:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                               TextColumn("{task.description}"))
+            self._p.start()
+            self._task = self._p.add_task("", total=self.cfg.steps, completed=self.start)
+        return self
+
+    def __call__(self, m: dict[str, Any]) -> None:
+        if self._p is not None:
+            desc = f"reward {m.get('reward/mean', float('nan')):.3f} acc {m.get('acc/mean', float('nan')):.3f}"
+            self._p.update(self._task, advance=1, description=desc)
+
+    def __exit__(self, *exc):
+        if self._p is not None:
+            self._p.stop()
+        return False

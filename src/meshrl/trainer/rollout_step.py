@@ -1,0 +1,140 @@
+"""One step's data: choose problems, sample G rollouts each, grade them, shape rewards, advantages.
+
+Problem order is a pure function of ``(seed, cursor)`` (an epoch-wise permutation), so a resumed run
+sees exactly the problems the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshrl.algos import Recipe, dynamic_sampling_mask, group_advantages, overlong_penalty
+
+CORRECT_AT = 1.0 - 1e-6  # a rollout is "correct" when its task score reaches 1
+
+
+@dataclass
+class StepData:
+    """Rollouts of one training step, flattened to one row per sample."""
+
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    response_ids: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    problems: list[Any] = field(default_factory=list)
+    group_ids: list[int] = field(default_factory=list)  # one id per (problem, draw)
+    scores: list[float] = field(default_factory=list)  # task score in [0, 1]
+    rewards: torch.Tensor | None = None  # shaped reward [N]
+    advantages: torch.Tensor | None = None  # [N]
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def extend(self, other: StepData, keep: list[int]) -> None:
+        for name in ("prompt_ids", "response_ids", "texts", "truncated", "problems", "group_ids", "scores"):
+            getattr(self, name).extend(getattr(other, name)[i] for i in keep)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+class ProblemSampler:
+    """Deterministic epoch-wise shuffled stream of problem indices, addressed by a cursor."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        if n == 0:
+            raise ValueError("the task has no training problems")
+        self.n, self.seed = n, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def index(self, cursor: int) -> int:
+        epoch, pos = divmod(cursor, self.n)
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
+        return int(self._perms[epoch][pos])
+
+
+class RolloutStep:
+    """Produce a :class:`StepData` per step from a task, a rollout backend and a recipe."""
+
+    def __init__(self, *, task, problems, backend, tokenizer, reward_runner, recipe: Recipe, cfg,
+                 encode_prompt) -> None:
+        self.task, self.problems, self.backend = task, problems, backend
+        self.tokenizer, self.rewards, self.recipe, self.cfg = tokenizer, reward_runner, recipe, cfg
+        self.sampler = ProblemSampler(len(problems), cfg.seed)
+        self._prompt_cache: dict[str, list[int]] = {}
+        self._encode = encode_prompt
+
+    def prompt_ids(self, problem) -> list[int]:
+        if problem.id not in self._prompt_cache:
+            self._prompt_cache[problem.id] = self._encode(self.tokenizer, self.task.format_prompt(problem))
+        return self._prompt_cache[problem.id]
+
+    def _sample(self, cursor: int, n_problems: int, seed: int) -> StepData:
+        from meshrl.rollout import SamplingParams
+
+        ro = self.cfg.rollout
+        chosen = [self.problems[self.sampler.index(cursor + j)] for j in range(n_problems)]
+        params = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+                                top_p=ro.top_p, n=ro.group_size)
+        out = self.backend.generate([self.prompt_ids(p) for p in chosen], params, seed=seed)
+        data = StepData()
+        for k, pi in enumerate(out.prompt_index):
+            data.prompt_ids.append(list(out.prompt_ids[k]))
+            data.response_ids.append(list(out.response_ids[k]))
+            data.texts.append(out.texts[k])
+            data.truncated.append(bool(out.truncated[k]))
+            data.problems.append(chosen[pi])
+            data.group_ids.append(cursor + pi)
+        data.scores = self.rewards(data.texts, data.problems)
+        return data
+
+    def run(self, step: int, cursor: int) -> tuple[StepData, int]:
+        """Sample (and, for dynamic sampling, refill) one step; return the data and the new cursor."""
+        ro, rec = self.cfg.rollout, self.recipe
+        t0 = time.perf_counter()
+        target = ro.prompts_per_step
+        rounds = self.cfg.dynamic_sampling.max_rounds if rec.dynamic_sampling else 1
+        batch, sampled, kept_groups, dropped = StepData(), 0, 0, 0
+        for rnd in range(rounds):
+            need = target - kept_groups
+            seed = self.cfg.seed * 1_000_003 + step * 97 + rnd
+            data = self._sample(cursor, need, seed)
+            cursor += need
+            sampled += len(data)
+            if rec.dynamic_sampling:
+                # DAPO filters on accuracy, not on the length-shaped reward (eq. 11).
+                keep_mask = dynamic_sampling_mask(torch.tensor(data.scores), data.group_ids)
+                keep = [i for i, k in enumerate(keep_mask.tolist()) if k]
+                dropped += need - len({data.group_ids[i] for i in keep})
+            else:
+                keep = list(range(len(data)))
+            batch.extend(data, keep)
+            kept_groups = len(set(batch.group_ids))
+            if kept_groups >= target:
+                break
+        batch.rewards = self._shape(batch) if len(batch) else torch.zeros(0)
+        scale = "none" if rec.adv_scale == "none" else "std"
+        batch.advantages = (
+            group_advantages(batch.rewards, batch.group_ids, scale=scale) if len(batch) else torch.zeros(0)
+        )
+        batch.stats = {
+            "rollouts/count": float(sampled),
+            "rollouts/kept": float(len(batch)),
+            "rollouts/groups_dropped": float(dropped),
+            "time/rollout_s": time.perf_counter() - t0,
+        }
+        return batch, cursor
+
+    def _shape(self, data: StepData) -> torch.Tensor:
+        """Task score plus DAPO's soft overlong penalty when the recipe asks for it."""
+        r = torch.tensor(data.scores, dtype=torch.float32)
+        if self.recipe.overlong_shaping and len(data):
+            max_len = self.cfg.rollout.max_new_tokens
+            cache = max(1, int(round(self.recipe.overlong_cache_frac * max_len)))
+            lengths = torch.tensor([len(x) for x in data.response_ids], dtype=torch.float32)
+            r = r + overlong_penalty(lengths, max_len, cache, self.recipe.overlong_factor)
+        return r

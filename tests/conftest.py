@@ -1,0 +1,17 @@
+"""Shared test setup: no network for Hugging Face, and a fixed torch seed per test."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A CPU generator with a fixed seed; also reseeds the global RNG so a test is reproducible alone."""
+    torch.manual_seed(0)
+    return torch.Generator().manual_seed(1234)
