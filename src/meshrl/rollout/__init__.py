@@ -1,0 +1,34 @@
+"""Rollout backends: ``hf`` (transformers ``generate``, CPU/GPU) and ``vllm`` (optional, GPU).
+
+``make_backend(name, model, tokenizer, **kw).generate(prompt_ids, SamplingParams(...), seed=...)``
+returns ``Rollouts`` (prompt-major, ``n`` samples per prompt); call ``sync_weights(model)`` after
+each optimiser step.
+"""
+
+from meshrl.rollout.base import (
+    BACKENDS,
+    RolloutBackend,
+    Rollouts,
+    SamplingParams,
+    cut_at_eos,
+    eos_ids,
+    make_backend,
+    register_backend,
+)
+from meshrl.rollout.hf import HFGenerateBackend, left_pad
+from meshrl.rollout.vllm_backend import VLLMBackend, save_policy
+
+__all__ = [
+    "BACKENDS",
+    "HFGenerateBackend",
+    "RolloutBackend",
+    "Rollouts",
+    "SamplingParams",
+    "VLLMBackend",
+    "cut_at_eos",
+    "eos_ids",
+    "left_pad",
+    "make_backend",
+    "register_backend",
+    "save_policy",
+]

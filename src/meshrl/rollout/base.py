@@ -1,0 +1,116 @@
+"""Rollout contract: sampling parameters, the per-sample result record, the backend interface, registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: ``temperature == 0`` means greedy; ``n`` samples per prompt."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Rollouts:
+    """One entry per sample, prompt-major: the ``n`` samples of prompt 0, then those of prompt 1, ...
+
+    ``response_ids`` runs up to and including the first eos (nothing after it); ``truncated`` is True
+    when no eos came within ``max_new_tokens``. ``texts`` are the responses decoded without special
+    tokens. ``engine_logprobs`` holds the engine's log-prob of each response token (None for ``hf``).
+    """
+
+    prompt_index: list[int] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    response_ids: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    engine_logprobs: list[list[float]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+class RolloutBackend(ABC):
+    """Generates samples from the current policy. One ``generate`` call per training step."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int) -> Rollouts:
+        """Sample ``params.n`` responses for each prompt; the same seed gives the same samples."""
+
+    @abstractmethod
+    def sync_weights(self, model) -> None:
+        """Make the backend sample from ``model``'s current weights (call after each optimiser step)."""
+
+
+BACKENDS: dict[str, Callable[..., RolloutBackend]] = {}
+
+
+def register_backend(name: str) -> Callable:
+    """Decorator: make a backend class available to ``make_backend(name, ...)``."""
+
+    def deco(cls: Callable[..., RolloutBackend]) -> Callable[..., RolloutBackend]:
+        BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def make_backend(name: str, model, tokenizer, **kwargs) -> RolloutBackend:
+    """Construct the backend registered as ``name`` (``hf``, ``vllm``) for ``model``/``tokenizer``."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown rollout backend {name!r}; known: {sorted(BACKENDS)}")
+    return BACKENDS[name](model, tokenizer, **kwargs)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a response: the tokenizer's eos plus the model's generation eos ids.
+
+    Chat checkpoints often list several (e.g. Qwen's <|im_end|> and <|endoftext|>).
+    """
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    candidates: Iterable = ()
+    if gen is not None and gen.eos_token_id is not None:
+        candidates = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    for tok_id in [tokenizer.eos_token_id, *candidates]:
+        if tok_id is not None and tok_id not in ids:
+            ids.append(int(tok_id))
+    if not ids:
+        raise ValueError("the tokenizer/model define no eos token; rollouts could never end")
+    return ids
+
+
+def cut_at_eos(tokens: Sequence[int], eos: Sequence[int]) -> tuple[list[int], bool]:
+    """``(tokens up to and including the first eos, truncated)``; truncated when there is no eos.
+
+    Everything after the first eos is padding or garbage; this matters when pad == eos (SmolLM2), where
+    a finished row is padded with more eos tokens that must not count as response.
+    """
+    stop = set(eos)
+    for i, tok in enumerate(tokens):
+        if tok in stop:
+            return list(tokens[: i + 1]), False
+    return list(tokens), True

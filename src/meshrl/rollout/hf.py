@@ -1,0 +1,142 @@
+"""Rollouts with transformers ``generate``: CPU or GPU, any causal LM (peft models included)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import GenerationConfig
+
+from meshrl.rollout.base import (
+    RolloutBackend,
+    Rollouts,
+    SamplingParams,
+    cut_at_eos,
+    eos_ids,
+    register_backend,
+)
+
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16}
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` with prompts right-aligned, so every row's next token is at -1."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        mask[row, width - len(ids) :] = 1
+    return input_ids.to(device), mask.to(device)
+
+
+@contextlib.contextmanager
+def eval_mode(model) -> Iterator[None]:
+    """Eval mode (no dropout) for sampling, then back to whatever mode the trainer had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed torch for one ``generate`` call without disturbing the caller's RNG streams."""
+    devices = [device.index if device.index is not None else 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def generation_config(params: SamplingParams, eos: list[int], pad_id: int) -> GenerationConfig:
+    """A config that samples from softmax(logits / T), top-p only, with the KV cache.
+
+    Everything a checkpoint's generation_config.json could set to reshape the distribution (top_k=50
+    is transformers' default, repetition penalties, ...) is pinned to neutral, so that samples follow
+    the policy whose log-probs the trainer computes.
+    """
+    kw: dict = dict(
+        max_new_tokens=params.max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad_id,
+        use_cache=True,
+        num_beams=1,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_length=0,
+    )
+    if params.greedy:
+        kw["do_sample"] = False
+    else:
+        kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0, typical_p=1.0)
+    return GenerationConfig(**kw)
+
+
+@register_backend("hf")
+class HFGenerateBackend(RolloutBackend):
+    """Batched ``model.generate`` with left padding.
+
+    ``batch_size`` bounds how many sequences (prompt copies, counting each of the ``n`` samples) go
+    through one ``generate`` call; None means all at once. ``autocast`` ("bfloat16") runs the forward
+    passes under ``torch.autocast``. The backend holds a reference to the policy, so ``sync_weights``
+    with the same model is a no-op.
+    """
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, *, batch_size: int | None = None, autocast: str | None = None):
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+        if autocast is not None and autocast not in AUTOCAST_DTYPES:
+            raise ValueError(f"autocast must be one of {sorted(AUTOCAST_DTYPES)} or None, got {autocast!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.autocast = autocast
+        self.eos = eos_ids(model, tokenizer)
+        # Left padding is masked out, so any id works; prefer the declared pad, else eos.
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
+
+    def sync_weights(self, model) -> None:
+        self.model = model
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
+
+    def _generate_batch(self, prompts: list[list[int]], config: GenerationConfig) -> list[list[int]]:
+        """Raw generated tokens per row (may run past eos: padding, or eos repeated when pad == eos)."""
+        input_ids, mask = left_pad(prompts, self.pad_id, self.device)
+        with self._autocast():
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        return out[:, input_ids.shape[1] :].tolist()
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int) -> Rollouts:
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        # Repeat each prompt n times (prompt-major) instead of num_return_sequences, so micro-batches
+        # can split the copies of one prompt when n is large.
+        jobs = [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(params.n)]
+        step = self.batch_size or max(len(jobs), 1)
+        config = generation_config(params, self.eos, self.pad_id)
+        result = Rollouts()
+        with eval_mode(self.model), torch.inference_mode(), seeded(seed, self.device):
+            for start in range(0, len(jobs), step):
+                chunk = jobs[start : start + step]
+                raw = self._generate_batch([p for _, p in chunk], config)
+                for (index, prompt), tokens in zip(chunk, raw, strict=True):
+                    response, truncated = cut_at_eos(tokens, self.eos)
+                    result.prompt_index.append(index)
+                    result.prompt_ids.append(prompt)
+                    result.response_ids.append(response)
+                    result.truncated.append(truncated)
+        result.texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
+        return result
