@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from meshrl.algos import RECIPES
+from meshrl.trainer.config import MESH_RECIPES
 
 HELP = """Train a policy with a recipe on a task. Precedence: built-in defaults < --config file <
 explicit flags < --set overrides. Every resolved setting is written to RUN_DIR/config.yaml."""
@@ -14,7 +15,8 @@ explicit flags < --set overrides. Every resolved setting is written to RUN_DIR/c
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="run or resume a training run", description=HELP)
-    p.add_argument("--recipe", choices=sorted(RECIPES), help="algorithm preset (default grpo)")
+    p.add_argument("--recipe", choices=sorted([*RECIPES, *MESH_RECIPES]),
+                   help="algorithm preset (default grpo); mesh / cp_only add coach prefixes (see mesh.* keys)")
     p.add_argument("--model", help="tiny | tiny:small | smollm2-135m | path to a local HF model directory")
     p.add_argument("--task", help="tiny:repeat | tiny:add | rg:NAME | jsonl:PATH | parquet:PATH | math500 | gsm8k")
     p.add_argument("--steps", type=int, help="total training steps (with --resume: continue to this total)")

@@ -67,6 +67,14 @@ class Task:
 
         return float(grade(completion, problem.answer, self.reward_kind))
 
+    def coach_strategies(self, problem: Problem) -> list[str] | None:
+        """Known solution strategies for ``problem`` (the rule coach's prefixes), or ``None``.
+
+        Built-in tasks whose methods are known override this; tasks without it need a model coach
+        (``meshrl coach --backend openai|hf``).
+        """
+        return None
+
     def format_prompt(self, problem: Problem) -> str:
         """The user message: the problem prompt followed by the answer-format instruction."""
         if not self.instruction:

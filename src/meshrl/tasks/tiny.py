@@ -29,6 +29,19 @@ from meshrl.tasks.base import Problem, StaticTask, register_task, take_options
 REPEAT_SYMBOLS = "0123456789abcdef"
 _FIRST_INT = re.compile(r"-?\d+")
 
+REPEAT_STRATEGIES = (
+    "Copy the symbol after the colon exactly, because the task only asks for an echo.",
+    "Read the last character of the prompt and write it alone, since anything else lowers the reward.",
+    "Write the requested symbol several times in a row, since every matching character earns credit.",
+    "Identify whether the symbol is a digit or a letter first, then reproduce that same symbol.",
+)
+ADD_STRATEGIES = (
+    "Count on from the larger addend by the smaller one, because counting fewer steps avoids slips.",
+    "Make a ten first: move units from one addend to the other to complete ten, then add the rest.",
+    "Use a known double near the pair and adjust by the difference, since doubles are memorised facts.",
+    "Swap the order of the addends and add again to check, because addition is commutative.",
+)
+
 
 def repeat_reward(completion: str, answer: str) -> float:
     """Fraction of the completion's non-whitespace characters equal to ``answer`` (empty -> 0)."""
@@ -60,6 +73,10 @@ class RepeatTask(StaticTask):
         """Dense reward: see :func:`repeat_reward`."""
         return repeat_reward(completion, problem.answer)
 
+    def coach_strategies(self, problem: Problem) -> list[str]:
+        """Rule-coach prefixes (method and why, never the symbol itself)."""
+        return list(REPEAT_STRATEGIES)
+
 
 def _repeat_problems(split: str, n: int, rng: random.Random) -> list[Problem]:
     if n < 0:
@@ -88,6 +105,10 @@ class AddTask(StaticTask):
         """1.0 when the first integer in ``completion`` equals the answer, else 0.0."""
         value = first_integer(completion)
         return float(value is not None and value == int(problem.answer))
+
+    def coach_strategies(self, problem: Problem) -> list[str]:
+        """Rule-coach prefixes: four classic single-digit addition methods (no numbers of this problem)."""
+        return list(ADD_STRATEGIES)
 
 
 @register_task("tiny:repeat")

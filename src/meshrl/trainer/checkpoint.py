@@ -83,7 +83,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True
 ) -> dict[str, Any]:
     """Restore weights (and optimizer, RNG) from ``path``; return its ``state.json`` dict."""
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
@@ -91,5 +91,6 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}")
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    if restore_rng:
+        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / "state.json").read_text())

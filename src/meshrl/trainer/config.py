@@ -77,6 +77,37 @@ class FailureConfig:
     max_nonfinite: int = 3  # abort after this many consecutive non-finite steps
 
 
+MESH_RECIPES = ("mesh", "cp_only")
+
+
+@dataclass
+class MeshConfig:
+    """Coach Prompting + Strategy-Balancing (recipes ``mesh`` and ``cp_only``; DESIGN.md §1.3)."""
+
+    base: str = "grpo"  # the GRPO-family recipe underneath (the paper's Mesh is GRPO-based)
+    prefixes: str | None = None  # prefixes.jsonl from `meshrl coach`; None = the task's rule strategies
+    m: int = 4  # strategies (prefix groups) per query
+    placement: str = "system"  # "system" (as the paper's release) or "assistant" (masked prefix tokens)
+    budget: str = "matched"  # "matched": m groups of G/m; "per_prefix": m groups of G
+    adv_unit: str = "prefix_group"  # advantage normalisation unit: "prefix_group" (release) or "query"
+    mu: float = 1e-5  # balancing strength (cp_only forces 0)
+    subtract_ref: bool = True  # r = z - z_ref (paper); False = the release variant without the reference
+    reduction: str = "mean"  # over queries: "mean" (all queries), "mean_active", "sum" (release)
+
+
+@dataclass
+class MeiConfig:
+    every: int = 0  # compute MEI every K steps (0 = off)
+    feature: str = "bias"  # bias | head
+    threshold: str | float | None = None  # a number, or threshold.json from `meshrl mei calibrate`
+    patience: int = 3  # warn when the batch MEI stays above the threshold this many steps
+
+
+@dataclass
+class DiagConfig:
+    mei: MeiConfig = field(default_factory=MeiConfig)
+
+
 @dataclass
 class RunConfig:
     recipe: str = "grpo"
@@ -94,20 +125,41 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    diag: DiagConfig = field(default_factory=DiagConfig)
+
+    @property
+    def mesh_enabled(self) -> bool:
+        return self.recipe in MESH_RECIPES
+
+    @property
+    def balance_mu(self) -> float:
+        """Balancing strength in force: ``mesh.mu`` for ``mesh``, 0 for ``cp_only`` and the baselines."""
+        return self.mesh.mu if self.recipe == "mesh" else 0.0
 
     def resolved_recipe(self) -> Recipe:
-        """The recipe preset with ``algo`` overrides applied."""
-        return recipe(self.recipe).replace(**self.algo)
+        """The recipe preset (``mesh.base`` for the Mesh recipes) with ``algo`` overrides applied."""
+        base = self.mesh.base if self.mesh_enabled else self.recipe
+        return recipe(base).replace(**self.algo)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["resolved_recipe"] = self.resolved_recipe().to_dict()
+        if self.mesh_enabled:
+            from meshrl.mesh.coach import COACH_PROMPT_VERSION, TEMPLATE_VERSION
+
+            d["resolved_mesh"] = {"balance_mu": self.balance_mu, "coach_prompt_version": COACH_PROMPT_VERSION,
+                                  "template_version": TEMPLATE_VERSION}
         return d
 
     def validate(self) -> RunConfig:
-        if self.recipe not in RECIPES:
-            raise ValueError(f"unknown recipe {self.recipe!r}; known: {', '.join(sorted(RECIPES))}")
-        self.resolved_recipe()  # unknown algo fields raise here
+        if self.recipe not in RECIPES and self.recipe not in MESH_RECIPES:
+            known = ", ".join(sorted([*RECIPES, *MESH_RECIPES]))
+            raise ValueError(f"unknown recipe {self.recipe!r}; known: {known}")
+        if self.mesh_enabled and self.mesh.base in MESH_RECIPES:
+            raise ValueError(f"mesh.base must be a base recipe, got {self.mesh.base!r}")
+        self.resolved_recipe()  # unknown algo fields and bases raise here
+        self._validate_mesh()
         checks = {
             "steps": self.steps >= 0,
             "rollout.group_size": self.rollout.group_size >= 1,
@@ -125,6 +177,23 @@ class RunConfig:
         if bad:
             raise ValueError(f"invalid config value(s): {', '.join(f'{k}={get_key(self, k)!r}' for k in bad)}")
         return self
+
+
+    def _validate_mesh(self) -> None:
+        m = self.mesh
+        choices = {"mesh.placement": (m.placement, ("system", "assistant")),
+                   "mesh.budget": (m.budget, ("matched", "per_prefix")),
+                   "mesh.adv_unit": (m.adv_unit, ("prefix_group", "query")),
+                   "mesh.reduction": (m.reduction, ("mean", "mean_active", "sum")),
+                   "diag.mei.feature": (self.diag.mei.feature, ("bias", "head"))}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{key}={value!r}; known: {', '.join(allowed)}")
+        if m.m < 1 or m.mu < 0:
+            raise ValueError(f"mesh.m must be >= 1 and mesh.mu >= 0, got m={m.m} mu={m.mu}")
+        if self.mesh_enabled and m.budget == "matched" and self.rollout.group_size % m.m:
+            raise ValueError(f"matched budget needs rollout.group_size={self.rollout.group_size} divisible by "
+                             f"mesh.m={m.m}")
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
@@ -206,6 +275,7 @@ def load_config(
         key, value = parse_override(text)
         set_dotted(data, key, value)
     data.pop("resolved_recipe", None)
+    data.pop("resolved_mesh", None)
     return _from_dict(RunConfig, data, "").validate()
 
 

@@ -27,6 +27,7 @@ from meshrl.algos import (
 from meshrl.trainer.batch import collate, micro_weight, response_logits, token_entropy, token_logprobs
 from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from meshrl.trainer.config import RunConfig, save_config
+from meshrl.trainer.mesh_support import balance_row_weights, prepare_prefixes
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
 
@@ -51,11 +52,13 @@ class Trainer:
         self.problems = self.task.problems("train")
         self.model, self.tokenizer = load_model(cfg.model, dtype=cfg.train.dtype, seed=cfg.seed)
         self.ref_model = None
-        if cfg.train.lora_r > 0:
+        self.balance_on = cfg.mesh_enabled and cfg.balance_mu > 0
+        needs_ref = self.recipe.needs_reference or (self.balance_on and cfg.mesh.subtract_ref)
+        if cfg.train.lora_r > 0:  # the reference is the adapter-disabled base model
             from meshrl.models import apply_lora
 
             self.model = apply_lora(self.model, r=cfg.train.lora_r, alpha=cfg.train.lora_alpha)
-        elif self.recipe.needs_reference:
+        elif needs_ref:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.model.eval()  # dropout off: RL log-probs must match the sampling distribution
         self.pad_id = self._pad_id()
@@ -66,9 +69,10 @@ class Trainer:
         self.backend = make_backend(cfg.rollout.backend, self.model, self.tokenizer,
                                     batch_size=cfg.rollout.batch_size)
         runner = RewardRunner(self.task.score, timeout_s=cfg.reward.timeout_s, strict=cfg.reward.strict)
+        prefixes = prepare_prefixes(cfg, self.task, self.problems, run_dir) if cfg.mesh_enabled else None
         self.sampler = RolloutStep(task=self.task, problems=self.problems, backend=self.backend,
                                    tokenizer=self.tokenizer, reward_runner=runner, recipe=self.recipe,
-                                   cfg=cfg, encode_prompt=encode_prompt)
+                                   cfg=cfg, encode_prompt=encode_prompt, prefixes=prefixes)
         self.step_idx, self.cursor, self.bad_in_row = 0, 0, 0
         self.last_data = StepData()
 
@@ -172,9 +176,15 @@ class Trainer:
         tc, rec = self.cfg.train, self.recipe
         single_pass = tc.ppo_epochs == 1 and tc.mini_batches == 1
         # With one optimiser step per batch the old policy IS the current one: reuse logp.detach().
-        old_logps = None if single_pass else self._logps(self.model, data)
-        need_ref_logp = rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled")
+        old_logps = None if single_pass and not self.balance_on else self._logps(self.model, data)
+        need_ref_logp = (rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled")
+                         or (self.balance_on and self.cfg.mesh.subtract_ref))
         ref_logps = self._ref_logps(data) if need_ref_logp else None
+        self.balance_w, balance_stats = None, {}
+        if self.balance_on:
+            seq = torch.stack([lp.sum() for lp in old_logps])
+            ref_seq = torch.stack([lp.sum() for lp in ref_logps]) if self.cfg.mesh.subtract_ref else None
+            self.balance_w, balance_stats = balance_row_weights(self.cfg, data, seq, ref_seq)
         sums: dict[str, float] = defaultdict(float)
         n_updates = 0
         gen = torch.Generator().manual_seed(self.cfg.seed * 7 + self.step_idx)
@@ -191,7 +201,10 @@ class Trainer:
                 if not ok:
                     return self._skip_step(sums, n_updates)
         self.bad_in_row = 0
-        return {k: v / max(n_updates, 1) for k, v in sums.items()}
+        out = {**{k: v / max(n_updates, 1) for k, v in sums.items()}, **balance_stats}
+        if "mesh/balance_loss" in balance_stats and "loss/total" in out:
+            out["loss/total"] += balance_stats["mesh/balance_loss"]
+        return out
 
     def _ref_logps(self, data: StepData) -> list[torch.Tensor]:
         if self.ref_model is not None:
@@ -222,18 +235,23 @@ class Trainer:
         masks = [len(data.response_ids[j]) for j in rows]
         mini_tokens, mini_nonempty, mini_rows = sum(masks), sum(1 for x in masks if x > 0), len(rows)
         stats: dict[str, float] = defaultdict(float)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        balance_grads: list[torch.Tensor] | None = None
         self.optimizer.zero_grad(set_to_none=True)
         for idx, mb in self._micro_batches(rows, data):
             if mb.num_tokens == 0:
                 continue
             w = micro_weight(rec.loss_agg, mb.response_mask, mini_tokens, mini_nonempty, mini_rows)
-            loss, mstats = self._micro_loss(idx, mb, data, old_logps, ref_logps)
+            loss, mstats, seq_logp = self._micro_loss(idx, mb, data, old_logps, ref_logps)
             if not torch.isfinite(loss):
                 return False, dict(stats)
-            (loss * w).backward()
+            (loss * w).backward(retain_graph=self.balance_w is not None)
+            if self.balance_w is not None:
+                balance_grads = self._balance_backward(idx, seq_logp, params, balance_grads)
             for k, v in mstats.items():  # metrics: row-weighted mean over micro-batches
                 stats[k] += v * len(idx) / len(rows)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        if balance_grads is not None:
+            stats.update(self._merge_balance_grads(params, balance_grads))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
         stats["grad/norm"] = float(grad_norm)
         if not torch.isfinite(grad_norm):
@@ -241,7 +259,24 @@ class Trainer:
         self.optimizer.step()
         return True, dict(stats)
 
-    def _micro_loss(self, idx, mb, data, old_logps, ref_logps) -> tuple[torch.Tensor, dict[str, float]]:
+    def _balance_backward(self, idx, seq_logp, params, acc: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Gradient of the balancing surrogate ``sum_j w_j seq_logp_j`` kept apart from the policy term's,
+        so that the ratio of their norms can be logged (``mesh/grad_ratio``)."""
+        w = self.balance_w[idx].to(seq_logp.dtype).to(seq_logp.device)
+        grads = torch.autograd.grad((w * seq_logp).sum(), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        return grads if acc is None else [a + g for a, g in zip(acc, grads, strict=True)]
+
+    @staticmethod
+    def _merge_balance_grads(params, balance_grads: list[torch.Tensor]) -> dict[str, float]:
+        policy_norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None))
+        balance_norm = torch.sqrt(sum((g.float() ** 2).sum() for g in balance_grads))
+        for p, g in zip(params, balance_grads, strict=True):
+            p.grad = g.clone() if p.grad is None else p.grad + g
+        return {"mesh/grad_ratio": float(balance_norm / policy_norm.clamp(min=1e-30)),
+                "mesh/balance_grad_norm": float(balance_norm)}
+
+    def _micro_loss(self, idx, mb, data, old_logps, ref_logps) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         rec, temp = self.recipe, self.cfg.rollout.temperature
         logits = response_logits(self.model, mb, self.cfg.train.autocast_bf16)
         logp = token_logprobs(logits, mb.response_ids, temp)
@@ -274,7 +309,7 @@ class Trainer:
             total = total + rec.js_coef * js
             stats["js/mean"] = float(js.detach())
         stats["loss/total"] = float(total.detach())
-        return total, stats
+        return total, stats, (logp * mask).sum(-1)
 
 
 def _pad_rows(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

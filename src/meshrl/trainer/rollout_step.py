@@ -27,14 +27,17 @@ class StepData:
     texts: list[str] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     problems: list[Any] = field(default_factory=list)
-    group_ids: list[int] = field(default_factory=list)  # one id per (problem, draw)
+    group_ids: list[Any] = field(default_factory=list)  # advantage group: draw, or (draw, prefix)
+    query_ids: list[int] = field(default_factory=list)  # one id per problem draw (the cursor position)
+    strategy_ids: list[int] = field(default_factory=list)  # coach prefix index, -1 without a coach
     scores: list[float] = field(default_factory=list)  # task score in [0, 1]
     rewards: torch.Tensor | None = None  # shaped reward [N]
     advantages: torch.Tensor | None = None  # [N]
     stats: dict[str, float] = field(default_factory=dict)
 
     def extend(self, other: StepData, keep: list[int]) -> None:
-        for name in ("prompt_ids", "response_ids", "texts", "truncated", "problems", "group_ids", "scores"):
+        for name in ("prompt_ids", "response_ids", "texts", "truncated", "problems", "group_ids", "query_ids",
+                     "strategy_ids", "scores"):
             getattr(self, name).extend(getattr(other, name)[i] for i in keep)
 
     def __len__(self) -> int:
@@ -61,34 +64,66 @@ class RolloutStep:
     """Produce a :class:`StepData` per step from a task, a rollout backend and a recipe."""
 
     def __init__(self, *, task, problems, backend, tokenizer, reward_runner, recipe: Recipe, cfg,
-                 encode_prompt) -> None:
+                 encode_prompt, prefixes: dict[str, list[str]] | None = None) -> None:
         self.task, self.problems, self.backend = task, problems, backend
         self.tokenizer, self.rewards, self.recipe, self.cfg = tokenizer, reward_runner, recipe, cfg
         self.sampler = ProblemSampler(len(problems), cfg.seed)
-        self._prompt_cache: dict[str, list[int]] = {}
+        self._prompt_cache: dict[tuple[str, int], list[int]] = {}
         self._encode = encode_prompt
+        self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
+        self.last = StepData()
 
-    def prompt_ids(self, problem) -> list[int]:
-        if problem.id not in self._prompt_cache:
-            self._prompt_cache[problem.id] = self._encode(self.tokenizer, self.task.format_prompt(problem))
-        return self._prompt_cache[problem.id]
+    def prompt_ids(self, problem, strategy: int = -1) -> list[int]:
+        """Token ids of the prompt, conditioned on coach prefix ``strategy`` when it is >= 0."""
+        key = (problem.id, strategy)
+        if key not in self._prompt_cache:
+            text = self.task.format_prompt(problem)
+            if strategy < 0:
+                ids = self._encode(self.tokenizer, text)
+            else:
+                from meshrl.mesh import wrap_prefix
+
+                placement = self.cfg.mesh.placement
+                wrapped = wrap_prefix(self.prefixes[problem.id][strategy], placement)
+                # "assistant": the prefix ends the prompt, so it is never part of the response and
+                # its tokens are outside every loss term by construction.
+                ids = (self._encode(self.tokenizer, text, system=wrapped) if placement == "system"
+                       else self._encode(self.tokenizer, text, assistant_prefix=wrapped))
+            self._prompt_cache[key] = ids
+        return self._prompt_cache[key]
+
+    def _arms(self, chosen: list) -> tuple[list[tuple[int, int]], int]:
+        """(problem position, strategy) per prompt, and samples per prompt (the rollout budget)."""
+        g = self.cfg.rollout.group_size
+        if self.prefixes is None:
+            return [(j, -1) for j in range(len(chosen))], g
+        from meshrl.mesh import budget_groups
+
+        m = self.cfg.mesh.m
+        n = budget_groups(g, m, self.cfg.mesh.budget)[0]
+        return [(j, k) for j in range(len(chosen)) for k in range(m)], n
 
     def _sample(self, cursor: int, n_problems: int, seed: int) -> StepData:
         from meshrl.rollout import SamplingParams
 
         ro = self.cfg.rollout
         chosen = [self.problems[self.sampler.index(cursor + j)] for j in range(n_problems)]
+        arms, n = self._arms(chosen)
         params = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
-                                top_p=ro.top_p, n=ro.group_size)
-        out = self.backend.generate([self.prompt_ids(p) for p in chosen], params, seed=seed)
+                                top_p=ro.top_p, n=n)
+        out = self.backend.generate([self.prompt_ids(chosen[j], k) for j, k in arms], params, seed=seed)
         data = StepData()
-        for k, pi in enumerate(out.prompt_index):
-            data.prompt_ids.append(list(out.prompt_ids[k]))
-            data.response_ids.append(list(out.response_ids[k]))
-            data.texts.append(out.texts[k])
-            data.truncated.append(bool(out.truncated[k]))
-            data.problems.append(chosen[pi])
-            data.group_ids.append(cursor + pi)
+        per_query = self.cfg.mesh.adv_unit == "query"
+        for r, ai in enumerate(out.prompt_index):
+            j, k = arms[ai]
+            data.prompt_ids.append(list(out.prompt_ids[r]))
+            data.response_ids.append(list(out.response_ids[r]))
+            data.texts.append(out.texts[r])
+            data.truncated.append(bool(out.truncated[r]))
+            data.problems.append(chosen[j])
+            data.query_ids.append(cursor + j)
+            data.strategy_ids.append(k)
+            data.group_ids.append(cursor + j if k < 0 or per_query else (cursor + j, k))
         data.scores = self.rewards(data.texts, data.problems)
         return data
 
@@ -107,13 +142,13 @@ class RolloutStep:
             sampled += len(data)
             if rec.dynamic_sampling:
                 # DAPO filters on accuracy, not on the length-shaped reward (eq. 11).
-                keep_mask = dynamic_sampling_mask(torch.tensor(data.scores), data.group_ids)
+                keep_mask = dynamic_sampling_mask(torch.tensor(data.scores), data.query_ids)
                 keep = [i for i, k in enumerate(keep_mask.tolist()) if k]
-                dropped += need - len({data.group_ids[i] for i in keep})
+                dropped += need - len({data.query_ids[i] for i in keep})
             else:
                 keep = list(range(len(data)))
             batch.extend(data, keep)
-            kept_groups = len(set(batch.group_ids))
+            kept_groups = len(set(batch.query_ids))
             if kept_groups >= target:
                 break
         batch.rewards = self._shape(batch) if len(batch) else torch.zeros(0)

@@ -1,0 +1,61 @@
+"""Trainer side of Mesh Learning: coach prefixes for the training problems and balancing weights."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("meshrl")
+
+
+def prepare_prefixes(cfg, task, problems, run_dir: Path) -> dict[str, list[str]]:
+    """Problem id -> its ``mesh.m`` coach prefixes, checked before training starts.
+
+    With ``mesh.prefixes`` set, prefixes come from that file (made by ``meshrl coach``) and are looked up
+    by the stable hash of the problem text. Without it, the task's own rule strategies are run through the
+    same validation and cached in ``RUN_DIR/prefixes.jsonl``. A problem without valid prefixes is an error
+    that names it: training on a mixture of conditioned and unconditioned queries would be silent bias.
+    """
+    from meshrl.mesh import RuleCoach, generate_prefixes, load_prefixes, query_key
+
+    m = cfg.mesh.m
+    path = Path(cfg.mesh.prefixes) if cfg.mesh.prefixes else run_dir / "prefixes.jsonl"
+    if cfg.mesh.prefixes is None:
+        coach = RuleCoach(lambda q: task.coach_strategies(by_id[q["id"]]), name=f"rule:{task.name}")
+        by_id = {p.id: p for p in problems}
+        if task.coach_strategies(problems[0]) is None:
+            raise ValueError(f"task {task.name} has no rule strategies; run `meshrl coach` and pass "
+                             "--set mesh.prefixes=prefixes.jsonl")
+        queries = [{"id": p.id, "problem": p.prompt, "answer": p.answer} for p in problems]
+        generate_prefixes(queries, coach, m=m, out_path=path)
+    elif not path.is_file():
+        raise ValueError(f"mesh.prefixes file not found: {path}")
+    table = load_prefixes(path)
+    out, missing = {}, []
+    for p in problems:
+        found = table.get(query_key(p.prompt))
+        if found is None or len(found) < m:
+            missing.append(p.id)
+        else:
+            out[p.id] = list(found[:m])
+    if missing:
+        raise ValueError(f"{len(missing)} of {len(problems)} training problems have no {m} valid prefixes in "
+                         f"{path} (first: {', '.join(missing[:5])}); see its .rejects.jsonl or rerun `meshrl coach`")
+    return out
+
+
+def balance_row_weights(cfg, data, seq_logp: torch.Tensor, ref_seq_logp: torch.Tensor | None):
+    """Per-rollout weights ``w`` with ``grad J = sum_j w_j grad seq_logp_j`` (see
+    :func:`meshrl.mesh.strategy_balance_row_weights`), computed once per step at the sampling parameters,
+    plus the term's metrics with not-applicable (NaN) entries dropped."""
+    from meshrl.mesh import strategy_balance_row_weights
+    from meshrl.trainer.rollout_step import CORRECT_AT
+
+    correct = torch.tensor([s >= CORRECT_AT for s in data.scores])
+    w, _loss, metrics = strategy_balance_row_weights(
+        seq_logp, ref_seq_logp, correct, data.query_ids, data.strategy_ids, cfg.balance_mu,
+        subtract_ref=cfg.mesh.subtract_ref, reduction=cfg.mesh.reduction,
+    )
+    return w, {k: v for k, v in metrics.items() if v == v}

@@ -1,0 +1,39 @@
+"""Load a policy for sampling: a model spec, or a meshrl run directory (its latest checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from meshrl.trainer.config import load_config
+
+
+def is_run_dir(spec: str | Path) -> bool:
+    p = Path(spec)
+    return (p / "config.yaml").is_file() and (p / "checkpoints").is_dir()
+
+
+def load_policy(spec: str, *, dtype: str = "float32", seed: int = 0):
+    """``(model, tokenizer, description)`` for a model spec or a run directory.
+
+    A run directory is rebuilt from its ``config.yaml`` (model spec, seed, LoRA) and then takes the weights
+    of ``checkpoints/latest`` (or of ``RUN_DIR/checkpoints/step_N`` when ``spec`` points at one).
+    """
+    from meshrl.models import apply_lora, load_model
+
+    path = Path(spec)
+    ckpt = None
+    if path.name.startswith("step_") and is_run_dir(path.parent.parent):
+        path, ckpt = path.parent.parent, path
+    if not is_run_dir(path):
+        model, tok = load_model(spec, dtype=dtype, seed=seed)
+        return model, tok, spec
+    cfg = load_config(path / "config.yaml")
+    model, tok = load_model(cfg.model, dtype=dtype, seed=cfg.seed)
+    if cfg.train.lora_r > 0:
+        model = apply_lora(model, r=cfg.train.lora_r, alpha=cfg.train.lora_alpha)
+    ckpt = ckpt or latest_checkpoint(path)
+    if ckpt is None:
+        raise ValueError(f"run directory {path} has no checkpoint yet")
+    state = load_checkpoint(ckpt, model, optimizer=None, restore_rng=False)
+    return model.eval(), tok, f"{path} @ step {state['step']}"

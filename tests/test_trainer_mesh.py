@@ -1,0 +1,127 @@
+"""Mesh Learning in the trainer: budgets, prefixes, placement masking, balancing metrics, CLI coach."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshrl.cli import main as cli_main
+from meshrl.tasks.tiny import RepeatTask
+from meshrl.trainer import Trainer, load_config, train
+from meshrl.trainer.batch import collate, response_logits, token_logprobs
+from meshrl.trainer.runlog import read_jsonl
+
+BASE = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=2", "rollout.group_size=8",
+        "rollout.max_new_tokens=4", "train.micro_batch_size=8", "log.progress=false", "checkpoint.every=100"]
+
+
+def _cfg(*extra: str, steps: int = 2):
+    return load_config(overrides=[*BASE, f"steps={steps}", *extra])
+
+
+def test_matched_budget_samples_as_many_rollouts_as_grpo(tmp_path):
+    counts = {}
+    for recipe in ("grpo", "cp_only", "mesh"):
+        hist = train(_cfg(f"recipe={recipe}"), tmp_path / recipe)
+        counts[recipe] = [m["rollouts/count"] for m in hist]
+    assert counts["grpo"] == counts["cp_only"] == counts["mesh"] == [16.0, 16.0]
+
+
+def test_per_prefix_budget_samples_m_times_more(tmp_path):
+    hist = train(_cfg("recipe=cp_only", "mesh.budget=per_prefix", steps=1), tmp_path / "pp")
+    assert hist[0]["rollouts/count"] == 2 * 8 * 4
+
+
+def test_matched_budget_requires_divisible_group_size():
+    with pytest.raises(ValueError, match="group_size=6.*mesh.m=4"):
+        _cfg("recipe=mesh", "rollout.group_size=6")
+
+
+def test_prefix_groups_and_advantage_units(tmp_path):
+    tr = Trainer(_cfg("recipe=cp_only"), tmp_path / "g")
+    data, _ = tr.sampler.run(0, 0)
+    assert sorted(set(data.strategy_ids)) == [0, 1, 2, 3]
+    assert len(set(data.group_ids)) == 2 * 4  # per prefix group (the release's unit)
+    for gid in set(data.group_ids):  # advantages sum to zero inside each prefix group
+        rows = [i for i, g in enumerate(data.group_ids) if g == gid]
+        assert abs(float(data.advantages[rows].sum())) < 1e-4
+    tr_q = Trainer(_cfg("recipe=cp_only", "mesh.adv_unit=query"), tmp_path / "q")
+    data_q, _ = tr_q.sampler.run(0, 0)
+    assert len(set(data_q.group_ids)) == 2
+
+
+@pytest.mark.parametrize("placement", ["system", "assistant"])
+def test_prefix_is_in_the_prompt_and_coach_tokens_get_no_gradient(placement, tmp_path):
+    from meshrl.mesh import wrap_prefix
+
+    tr = Trainer(_cfg("recipe=cp_only", f"mesh.placement={placement}"), tmp_path / placement)
+    data, _ = tr.sampler.run(0, 0)
+    prob, k = data.problems[0], data.strategy_ids[0]
+    text = tr.tokenizer.decode(data.prompt_ids[0])
+    prefix_text = tr.sampler.prefixes[prob.id][k]
+    assert prefix_text[:20] in text
+    if placement == "assistant":
+        tail = tr.tokenizer.encode(wrap_prefix(prefix_text, "assistant"), add_special_tokens=False)
+        assert data.prompt_ids[0][-len(tail):] == tail  # prefix ends the prompt, outside the response
+    # Gradient of a response-only loss with respect to the logits at every prompt position is exactly 0.
+    mb = collate(data.prompt_ids[:2], data.response_ids[:2], tr.pad_id)
+    captured = {}
+
+    def keep_logits(module, args, output):
+        output.logits.retain_grad()
+        captured["logits"] = output.logits
+
+    handle = tr.model.register_forward_hook(keep_logits)
+    try:
+        logp = token_logprobs(response_logits(tr.model, mb), mb.response_ids)
+        (logp * mb.response_mask).sum().backward()
+    finally:
+        handle.remove()
+    grad = captured["logits"].grad
+    assert torch.count_nonzero(grad[:, : mb.prompt_len - 1]) == 0
+    assert torch.count_nonzero(grad[:, mb.prompt_len - 1 :]) > 0
+
+
+def test_mesh_balancing_metrics_and_gradient_ratio(tmp_path, monkeypatch):
+    # Make half the rollouts "correct" so that several strategies qualify for the balancing term.
+    monkeypatch.setattr(RepeatTask, "score", lambda self, completion, problem: float(len(completion) % 2))
+    hist = train(_cfg("recipe=mesh", "mesh.mu=0.1", steps=2), tmp_path / "mesh")
+    last = hist[-1]
+    for key in ("mesh/balance_loss", "mesh/active_strategies", "mesh/grad_ratio", "mesh/balance_mu"):
+        assert key in last, key
+    assert last["mesh/balance_queries"] >= 1 and last["mesh/active_strategies"] > 1
+    assert last["mesh/grad_ratio"] > 0
+    cfg_text = (tmp_path / "mesh" / "config.yaml").read_text()
+    assert "balance_mu: 0.1" in cfg_text and "placement: system" in cfg_text and "budget: matched" in cfg_text
+
+
+def test_cp_only_has_no_balancing_term(tmp_path, monkeypatch):
+    monkeypatch.setattr(RepeatTask, "score", lambda self, completion, problem: float(len(completion) % 2))
+    hist = train(_cfg("recipe=cp_only", "mesh.mu=0.1", steps=1), tmp_path / "cp")
+    assert "mesh/grad_ratio" not in hist[0]
+
+
+def test_coach_cli_then_train_with_the_prefix_file(tmp_path):
+    out = tmp_path / "prefixes.jsonl"
+    assert cli_main(["coach", "--task", "tiny:add", "--backend", "rule", "--out", str(out)]) == 0
+    assert len(read_jsonl(out)) == 80
+    rc = cli_main(["train", "--recipe", "mesh", "--model", "tiny", "--task", "tiny:add", "--steps", "1",
+                   "--out", str(tmp_path / "run"), "--no-progress", "--set", f"mesh.prefixes={out}",
+                   "--set", "rollout.max_new_tokens=3", "--set", "rollout.prompts_per_step=2"])
+    assert rc == 0
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["rollouts/count"] == 16
+
+
+def test_missing_prefixes_are_an_error_naming_problems(tmp_path):
+    out = tmp_path / "prefixes.jsonl"
+    cli_main(["coach", "--task", "tiny:add", "--backend", "rule", "--out", str(out), "--limit", "3"])
+    with pytest.raises(ValueError, match="have no 4 valid prefixes"):
+        Trainer(load_config(overrides=[*BASE, "task=tiny:add", "recipe=mesh", f"mesh.prefixes={out}"]),
+                tmp_path / "run")
+
+
+def test_task_without_rule_strategies_needs_a_prefix_file(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"problem": "1+1", "answer": "2"}\n')
+    with pytest.raises(ValueError, match="no rule strategies"):
+        Trainer(load_config(overrides=[*BASE, f"task=jsonl:{f}", "recipe=mesh"]), tmp_path / "run")
