@@ -159,3 +159,21 @@ def test_cli_train_and_help(tmp_path, capsys):
 def test_bf16_autocast_runs(tmp_path):
     hist = train(_cfg("train.autocast_bf16=true", steps=1), tmp_path / "bf16")
     assert torch.isfinite(torch.tensor(hist[0]["loss/total"]))
+
+
+def test_periodic_held_out_eval_and_checkpoint_rule(tmp_path):
+    cfg = load_config(overrides=[*FAST, "task=tiny:add", "steps=3", "eval.every=2", "eval.n=2", "eval.limit=5"])
+    hist = train(cfg, tmp_path / "ev")
+    assert [("eval/mean@1" in m) for m in hist] == [False, True, True]  # every 2 steps and the last
+    evals = read_jsonl(tmp_path / "ev" / "evals.jsonl")
+    assert [e["step"] for e in evals] == [2, 3]
+    summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert summary["final"]["step"] == 3 and summary["best"]["step"] in (2, 3)
+    assert 0.0 <= summary["best"]["eval/pass@2"] <= 1.0
+
+
+def test_eval_needs_a_held_out_split(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"problem": "1+1", "answer": "2"}\n')
+    with pytest.raises(ValueError, match="held-out split"):
+        train(load_config(overrides=[*FAST, f"task=jsonl:{f}", "eval.every=1"]), tmp_path / "r")

@@ -60,6 +60,16 @@ class DynamicSamplingConfig:
 
 
 @dataclass
+class EvalDuringTrainConfig:
+    every: int = 0  # evaluate on the held-out split every E steps (0 = off); also at the last step
+    split: str = "eval"
+    n: int = 4  # samples per problem
+    limit: int = 64  # held-out problems (0 = all)
+    temperature: float = 1.0
+    max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 10
     keep_last: int = 2
@@ -126,6 +136,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    eval: EvalDuringTrainConfig = field(default_factory=EvalDuringTrainConfig)
     diag: DiagConfig = field(default_factory=DiagConfig)
 
     @property

@@ -27,7 +27,9 @@ from meshrl.algos import (
 from meshrl.trainer.batch import collate, micro_weight, response_logits, token_entropy, token_logprobs
 from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from meshrl.trainer.config import RunConfig, save_config
+from meshrl.trainer.mei_monitor import MeiMonitor
 from meshrl.trainer.mesh_support import balance_row_weights, prepare_prefixes
+from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
 
@@ -73,6 +75,12 @@ class Trainer:
         self.sampler = RolloutStep(task=self.task, problems=self.problems, backend=self.backend,
                                    tokenizer=self.tokenizer, reward_runner=runner, recipe=self.recipe,
                                    cfg=cfg, encode_prompt=encode_prompt, prefixes=prefixes)
+        self.evaluator = (PeriodicEval(cfg, self.task, self.tokenizer, self.backend, runner, encode_prompt)
+                          if cfg.eval.every > 0 else None)
+        group = cfg.rollout.group_size * (cfg.mesh.m if cfg.mesh_enabled and cfg.mesh.budget == "per_prefix" else 1)
+        self.mei = MeiMonitor(cfg, group) if cfg.diag.mei.every > 0 else None
+        self.pending_events: list[dict[str, Any]] = []
+        self._mei_collect = False
         self.step_idx, self.cursor, self.bad_in_row = 0, 0, 0
         self.last_data = StepData()
 
@@ -85,7 +93,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        state = {"cursor": self.cursor, "bad_in_row": self.bad_in_row}
+        state = {"cursor": self.cursor, "bad_in_row": self.bad_in_row,
+                 "mei": self.mei.state_dict() if self.mei else None}
         return save_checkpoint(self.run_dir, self.step_idx, self.model, self.optimizer, state,
                                keep_last=self.cfg.checkpoint.keep_last)
 
@@ -96,6 +105,8 @@ class Trainer:
         state = load_checkpoint(path, self.model, self.optimizer)
         self.step_idx, self.cursor = int(state["step"]), int(state["cursor"])
         self.bad_in_row = int(state.get("bad_in_row", 0))
+        if self.mei and state.get("mei"):
+            self.mei.load_state_dict(state["mei"])
         self.backend.sync_weights(self.model)
 
     # ------------------------------------------------------------------ one step
@@ -105,7 +116,16 @@ class Trainer:
         self.last_data = data
         t1 = time.perf_counter()
         self._set_lr()
+        mei_now = bool(self.mei and self.mei.active(self.step_idx) and len(data))
+        self._mei_collect = mei_now
+        if mei_now:
+            self.mei.begin(len(data))
         metrics = self.update(data) if len(data) else {"skipped/empty_batch": 1.0}
+        if mei_now:
+            mei_metrics, events = self.mei.finish(data, self.step_idx + 1)
+            metrics.update(mei_metrics)
+            self.pending_events.extend(events)
+            self._mei_collect = False
         self.backend.sync_weights(self.model)
         t2 = time.perf_counter()
         self.step_idx += 1
@@ -200,6 +220,7 @@ class Trainer:
                     sums[k] += v
                 if not ok:
                     return self._skip_step(sums, n_updates)
+            self._mei_collect = False  # every rollout has passed through once
         self.bad_in_row = 0
         out = {**{k: v / max(n_updates, 1) for k, v in sums.items()}, **balance_stats}
         if "mesh/balance_loss" in balance_stats and "loss/total" in out:
@@ -281,6 +302,8 @@ class Trainer:
         logits = response_logits(self.model, mb, self.cfg.train.autocast_bf16)
         logp = token_logprobs(logits, mb.response_ids, temp)
         mask = mb.response_mask
+        if self._mei_collect:
+            self.mei.add(idx, logits.detach(), mb.response_ids, mask, temp)
         old = logp.detach() if old_logps is None else _pad_rows([old_logps[j] for j in idx], logp)
         adv = data.advantages[idx].to(logp.device)
         cfg = {"clip_low": rec.clip_low, "clip_high": rec.clip_high}
@@ -326,20 +349,27 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[s
     trainer = Trainer(cfg, run_dir)
     if resume:
         trainer.restore()
-        for name in ("metrics.jsonl", "samples.jsonl", "events.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", "events.jsonl", "evals.jsonl"):
             truncate_after_step(run_dir / name, trainer.step_idx)
     save_config(cfg, run_dir / "config.yaml")
-    writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events")}
+    writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events", "evals")}
     trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
     history: list[dict[str, Any]] = []
     try:
         with _progress(cfg, trainer.step_idx) as bar, _sigterm_as_interrupt():
             while trainer.step_idx < cfg.steps:
                 metrics = trainer.step()
+                if trainer.evaluator and (trainer.step_idx % cfg.eval.every == 0 or trainer.step_idx == cfg.steps):
+                    ev = trainer.evaluator(trainer.step_idx)
+                    metrics.update(ev)
+                    writers["evals"].write({"step": trainer.step_idx, **ev})
                 _write_samples(writers["samples"], trainer, metrics["step"])
                 writers["metrics"].write(metrics)
                 trackers.log(metrics, metrics["step"])
                 history.append(metrics)
+                for event in trainer.pending_events:
+                    writers["events"].write(event)
+                trainer.pending_events.clear()
                 if "skipped/nonfinite" in metrics:
                     writers["events"].write({"step": metrics["step"], "event": "nonfinite_skip"})
                 if trainer.step_idx % cfg.checkpoint.every == 0 or trainer.step_idx == cfg.steps:
@@ -359,6 +389,7 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[s
         for w in writers.values():
             w.close()
         trackers.close()
+        write_summary(run_dir)
     return history
 
 

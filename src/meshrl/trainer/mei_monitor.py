@@ -1,0 +1,111 @@
+"""MEI in the training loop: features from the logits the update already computes, threshold warnings.
+
+The ``bias`` feature map needs only the logits of the training forward (no second forward pass), so the
+monitor is fed from inside the loss computation during the first PPO epoch, when every rollout passes
+through exactly once. The ``head`` and ``full`` maps need hidden states or per-sample gradients and are
+offered offline (``meshrl mei calibrate``, ``meshrl census``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("meshrl")
+
+
+def load_threshold(spec: str | float | None, feature: str, group_size: int) -> float | None:
+    """A number, or the ``threshold`` of a ``meshrl mei calibrate`` JSON (checked against the run)."""
+    if spec is None or spec == "":
+        return None
+    if isinstance(spec, int | float):
+        return float(spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"diag.mei.threshold: {spec!r} is neither a number nor an existing file")
+    data = json.loads(path.read_text())
+    for key in ("threshold", "feature", "group_size"):
+        if key not in data:
+            raise ValueError(f"diag.mei.threshold file {path} lacks the field {key!r}")
+    if data["feature"] != feature:
+        raise ValueError(f"{path} was calibrated with feature {data['feature']!r}, the run uses {feature!r}")
+    if int(data["group_size"]) != group_size:
+        log.warning("%s was calibrated with group size %s, the run's query groups have %d rollouts: MEI scales "
+                    "with G, recalibrate for a fair threshold", path, data["group_size"], group_size)
+    return float(data["threshold"])
+
+
+class MeiMonitor:
+    def __init__(self, cfg, group_size: int) -> None:
+        mc = cfg.diag.mei
+        if mc.feature != "bias":
+            raise ValueError(f"diag.mei.feature={mc.feature!r}: the trainer computes the 'bias' map online; "
+                             "use `meshrl mei calibrate --feature head` or `meshrl census` offline")
+        self.every, self.feature, self.patience = mc.every, mc.feature, max(1, mc.patience)
+        self.threshold = load_threshold(mc.threshold, mc.feature, group_size)
+        self.mesh = cfg.mesh_enabled
+        self.above, self.first_cross, self.warned = 0, None, False
+        self._phi: torch.Tensor | None = None
+
+    def active(self, step_idx: int) -> bool:
+        return self.every > 0 and step_idx % self.every == 0
+
+    def begin(self, n_rows: int) -> None:
+        self._phi, self._n = None, n_rows
+
+    def add(self, idx: list[int], logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
+            temperature: float) -> None:
+        from meshrl.diagnostics import bias_features
+
+        feats = bias_features(logits, tokens, mask, temperature=temperature if temperature > 0 else 1.0)
+        if self._phi is None:
+            self._phi = torch.zeros(self._n, feats.shape[1], dtype=torch.float32)
+        self._phi[idx] = feats.float().cpu()
+
+    def finish(self, data, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        from meshrl.diagnostics import mei_key, mei_metrics
+
+        if self._phi is None:
+            return {}, []
+        prefix_ids = data.strategy_ids if self.mesh else None
+        raw = mei_metrics(self._phi, data.query_ids, prefix_ids, feature=self.feature)
+        self._phi = None
+        metrics: dict[str, Any] = {k: v for k, v in raw.items() if not math.isnan(v)}
+        q = raw[mei_key(self.feature, "query")]
+        # Short aliases for plots and the acceptance contract; the feature map is named in the record.
+        metrics.update({"mei/feature": self.feature, "mei/query": q,
+                        "mei/effective_dirs": raw[mei_key(self.feature, "query", "effective_dirs")]})
+        if self.mesh:
+            metrics["mei/prefix_group"] = raw[mei_key(self.feature, "prefix_group")]
+        return metrics, self._warn(q, step)
+
+    def _warn(self, mei: float, step: int) -> list[dict[str, Any]]:
+        if self.threshold is None or math.isnan(mei):
+            return []
+        events = []
+        if mei > self.threshold:
+            self.above += 1
+            if self.first_cross is None:
+                self.first_cross = step
+                events.append({"step": step, "event": "mei_first_crossing", "mei": mei, "threshold": self.threshold})
+            if self.above >= self.patience and not self.warned:
+                self.warned = True
+                log.warning("step %d: MEI %.3f above threshold %.3f for %d checks (first crossing at step %d): "
+                            "rollouts are collapsing onto fewer update directions", step, mei, self.threshold,
+                            self.above, self.first_cross)
+                events.append({"step": step, "event": "mei_warning", "mei": mei, "threshold": self.threshold,
+                               "first_crossing_step": self.first_cross, "checks_above": self.above})
+        else:
+            self.above = 0
+        return events
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"above": self.above, "first_cross": self.first_cross, "warned": self.warned}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.above, self.first_cross, self.warned = state["above"], state["first_cross"], state["warned"]

@@ -1,0 +1,66 @@
+"""Held-out evaluation during training (the explicit checkpoint rule).
+
+Every ``eval.every`` steps the current policy samples ``eval.n`` completions for each held-out problem;
+the results go to ``evals.jsonl`` and into that step's metrics (``eval/mean@1``, ``eval/pass@N``), and
+``summary.json`` names the final and the best step, so "the baseline had already collapsed" is visible
+instead of hidden behind an undisclosed checkpoint choice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from meshrl.trainer.rollout_step import CORRECT_AT
+
+
+class PeriodicEval:
+    def __init__(self, cfg, task, tokenizer, backend, reward_runner, encode_prompt) -> None:
+        self.cfg = cfg
+        ev = cfg.eval
+        split = ev.split if ev.split in getattr(task, "splits", ("eval",)) else None
+        if split is None:
+            raise ValueError(f"eval.every={ev.every} needs a held-out split {ev.split!r} in task {task.name} "
+                             f"(splits: {', '.join(task.splits)}); file tasks need eval_fraction>0")
+        problems = task.problems(split)
+        self.problems = problems[: ev.limit] if ev.limit else problems
+        if not self.problems:
+            raise ValueError(f"task {task.name} split {split!r} is empty: nothing to evaluate on")
+        self.prompts = [encode_prompt(tokenizer, task.format_prompt(p)) for p in self.problems]
+        self.backend, self.rewards = backend, reward_runner
+
+    def __call__(self, step: int) -> dict[str, float]:
+        from meshrl.rollout import SamplingParams
+        from meshrl.stats import pass_at_k
+
+        ev = self.cfg.eval
+        params = SamplingParams(max_new_tokens=ev.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                temperature=ev.temperature, top_p=self.cfg.rollout.top_p, n=ev.n)
+        out = self.backend.generate(self.prompts, params, seed=self.cfg.seed * 7_919 + step)
+        probs = [self.problems[i] for i in out.prompt_index]
+        scores = self.rewards(out.texts, probs)
+        correct: dict[str, list[bool]] = {}
+        for p, s in zip(probs, scores, strict=True):
+            correct.setdefault(p.id, []).append(s >= CORRECT_AT)
+        n_prob = len(correct)
+        return {
+            "eval/mean@1": sum(sum(v) / len(v) for v in correct.values()) / n_prob,
+            f"eval/pass@{ev.n}": sum(pass_at_k(len(v), sum(v), ev.n) for v in correct.values()) / n_prob,
+            "eval/score_mean": sum(scores) / len(scores),
+        }
+
+
+def write_summary(run_dir: Path, key: str = "eval/mean@1") -> dict[str, Any] | None:
+    """``summary.json``: the final and the best held-out step by ``key`` (None without evaluations)."""
+    path = run_dir / "evals.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: (r[key], -r["step"]))
+    summary = {"selection_metric": key, "final": rows[-1], "best": best,
+               "rule": "final = last evaluated step; best = highest selection_metric (earliest on ties)"}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
