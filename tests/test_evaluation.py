@@ -66,3 +66,38 @@ def test_run_directory_checkpoint_is_a_model(tmp_path):
                             max_new_tokens=3), tmp_path / "ev", progress=False)
     assert "step 1" in s["model_loaded"]
     assert math.isfinite(s["overall"]["pass@1"])
+
+
+def _fake_eval(path, data, per_problem):
+    path.mkdir(parents=True)
+    (path / "eval.json").write_text(json.dumps({"config": {"data": data}, "per_problem": per_problem}))
+
+
+def test_compare_identical_models_gives_no_difference(tmp_path, capsys):
+    pp = {f"p{i}": {"n": 4, "c": i % 5} for i in range(30)}
+    _fake_eval(tmp_path / "a", "bench", pp)
+    _fake_eval(tmp_path / "b", "bench", pp)
+    assert cli_main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "--n-boot", "500"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert row["diff"] == 0 and row["ci_low"] <= 0 <= row["ci_high"] and not row["significant"]
+
+
+def test_compare_folders_of_benchmarks_pairs_by_id_and_corrects(tmp_path, capsys):
+    better = {f"p{i}": {"n": 4, "c": 4} for i in range(40)}
+    worse = {f"p{i}": {"n": 4, "c": 0 if i % 4 else 4} for i in range(40)}
+    same = {f"q{i}": {"n": 4, "c": 2} for i in range(10)}
+    _fake_eval(tmp_path / "A" / "math", "m", better)
+    _fake_eval(tmp_path / "A" / "gsm", "g", same)
+    _fake_eval(tmp_path / "B" / "math", "m", {**worse, "extra": {"n": 4, "c": 0}})
+    _fake_eval(tmp_path / "B" / "gsm", "g", same)
+    assert cli_main(["compare", str(tmp_path / "A"), str(tmp_path / "B"), "--json", "--n-boot", "2000",
+                     "--metric", "pass@2"]) == 0
+    rows = {r["benchmark"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["math"]["n_problems"] == 40 and rows["math"]["significant"] and rows["math"]["diff"] > 0.5
+    assert not rows["gsm"]["significant"]
+
+
+def test_compare_rejects_non_eval_dirs(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    assert cli_main(["compare", str(tmp_path / "x"), str(tmp_path / "x")]) == 2
+    assert "neither an eval directory" in capsys.readouterr().err

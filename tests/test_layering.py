@@ -9,7 +9,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "meshrl"
 LAYER = {
     "algos": 1, "stats": 1,
     "mesh": 2, "diagnostics": 2,
-    "rewards": 3, "tasks": 3, "models": 3, "rollout": 3, "trainer": 3, "testbed": 3, "evaluation": 3,
+    "rewards": 3, "tasks": 3, "models": 3, "rollout": 3, "trainer": 3, "testbed": 3, "evaluation": 3, "analysis": 3,
     "cli": 4, "integrations": 4, "report": 4,
 }
 FACES = {"cli", "integrations", "report"}

@@ -7,9 +7,9 @@ import logging
 import sys
 
 from meshrl import __version__
-from meshrl.cli import coach_cmd, eval_cmd, train_cmd
+from meshrl.cli import coach_cmd, compare_cmd, eval_cmd, sweep_cmd, train_cmd
 
-COMMANDS = [train_cmd, eval_cmd, coach_cmd]
+COMMANDS = [train_cmd, eval_cmd, compare_cmd, sweep_cmd, coach_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:
