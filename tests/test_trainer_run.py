@@ -177,3 +177,33 @@ def test_eval_needs_a_held_out_split(tmp_path):
     f.write_text('{"problem": "1+1", "answer": "2"}\n')
     with pytest.raises(ValueError, match="held-out split"):
         train(load_config(overrides=[*FAST, f"task=jsonl:{f}", "eval.every=1"]), tmp_path / "r")
+
+
+def test_lora_with_kl_uses_the_adapter_free_base_as_reference(tmp_path):
+    hist = train(_cfg("recipe=grpo_kl", "train.lora_r=4", "optim.lr=1e-2", steps=3), tmp_path / "lora")
+    assert hist[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)
+    assert hist[-1]["kl/mean"] > 0
+    from meshrl.trainer.policy import load_policy
+
+    model, _, desc = load_policy(str(tmp_path / "lora"))
+    assert "step 3" in desc and any("lora" in n for n, _ in model.named_parameters())
+
+
+def test_reward_errors_are_counted_or_fatal_when_strict(tmp_path, monkeypatch):
+    from meshrl.tasks.tiny import RepeatTask
+
+    def broken(self, completion, problem):
+        raise RuntimeError("scorer bug")
+
+    monkeypatch.setattr(RepeatTask, "score", broken)
+    hist = train(_cfg(steps=1), tmp_path / "lenient")
+    assert hist[0]["reward/errors"] == 16 and hist[0]["reward/mean"] == 0
+    from meshrl.rewards import RewardError
+
+    with pytest.raises(RewardError):
+        train(_cfg("reward.strict=true", steps=1), tmp_path / "strict")
+
+
+def test_unknown_or_missing_tracker_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown --report-to target 'nope'"):
+        train(_cfg("log.report_to=[nope]", steps=1), tmp_path / "t1")
