@@ -207,3 +207,17 @@ def test_reward_errors_are_counted_or_fatal_when_strict(tmp_path, monkeypatch):
 def test_unknown_or_missing_tracker_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="unknown --report-to target 'nope'"):
         train(_cfg("log.report_to=[nope]", steps=1), tmp_path / "t1")
+
+
+def test_dapo_dynamic_sampling_drops_flat_groups_and_refills(tmp_path, monkeypatch):
+    from meshrl.tasks.tiny import RepeatTask
+
+    # Half the problems can never be solved (flat groups, no signal); the others split by first character.
+    monkeypatch.setattr(RepeatTask, "score",
+                        lambda self, c, p: float(p.answer in "01234567" and bool(c) and ord(c[0]) % 2 == 1))
+    hist = train(_cfg("recipe=dapo", "dynamic_sampling.max_rounds=6", steps=2), tmp_path / "dapo")
+    for m in hist:
+        assert m["rollouts/groups_dropped"] > 0
+        assert m["rollouts/count"] > m["rollouts/kept"]
+        assert m["rollouts/kept"] == 4 * 4  # refilled to prompts_per_step groups of G
+        assert m["adv/abs_mean"] > 0
