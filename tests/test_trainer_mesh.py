@@ -125,3 +125,13 @@ def test_task_without_rule_strategies_needs_a_prefix_file(tmp_path):
     f.write_text('{"problem": "1+1", "answer": "2"}\n')
     with pytest.raises(ValueError, match="no rule strategies"):
         Trainer(load_config(overrides=[*BASE, f"task=jsonl:{f}", "recipe=mesh"]), tmp_path / "run")
+
+
+def test_mesh_samples_record_their_conditioning_for_census(tmp_path):
+    from meshrl.analysis import census
+
+    train(_cfg("recipe=cp_only", "log.samples_per_step=-1", steps=1), tmp_path / "s")
+    rows = read_jsonl(tmp_path / "s" / "samples.jsonl")
+    assert len(rows) == 16 and all(r["strategy"] in (0, 1, 2, 3) and "system" in r for r in rows)
+    out = census(str(tmp_path / "s"), tmp_path / "s" / "samples.jsonl", eps=0.05, progress=False)
+    assert out["total"]["n_groups"] == 2 and out["total"]["n_rollouts"] == 16

@@ -7,9 +7,19 @@ import logging
 import sys
 
 from meshrl import __version__
-from meshrl.cli import coach_cmd, compare_cmd, eval_cmd, sweep_cmd, train_cmd
+from meshrl.cli import (
+    census_cmd,
+    coach_cmd,
+    compare_cmd,
+    eval_cmd,
+    mei_cmd,
+    probe_cmd,
+    report_cmd,
+    sweep_cmd,
+    train_cmd,
+)
 
-COMMANDS = [train_cmd, eval_cmd, compare_cmd, sweep_cmd, coach_cmd]
+COMMANDS = [train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd, census_cmd, probe_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

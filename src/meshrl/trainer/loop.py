@@ -394,17 +394,21 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[s
 
 
 def _write_samples(writer: JsonlWriter, trainer: Trainer, step: int) -> None:
+    """Log ``log.samples_per_step`` random rollouts of the step (-1: all of them, e.g. for ``meshrl census``)."""
     data = trainer.last_data
-    k = min(trainer.cfg.log.samples_per_step, len(data))
+    want = trainer.cfg.log.samples_per_step
+    k = len(data) if want < 0 else min(want, len(data))
     if k == 0:
         return
     picks = torch.randperm(len(data), generator=torch.Generator().manual_seed(step))[:k].tolist()
     for i in sorted(picks):
-        p = data.problems[i]
-        writer.write({"step": step, "problem_id": p.id, "prompt": trainer.task.format_prompt(p),
-                      "completion": data.texts[i], "reward": float(data.rewards[i]),
-                      "score": data.scores[i], "advantage": float(data.advantages[i]),
-                      "truncated": data.truncated[i]})
+        p, strategy = data.problems[i], data.strategy_ids[i]
+        row = {"step": step, "problem_id": p.id, "prompt": trainer.task.format_prompt(p),
+               "completion": data.texts[i], "reward": float(data.rewards[i]), "score": data.scores[i],
+               "advantage": float(data.advantages[i]), "truncated": data.truncated[i], "strategy": strategy}
+        if strategy >= 0:  # the coach text the rollout was conditioned on, so it can be re-scored as sampled
+            row.update(trainer.sampler.conditioning(p, strategy))
+        writer.write(row)
 
 
 def _raise_interrupt(*_: object) -> None:

@@ -73,23 +73,25 @@ class RolloutStep:
         self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
         self.last = StepData()
 
+    def conditioning(self, problem, strategy: int) -> dict[str, str]:
+        """``{"system": text}`` or ``{"assistant_prefix": text}``: the wrapped coach prefix of a rollout."""
+        from meshrl.mesh import wrap_prefix
+
+        placement = self.cfg.mesh.placement
+        wrapped = wrap_prefix(self.prefixes[problem.id][strategy], placement)
+        return {"system": wrapped} if placement == "system" else {"assistant_prefix": wrapped}
+
     def prompt_ids(self, problem, strategy: int = -1) -> list[int]:
-        """Token ids of the prompt, conditioned on coach prefix ``strategy`` when it is >= 0."""
+        """Token ids of the prompt, conditioned on coach prefix ``strategy`` when it is >= 0.
+
+        With the ``assistant`` placement the prefix ends the prompt, so it is never part of the response and
+        its tokens are outside every loss term by construction.
+        """
         key = (problem.id, strategy)
         if key not in self._prompt_cache:
             text = self.task.format_prompt(problem)
-            if strategy < 0:
-                ids = self._encode(self.tokenizer, text)
-            else:
-                from meshrl.mesh import wrap_prefix
-
-                placement = self.cfg.mesh.placement
-                wrapped = wrap_prefix(self.prefixes[problem.id][strategy], placement)
-                # "assistant": the prefix ends the prompt, so it is never part of the response and
-                # its tokens are outside every loss term by construction.
-                ids = (self._encode(self.tokenizer, text, system=wrapped) if placement == "system"
-                       else self._encode(self.tokenizer, text, assistant_prefix=wrapped))
-            self._prompt_cache[key] = ids
+            extra = self.conditioning(problem, strategy) if strategy >= 0 else {}
+            self._prompt_cache[key] = self._encode(self.tokenizer, text, **extra)
         return self._prompt_cache[key]
 
     def _arms(self, chosen: list) -> tuple[list[tuple[int, int]], int]:

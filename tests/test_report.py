@@ -1,0 +1,169 @@
+"""``meshrl report``: plots from real tiny runs and an eval dir, a self-consistent escaped HTML page, and
+tolerance of non-numeric values, missing metrics and missing files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from meshrl.cli import report_cmd  # noqa: E402
+from meshrl.report import build_report, load_inputs  # noqa: E402
+from meshrl.report.data import as_number  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["model=tiny", "task=tiny:add", "steps=3", "rollout.prompts_per_step=2", "rollout.group_size=4",
+         "rollout.max_new_tokens=4", "log.progress=false", "diag.mei.every=1", "eval.every=1", "eval.n=2",
+         "eval.limit=4"]
+ALL_PLOTS = ["reward_accuracy.png", "eval_heldout.png", "mei.png", "effective_dirs.png", "entropy.png",
+             "response_length.png", "divergence.png", "grad_ratio.png", "pass_at_k.png"]
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _write(path: Path, rows: list[dict], tail: str = "") -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two real tiny runs (grpo; grpo_js in a directory named with ``<b>``), an eval dir, and a copy of the
+    second run dressed up as a Mesh run (strategy masses, gradient ratio, prefix-group MEI, a logged MEI
+    crossing) whose metrics also carry "nan" strings, a dropped metric and a garbage line."""
+    from meshrl.evaluation import EvalConfig, run_eval
+    from meshrl.trainer import load_config, train
+
+    root = tmp_path_factory.mktemp("report_inputs")
+    grpo, js = root / "grpo run", root / "js<b>run"
+    train(load_config(overrides=["recipe=grpo", *SMALL]), grpo)
+    train(load_config(overrides=["recipe=grpo_js", *SMALL]), js)
+    ev = root / "eval_tiny"
+    run_eval(EvalConfig(model="tiny", data="tiny:add", n=4, ks=[1, 2, 4], split="eval", limit=4, max_new_tokens=4),
+             ev, progress=False)
+
+    mesh = root / "mesh<b>"
+    shutil.copytree(js, mesh, ignore=shutil.ignore_patterns("checkpoints"))
+    rows = _read(mesh / "metrics.jsonl")
+    for i, r in enumerate(rows):
+        r.update({"strategy/mass/s0": 0.6 + 0.1 * i, "strategy/mass/s1": 0.4 - 0.1 * i,
+                  "mesh/grad_ratio": 10.0 ** -i, "mei/prefix_group": 1.0 + 0.01 * i,
+                  "mei/bias/prefix_group_effective_dirs": 2.0 - 0.1 * i, "mei/bias/prefix_group_group_size": 2.0})
+    rows[0]["reward/mean"] = "nan"
+    rows[1]["mei/query"] = "inf"
+    rows[1]["mesh/grad_ratio"] = "-inf"
+    del rows[-1]["entropy/mean"]
+    _write(mesh / "metrics.jsonl", rows, tail="{not json\n")
+    _write(mesh / "events.jsonl", [{"step": 2, "event": "mei_first_crossing", "mei": 1.2, "threshold": 1.05}])
+    (mesh / "summary.json").unlink()
+    return {"grpo": grpo, "js": js, "eval": ev, "mesh": mesh}
+
+
+def _check_page(index: Path) -> str:
+    text = index.read_text()
+    refs = re.findall(r'src="([^"]+)"', text)
+    assert refs, "the page shows no plots"
+    for ref in refs:
+        target = index.parent / ref
+        assert target.is_file(), f"index.html references missing {ref}"
+        assert target.read_bytes()[:8] == PNG_MAGIC
+    return text
+
+
+def test_report_writes_every_plot_and_a_consistent_page(inputs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "rep"
+    index = build_report([inputs["grpo"], inputs["js"], inputs["mesh"], inputs["eval"]], out)
+    assert index == out / "index.html"
+    for name in ALL_PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 1000, name
+    masses = sorted(p.name for p in out.glob("strategy_mass_*.png"))
+    assert len(masses) == 1 and "mesh" in masses[0]  # one per run that has strategy masses
+    text = _check_page(index)
+    refs = set(re.findall(r'src="([^"]+)"', text))
+    assert refs == set(ALL_PLOTS) | set(masses)
+    for needed in ("grpo run (grpo)", "grpo_js", "eval_tiny (tiny:add)", "pass@4", "mean@2",
+                   "MEI scale", "query scale", "prefix-group scale", "first crossing at step 2 (logged)",
+                   "mesh.mu", "rollouts/count (sum)", "best held-out", "final held-out", "Generated"):
+        assert needed in text, needed
+    assert "<td>24</td>" in text  # rollouts/count sum: 3 steps x 2 prompts x 4 rollouts
+
+
+def test_text_is_escaped(inputs: dict[str, Path], tmp_path: Path) -> None:
+    text = build_report([inputs["js"], inputs["mesh"]], tmp_path / "rep").read_text()
+    assert "<b>run" not in text and "mesh<b>" not in text
+    assert "js&lt;b&gt;run (grpo_js)" in text and "mesh&lt;b&gt;" in text
+
+
+def test_nan_strings_missing_metrics_and_files_do_not_crash(inputs: dict[str, Path], tmp_path: Path) -> None:
+    (run,), _ = load_inputs([inputs["mesh"]])
+    steps, values = run.series("reward/mean")
+    assert steps == [2.0, 3.0] and all(isinstance(v, float) for v in values)  # "nan" at step 1 skipped
+    assert run.series("mei/query")[0] == [1.0, 3.0]
+    assert run.series("entropy/mean")[0] == [1.0, 2.0]
+    assert any("unreadable" in n for n in run.notes)
+    # a bare run: only metrics.jsonl, only reward/mean (one of them "nan"), no config/events/summary
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    _write(bare / "metrics.jsonl", [{"step": 1, "reward/mean": "nan"}, {"step": 2, "reward/mean": 0.5},
+                                    {"reward/mean": 0.25, "acc/mean": None}])
+    out = tmp_path / "rep"
+    text = _check_page(build_report([bare], out))
+    assert sorted(p.name for p in out.glob("*.png")) == ["reward_accuracy.png"]
+    assert "config.yaml missing" in text and "no data in: bare (?)" in text
+    # a run whose metrics hold nothing numeric at all: a page with no plots
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _write(empty / "metrics.jsonl", [{"step": "x", "reward/mean": "nan"}])
+    text = build_report([empty], tmp_path / "rep2").read_text()
+    assert "No plottable data" in text and not list((tmp_path / "rep2").glob("*.png"))
+
+
+def test_bad_input_names_the_path(tmp_path: Path) -> None:
+    stray = tmp_path / "not_a_run"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="not_a_run"):
+        build_report([stray], tmp_path / "rep")
+    with pytest.raises(ValueError, match="no_such_dir"):
+        build_report([tmp_path / "no_such_dir"], tmp_path / "rep")
+    with pytest.raises(ValueError, match="at least one"):
+        build_report([], tmp_path / "rep")
+    assert not (tmp_path / "rep").exists()
+
+
+def test_as_number() -> None:
+    assert as_number(3) == 3.0 and as_number(0.5) == 0.5
+    for bad in ("nan", "inf", "0.5", None, True, float("nan"), float("-inf"), [1], {"a": 1}):
+        assert as_number(bad) is None, bad
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    report_cmd.add_parser(parser.add_subparsers())
+    return parser.parse_args(argv)
+
+
+def test_cli_prints_index_path(inputs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "cli"
+    args = _parse(["report", str(inputs["grpo"]), str(inputs["eval"]), "--out", str(out), "--title", "A<&>B"])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.strip() == str(out / "index.html")
+    assert "<title>A&lt;&amp;&gt;B</title>" in (out / "index.html").read_text()
+
+
+def test_missing_matplotlib_is_a_clear_error(inputs: dict[str, Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    args = _parse(["report", str(inputs["grpo"]), "--out", str(tmp_path / "rep")])
+    assert args.func(args) == 1
+    assert "meshrl[report]" in capsys.readouterr().err
