@@ -6,13 +6,13 @@ import fnmatch
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from meshrl.progress import progress_bar  # noqa: F401  (re-exported for the analysis modules)
 from meshrl.trainer.batch import MicroBatch, collate, response_logits, token_logprobs
 
 log = logging.getLogger("meshrl")
@@ -46,22 +46,6 @@ def load_for_analysis(model_spec: str, *, seed: int = 0, device: str = "auto") -
 def pad_id_of(tok: Any, eos: Sequence[int]) -> int:
     """The tokenizer's pad id, else the first eos id (padding is masked out, so any id works)."""
     return int(tok.pad_token_id) if tok.pad_token_id is not None else int(eos[0])
-
-
-@contextmanager
-def progress_bar(label: str, total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar on stderr (stdout stays clean for ``--json``); yields ``advance(k=1)``."""
-    if not enabled:
-        yield lambda k=1: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("eta"),
-                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-    with bar:
-        task = bar.add_task(label, total=total)
-        yield lambda k=1: bar.update(task, advance=k)
 
 
 def forward_response(

@@ -68,6 +68,7 @@ def _hf_generate(spec: str, max_new_tokens: int, seed: int):
 
 def run(args: argparse.Namespace) -> int:
     from meshrl.mesh import generate_prefixes
+    from meshrl.progress import progress_bar
     from meshrl.tasks import load_task
 
     task = load_task(args.task, seed=args.seed)
@@ -77,26 +78,9 @@ def run(args: argparse.Namespace) -> int:
     by_id = {p.id: p for p in problems}
     backend = _backend(args, task, by_id)
     queries = [{"id": p.id, "problem": p.prompt, "answer": p.answer} for p in problems]
-    with _Bar(len({q["problem"] for q in queries})) as progress:
+    with progress_bar("coach", len({q["problem"] for q in queries})) as advance:
         summary = generate_prefixes(queries, backend, m=args.m, out_path=args.out, rejects_path=args.rejects,
-                                    max_attempts=args.max_attempts, progress=progress)
+                                    max_attempts=args.max_attempts,
+                                    progress=lambda done, total, status: advance(completed=done, description=status))
     print(json.dumps(summary.as_dict(), indent=1))
     return 0
-
-
-class _Bar:
-    def __init__(self, total: int) -> None:
-        self.total = total
-
-    def __enter__(self):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self._p = Progress(TextColumn("[bold]coach"), BarColumn(), MofNCompleteColumn(), TextColumn("eta"),
-                           TimeRemainingColumn(), TextColumn("{task.description}"))
-        self._p.start()
-        self._t = self._p.add_task("", total=self.total)
-        return lambda done, total, status: self._p.update(self._t, completed=done, description=status)
-
-    def __exit__(self, *exc):
-        self._p.stop()
-        return False

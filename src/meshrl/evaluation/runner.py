@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshrl.progress import progress_bar
 from meshrl.trainer.rollout_step import CORRECT_AT
 from meshrl.trainer.runlog import JsonlWriter, read_jsonl
 
@@ -103,7 +104,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     writer = JsonlWriter(samples_path)
     t0 = time.perf_counter()
     try:
-        with _bar(progress, len(chunks)) as advance:
+        with progress_bar("eval", len(chunks), progress) as advance:
             for ci, chunk in enumerate(chunks):
                 if all(p.id in done_ids for p in chunk):
                     advance()
@@ -145,24 +146,3 @@ def _valid_rows(path: Path, cfg: EvalConfig) -> list[dict[str, Any]]:
     keep = [r for r in rows if count[r["problem_id"]] == cfg.n]
     path.write_text("".join(json.dumps(r) + "\n" for r in keep))
     return keep
-
-
-class _bar:
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled, total
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self._p = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TextColumn("eta"),
-                           TimeRemainingColumn())
-        self._p.start()
-        task = self._p.add_task("", total=self.total)
-        return lambda: self._p.update(task, advance=1)
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self._p.stop()
-        return False

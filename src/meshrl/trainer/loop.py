@@ -24,6 +24,7 @@ from meshrl.algos import (
     masked_mean,
     policy_loss,
 )
+from meshrl.progress import progress_bar
 from meshrl.trainer.batch import collate, micro_weight, response_logits, token_entropy, token_logprobs
 from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from meshrl.trainer.config import RunConfig, save_config
@@ -356,7 +357,8 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[s
     trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
     history: list[dict[str, Any]] = []
     try:
-        with _progress(cfg, trainer.step_idx) as bar, _sigterm_as_interrupt():
+        with progress_bar("train", cfg.steps, cfg.log.progress, start=trainer.step_idx) as advance, \
+                _sigterm_as_interrupt():
             while trainer.step_idx < cfg.steps:
                 metrics = trainer.step()
                 if trainer.evaluator and (trainer.step_idx % cfg.eval.every == 0 or trainer.step_idx == cfg.steps):
@@ -374,7 +376,8 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[s
                     writers["events"].write({"step": metrics["step"], "event": "nonfinite_skip"})
                 if trainer.step_idx % cfg.checkpoint.every == 0 or trainer.step_idx == cfg.steps:
                     trainer.save()
-                bar(metrics)
+                advance(description=f"reward {metrics.get('reward/mean', float('nan')):.3f} "
+                                    f"acc {metrics.get('acc/mean', float('nan')):.3f}")
     except KeyboardInterrupt:
         path = trainer.save()
         writers["events"].write({"step": trainer.step_idx, "event": "interrupted", "checkpoint": str(path)})
@@ -429,40 +432,4 @@ class _sigterm_as_interrupt:
     def __exit__(self, *exc):
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
-        return False
-
-
-class _progress:
-    """Rich progress bar with ETA and the latest reward/accuracy; a no-op when disabled."""
-
-    def __init__(self, cfg: RunConfig, start: int) -> None:
-        self.cfg, self.start = cfg, start
-        self._p = None
-
-    def __enter__(self):
-        if self.cfg.log.progress:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self._p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                               TextColumn("{task.description}"))
-            self._p.start()
-            self._task = self._p.add_task("", total=self.cfg.steps, completed=self.start)
-        return self
-
-    def __call__(self, m: dict[str, Any]) -> None:
-        if self._p is not None:
-            desc = f"reward {m.get('reward/mean', float('nan')):.3f} acc {m.get('acc/mean', float('nan')):.3f}"
-            self._p.update(self._task, advance=1, description=desc)
-
-    def __exit__(self, *exc):
-        if self._p is not None:
-            self._p.stop()
         return False

@@ -1,0 +1,265 @@
+"""The testbed's warm start: a small built-in model taught all three procedures, cached on disk.
+
+``warm_start()`` trains ``meshrl.models.build_tiny(preset)`` by teacher forcing (AdamW, seeded) on
+reference traces of ``testbed:add`` problems drawn from the *train* pair pool (never an eval pair, for
+any task seed). Each example's procedure is drawn uniformly and independently of the problem type, so
+the starting policy uses every procedure on every type and the three genuinely compete: RL has to find
+out which one works where. Over-budget traces (column addition on a ``carry`` problem) are taught too:
+the procedure exists, it just does not finish within the budget.
+
+A fraction of the examples (``coach_fraction``) carries a rule-coach prefix in the system prompt,
+wrapped exactly as the ``mesh``/``cp_only`` recipes wrap it (``meshrl.mesh.wrap_prefix(text, "system")``),
+with the trace of the procedure the prefix describes. Without them the tiny model has never seen a
+system prompt and would not react to coach prefixes at all, so Coach Prompting could not be studied
+on it. Those examples are long (the template is about 800 characters), hence the small default share.
+
+The result is saved with ``save_pretrained`` (model and tokenizer) into a directory that
+``meshrl.models.load_model`` and ``meshrl train --model PATH`` accept. The directory is named after a
+hash of every setting that changes the weights, written atomically (temporary directory + rename) and
+reused on the next call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshrl.testbed.task import COACH_TEXT, DEFAULT_BUDGET, parse_mix, sample_problems
+from meshrl.testbed.traces import STRATEGIES, reference_trace
+
+WARM_VERSION = "testbed-add-warm-v1"  # bump when data, format or training loop change the weights
+MARKER = "warm_start.json"
+DEFAULT_STEPS = 600
+
+
+def cache_root() -> Path:
+    """``$MESHRL_CACHE/testbed`` or ``~/.cache/meshrl/testbed``."""
+    env = os.environ.get("MESHRL_CACHE")
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "meshrl"
+    return base / "testbed"
+
+
+def warm_settings(*, seed: int, steps: int, preset: str, batch_size: int, lr: float, coach_fraction: float,
+                  mix: Any = None) -> dict[str, Any]:
+    """Everything that determines the warm-start weights (and names the cache directory)."""
+    return {"version": WARM_VERSION, "task": "testbed:add", "budget": DEFAULT_BUDGET, "seed": int(seed),
+            "steps": int(steps), "preset": preset, "batch_size": int(batch_size), "lr": float(lr),
+            "coach_fraction": float(coach_fraction), "mix": parse_mix(mix)}
+
+
+def settings_hash(settings: dict[str, Any]) -> str:
+    """A short stable hash of ``settings``."""
+    blob = json.dumps(settings, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps: int = DEFAULT_STEPS,
+               preset: str = "tiny:small", force: bool = False, batch_size: int = 64, lr: float = 3e-3,
+               coach_fraction: float = 0.05, mix: Any = None, threads: int | None = None,
+               progress: bool = True) -> Path:
+    """Return the directory of a warm-started testbed model, training it first if it is not cached.
+
+    Args:
+        out_dir: where to put the model; default ``cache_root() / f"warm_{hash}"``. An existing complete
+            directory made with the same settings is reused (a different one raises ``ValueError``).
+        seed: model init, data order and procedure draws (same seed and settings -> same weights).
+        steps: optimiser steps of ``batch_size`` examples.
+        preset: a ``meshrl.models.TINY_PRESETS`` name.
+        force: retrain even if a cached copy exists (it is replaced atomically).
+        lr: peak AdamW learning rate (linear warm-up over 5% of the steps, cosine decay to 10%).
+        coach_fraction: share of examples with a coach prefix in the system prompt (0 turns them off).
+        mix: problem-type weights of the training data (default: the task's).
+        threads: ``torch.set_num_threads`` during training (default ``min(4, cpu count)``; restored).
+        progress: show a rich progress bar.
+    """
+    if steps < 0 or batch_size < 1 or not 0 <= coach_fraction < 1 or lr <= 0:
+        raise ValueError(f"bad warm-start settings: steps={steps}, batch_size={batch_size}, lr={lr}, "
+                         f"coach_fraction={coach_fraction}")
+    settings = warm_settings(seed=seed, steps=steps, preset=preset, batch_size=batch_size, lr=lr,
+                             coach_fraction=coach_fraction, mix=mix)
+    target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / f"warm_{settings_hash(settings)}"
+    if not force and _complete(target, settings):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        info = _train(tmp, settings, threads=threads, progress=progress)
+        (tmp / MARKER).write_text(json.dumps({"settings": settings, **info}, indent=2) + "\n")
+        _publish(tmp, target, force=force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def warm_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The settings and training figures recorded next to a warm-start model."""
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+def _complete(target: Path, settings: dict[str, Any]) -> bool:
+    marker = target / MARKER
+    if not marker.is_file():
+        if target.exists() and any(target.iterdir()):
+            raise ValueError(f"{target} exists and is not a testbed warm start; choose another out_dir")
+        return False
+    found = json.loads(marker.read_text()).get("settings")
+    if found != settings:
+        raise ValueError(f"{target} holds a warm start made with other settings ({found}); "
+                         "use force=True to replace it or another out_dir")
+    return True
+
+
+def _publish(tmp: Path, target: Path, *, force: bool) -> None:
+    """Move ``tmp`` to ``target`` atomically; a concurrent writer that finished first wins."""
+    if target.exists():
+        if not force:
+            return  # someone else published the same settings meanwhile
+        old = target.with_name(f".{target.name}.old.{os.getpid()}")
+        os.replace(target, old)
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / MARKER).is_file():
+            raise
+
+
+# ----------------------------------------------------------------------------------------- training
+def _train(out: Path, settings: dict[str, Any], *, threads: int | None, progress: bool) -> dict[str, Any]:
+    from meshrl.models import build_tiny
+
+    old_threads = torch.get_num_threads()
+    n_threads = threads or min(4, os.cpu_count() or 1)
+    torch.set_num_threads(n_threads)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    try:
+        model, tok = build_tiny(settings["preset"], seed=settings["seed"])
+        data = _Examples(tok, settings)
+        losses = _optimise(model, data, settings, progress=progress)
+        model.eval()
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+    finally:
+        torch.set_num_threads(old_threads)
+    tail = losses[-max(1, len(losses) // 10):]
+    return {"seconds": round(time.perf_counter() - t0, 2), "cpu_seconds": round(time.process_time() - cpu0, 2),
+            "threads": n_threads, "params": sum(p.numel() for p in model.parameters()),
+            "final_loss": round(sum(tail) / len(tail), 5) if tail else None}
+
+
+class _Examples:
+    """Seeded stream of teacher-forcing batches: plain prompts and (a few) coach-prefixed ones."""
+
+    def __init__(self, tok, settings: dict[str, Any]) -> None:
+        from meshrl.mesh import wrap_prefix
+        from meshrl.models import encode_prompt
+
+        self.tok, self.encode = tok, encode_prompt
+        self.rng = random.Random(f"testbed-warm-{settings['seed']}")
+        self.mix = settings["mix"]
+        self.batch = settings["batch_size"]
+        self.n_coach = int(round(settings["batch_size"] * settings["coach_fraction"]))
+        self.systems = {s: wrap_prefix(COACH_TEXT[s], "system") for s in STRATEGIES}
+        self.eos = tok.eos_token_id
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos
+
+    def _rows(self, n: int, coach: bool) -> list[tuple[list[int], list[int]]]:
+        rows = []
+        for problem in sample_problems(n, self.mix, self.rng, held_out=False):
+            strategy = self.rng.choice(STRATEGIES)
+            system = self.systems[strategy] if coach else None
+            prompt = self.encode(self.tok, problem.prompt, system=system)
+            trace = reference_trace(problem.meta["a"], problem.meta["b"], strategy)
+            rows.append((prompt, self.tok.encode(trace, add_special_tokens=False) + [self.eos]))
+        return rows
+
+    def next(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Padded ``(input_ids, attention_mask, labels)`` micro-batches of one step (labels -100 off-response)."""
+        parts = [self._rows(self.batch - self.n_coach, coach=False)]
+        if self.n_coach:
+            parts.append(self._rows(self.n_coach, coach=True))
+        return [self._pad(rows) for rows in parts if rows]
+
+    def _pad(self, rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = max(len(p) + len(r) for p, r in rows)
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        for i, (p, r) in enumerate(rows):
+            seq = p + r
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+            labels[i, len(p) : len(seq)] = torch.tensor(r)
+        return ids, mask, labels
+
+
+def lr_at(step: int, steps: int, peak: float) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay from ``peak`` to ``0.1 * peak``."""
+    warm = max(1, steps // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    frac = (step - warm) / max(1, steps - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _optimise(model, data: _Examples, settings: dict[str, Any], *, progress: bool) -> list[float]:
+    steps, peak = settings["steps"], settings["lr"]
+    opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.98), weight_decay=0.0)
+    model.train()
+    losses: list[float] = []
+    with _progress_bar(progress, steps) as advance:
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, steps, peak)
+            batches = data.next()
+            n_tokens = sum(int((labels[:, 1:] != -100).sum()) for _, _, labels in batches)
+            total = 0.0
+            for ids, mask, labels in batches:
+                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+                target = labels[:, 1:]
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+                ) / n_tokens
+                loss.backward()
+                total += float(loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(total)
+            advance(total)
+    return losses
+
+
+class _progress_bar:
+    """A rich bar (loss in the description) or a no-op; ``with ... as advance: advance(loss)``."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total, self.bar = enabled, total, None
+
+    def __enter__(self):
+        if self.enabled and self.total:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("testbed warm start"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(), transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task("warm", total=self.total, loss="-")
+        return self._advance
+
+    def _advance(self, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, loss=f"{loss:.3f}")
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
