@@ -221,3 +221,15 @@ def test_dapo_dynamic_sampling_drops_flat_groups_and_refills(tmp_path, monkeypat
         assert m["rollouts/count"] > m["rollouts/kept"]
         assert m["rollouts/kept"] == 4 * 4  # refilled to prompts_per_step groups of G
         assert m["adv/abs_mean"] > 0
+
+
+def test_true_strategy_masses_are_logged_for_tasks_with_a_parser(tmp_path, monkeypatch):
+    from meshrl.tasks.tiny import RepeatTask
+
+    monkeypatch.setattr(RepeatTask, "strategies", ("digit", "letter"), raising=False)
+    monkeypatch.setattr(RepeatTask, "label_strategy",
+                        lambda self, c: None if not c else ("digit" if c[0].isdigit() else "letter"))
+    hist = train(_cfg(steps=1), tmp_path / "s")
+    m = hist[0]
+    assert m["strategy/mass/digit"] + m["strategy/mass/letter"] + m["strategy/unlabelled"] == pytest.approx(1.0)
+    assert 0.5 <= m["strategy/max_mass"] <= 1.0

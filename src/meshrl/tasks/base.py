@@ -67,6 +67,13 @@ class Task:
 
         return float(grade(completion, problem.answer, self.reward_kind))
 
+    strategies: tuple[str, ...] = ()  # names of known solution procedures (tasks with labelled traces)
+
+    def label_strategy(self, completion: str) -> str | None:
+        """The procedure a completion follows (one of :attr:`strategies`), or ``None``: a parser of the
+        trace, for tasks whose strategies are machine-recognisable (the collapse testbed)."""
+        return None
+
     def coach_strategies(self, problem: Problem) -> list[str] | None:
         """Known solution strategies for ``problem`` (the rule coach's prefixes), or ``None``.
 

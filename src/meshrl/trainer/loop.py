@@ -132,6 +132,7 @@ class Trainer:
         self.step_idx += 1
         n_tokens = sum(len(p) + len(r) for p, r in zip(data.prompt_ids, data.response_ids, strict=True))
         metrics.update(self._rollout_metrics(data))
+        metrics.update(self._strategy_metrics(data))
         metrics.update(data.stats)
         metrics.update({
             "step": self.step_idx,
@@ -165,6 +166,25 @@ class Trainer:
             "len/response_max": float(lengths.max()),
             "len/truncated_frac": float(torch.tensor(data.truncated, dtype=torch.float32).mean()),
         }
+
+    def _strategy_metrics(self, data: StepData) -> dict[str, float]:
+        """True strategy masses (tasks with a trace parser) and accuracy per problem type (``meta["type"]``)."""
+        out: dict[str, float] = {}
+        names = getattr(self.task, "strategies", ())
+        if names and len(data):
+            labels = [self.task.label_strategy(t) for t in data.texts]
+            labelled = [x for x in labels if x is not None]
+            for name in names:
+                out[f"strategy/mass/{name}"] = labels.count(name) / len(labels)
+            out["strategy/unlabelled"] = 1 - len(labelled) / len(labels)
+            out["strategy/max_mass"] = max(labelled.count(n) for n in names) / len(labelled) if labelled else 0.0
+        types: dict[str, list[float]] = defaultdict(list)
+        for p, sc in zip(data.problems, data.scores, strict=True):
+            if "type" in p.meta:
+                types[str(p.meta["type"])].append(float(sc >= CORRECT_AT))
+        for t, v in sorted(types.items()):
+            out[f"acc/type/{t}"] = sum(v) / len(v)
+        return out
 
     # ------------------------------------------------------------------ the update
     def _micro_batches(self, rows: list[int], data: StepData):
