@@ -11,6 +11,7 @@ from meshrl.cli import (
     census_cmd,
     coach_cmd,
     compare_cmd,
+    demo_cmd,
     eval_cmd,
     mei_cmd,
     probe_cmd,
@@ -19,7 +20,8 @@ from meshrl.cli import (
     train_cmd,
 )
 
-COMMANDS = [train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd, census_cmd, probe_cmd]
+COMMANDS = [demo_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd, census_cmd,
+            probe_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -187,6 +187,7 @@ def load_task(spec: str, *, seed: int = 0, **options: Any) -> Task:
     base, query = split_spec(spec)
     opts = {**query, **options}
     seed = int(opts.pop("seed", seed))
+    _import_provider(base)
     if base in _BUILTINS:
         return _BUILTINS[base](seed=seed, **opts)
     prefix = _prefix_of(base)
@@ -197,6 +198,20 @@ def load_task(spec: str, *, seed: int = 0, **options: Any) -> Task:
             raise ValueError(f"task spec {spec!r} is missing its argument; expected the form {form}")
         return factory(arg, seed=seed, **opts)
     raise ValueError(f"unknown task spec {spec!r}; known forms: {', '.join(list_tasks())}")
+
+
+# Task families that live above the engine (the testbed trains a model for its warm start) register
+# themselves when their package is imported; the registry imports them by name on first use, so the
+# engine never imports them statically.
+LAZY_PROVIDERS: dict[str, str] = {"testbed": "meshrl.testbed"}
+
+
+def _import_provider(base: str) -> None:
+    family = base.split(":", 1)[0]
+    if base not in _BUILTINS and family in LAZY_PROVIDERS:
+        import importlib
+
+        importlib.import_module(LAZY_PROVIDERS[family])
 
 
 def take_options(task: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,122 @@
+"""``meshrl demo``: watch strategy collapse, its harm and its prevention on the testbed, on a CPU.
+
+Warm start (cached) -> GRPO, CP-only and Mesh at the matched rollout budget, with MEI and the true strategy
+masses logged every step -> held-out evaluation with pass@k broken down by problem type -> paired
+comparisons. The CLI adds the report (plots + HTML) on top, since the report is a face above this layer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("meshrl")
+
+ARMS = ("grpo", "cp_only", "mesh")
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Sizes of one demo; ``quick()`` is the CI-sized version (about two minutes on 2 cores)."""
+
+    warm_steps: int = 600
+    steps: int = 40
+    prompts_per_step: int = 16
+    group_size: int = 12  # m = 3 procedures x 4 rollouts at the matched budget
+    lr: float = 1e-3
+    warmup_steps: int = 3
+    ppo_epochs: int = 2
+    mini_batches: int = 2
+    mu: float = 1e-5
+    eval_problems: int = 256
+    eval_n: int = 8
+    ks: tuple[int, ...] = (1, 2, 4, 8)
+    threads: int = 2
+
+    @classmethod
+    def quick(cls) -> DemoSettings:
+        return cls(warm_steps=120, steps=4, prompts_per_step=4, group_size=6, ppo_epochs=1, mini_batches=1,
+                   eval_problems=48, eval_n=4, ks=(1, 2, 4))
+
+
+def arm_config(arm: str, model_path: Path, s: DemoSettings, seed: int, max_new_tokens: int):
+    from meshrl.trainer import load_config
+
+    return load_config(overrides=[
+        f"recipe={arm}", f"model={model_path}", "task=testbed:add", f"steps={s.steps}", f"seed={seed}",
+        f"rollout.prompts_per_step={s.prompts_per_step}", f"rollout.group_size={s.group_size}",
+        f"rollout.max_new_tokens={max_new_tokens}", "rollout.temperature=1.0", f"optim.lr={s.lr}",
+        f"optim.warmup_steps={s.warmup_steps}", f"train.ppo_epochs={s.ppo_epochs}",
+        f"train.mini_batches={s.mini_batches}", "train.micro_batch_size=64", f"mesh.mu={s.mu}",
+        "mesh.m=3", "diag.mei.every=1", "log.progress=true",
+        f"checkpoint.every={max(s.steps, 1)}",
+    ])
+
+
+def run_demo(out: Path, *, quick: bool = False, seed: int = 0, settings: DemoSettings | None = None,
+             progress: bool = True) -> dict[str, Any]:
+    """Run the whole demo into ``out``; return the paths of its runs and evaluations and a summary."""
+    import torch
+
+    from meshrl.evaluation import EvalConfig, run_eval
+    from meshrl.evaluation.compare import compare_evals
+    from meshrl.tasks import load_task
+    from meshrl.testbed.warm import warm_info, warm_start
+    from meshrl.trainer import train
+    from meshrl.trainer.checkpoint import latest_checkpoint
+
+    s = settings or (DemoSettings.quick() if quick else DemoSettings())
+    torch.set_num_threads(s.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model_path = warm_start(seed=seed, steps=s.warm_steps, progress=progress)
+    task = load_task("testbed:add", seed=seed)
+    max_new = task.max_new_tokens
+    runs, evals = {}, {}
+    for arm in ARMS:
+        run_dir = out / "runs" / arm
+        cfg = arm_config(arm, model_path, s, seed, max_new)
+        if not progress:
+            cfg.log.progress = False
+        ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
+        done = json.loads((ckpt / "state.json").read_text())["step"] if ckpt else 0
+        if done < cfg.steps:
+            log.info("demo: training %s (%d steps)", arm, cfg.steps)
+            train(cfg, run_dir, resume=ckpt is not None)
+        runs[arm] = run_dir
+        ev = EvalConfig(model=str(run_dir), data="testbed:add", split="eval", n=s.eval_n, ks=list(s.ks),
+                        limit=s.eval_problems, max_new_tokens=max_new, temperature=1.0, seed=seed, by="type")
+        run_eval(ev, out / "evals" / arm, progress=progress)
+        evals[arm] = out / "evals" / arm
+    base = EvalConfig(model=str(model_path), data="testbed:add", split="eval", n=s.eval_n, ks=list(s.ks),
+                      limit=s.eval_problems, max_new_tokens=max_new, temperature=1.0, seed=seed, by="type")
+    run_eval(base, out / "evals" / "warm_start", progress=progress)
+    evals["warm_start"] = out / "evals" / "warm_start"
+    comparisons = {f"{a}_vs_grpo": [r.as_dict() for r in compare_evals(evals[a], evals["grpo"], n_boot=2000)]
+                   for a in ("cp_only", "mesh")}
+    summary = {"settings": asdict(s), "seed": seed, "warm_start": str(model_path),
+               "warm_info": warm_info(model_path), "runs": {k: str(v) for k, v in runs.items()},
+               "evals": {k: str(v) for k, v in evals.items()}, "comparisons": comparisons,
+               "final": _final_table(runs, evals), "seconds": time.perf_counter() - t0}
+    (out / "demo_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def _final_table(runs: dict[str, Path], evals: dict[str, Path]) -> dict[str, Any]:
+    """Per arm: last-step training figures (max strategy mass, MEI) and held-out results by type."""
+    from meshrl.trainer.runlog import read_jsonl
+
+    table: dict[str, Any] = {}
+    for arm, ev_dir in evals.items():
+        ev = json.loads((ev_dir / "eval.json").read_text())
+        row: dict[str, Any] = {"eval": ev["overall"], "eval_by_type": ev.get("by", {}).get("groups", {})}
+        if arm in runs:
+            last = read_jsonl(runs[arm] / "metrics.jsonl")[-1]
+            row["train_last"] = {k: v for k, v in last.items()
+                                 if k.startswith(("strategy/", "mei/query", "mei/effective", "acc/", "reward/mean"))}
+        table[arm] = row
+    return table
