@@ -78,8 +78,13 @@ def test_prefix_is_in_the_prompt_and_coach_tokens_get_no_gradient(placement, tmp
     finally:
         handle.remove()
     grad = captured["logits"].grad
-    assert torch.count_nonzero(grad[:, : mb.prompt_len - 1]) == 0
-    assert torch.count_nonzero(grad[:, mb.prompt_len - 1 :]) > 0
+    t = mb.response_ids.shape[1]
+    # Only the logits from the last prompt position on are computed at all (logits_to_keep = T + 1), so the
+    # log-probabilities of prompt and coach tokens cannot enter any loss term; of those kept, the last one
+    # (predicting past the response) gets exactly zero gradient and the response positions get some.
+    assert grad.shape[1] == t + 1 < mb.input_ids.shape[1]
+    assert torch.count_nonzero(grad[:, t:]) == 0
+    assert torch.count_nonzero(grad[:, :t]) > 0
 
 
 def test_mesh_balancing_metrics_and_gradient_ratio(tmp_path, monkeypatch):

@@ -56,15 +56,18 @@ def response_logits(model: torch.nn.Module, mb: MicroBatch, autocast_bf16: bool 
     """Float32 logits ``[n, T, V]`` at the positions that predict each response token."""
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
+    t = mb.response_ids.shape[1]
     with ctx:
+        # Only the last T+1 positions' logits are needed (the prompt's last token predicts the first response
+        # token): skipping the unembedding of the rest of the prompt saves ~12% of an update (benchmarks/).
         out = model(
             input_ids=mb.input_ids.to(device),
             attention_mask=mb.attention_mask.to(device),
             position_ids=mb.position_ids.to(device),
             use_cache=False,
+            logits_to_keep=t + 1,
         )
-    t = mb.response_ids.shape[1]
-    return out.logits[:, mb.prompt_len - 1 : mb.prompt_len - 1 + t].float()
+    return out.logits[:, :t].float()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

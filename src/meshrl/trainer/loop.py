@@ -67,8 +67,9 @@ class Trainer:
         self.pad_id = self._pad_id()
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
+        # fused=True: on CPU the default per-tensor loop was 8x slower per step on 135M parameters (benchmarks/).
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, fused=True)
         self.backend = make_backend(cfg.rollout.backend, self.model, self.tokenizer,
                                     batch_size=cfg.rollout.batch_size)
         runner = RewardRunner(self.task.score, timeout_s=cfg.reward.timeout_s, strict=cfg.reward.strict)
