@@ -8,12 +8,20 @@ import the testbed; a command that wants the task imports ``meshrl.testbed`` fir
   problem types on which different procedures win (``meta["type"]``). Strict reward with a length budget.
 * :func:`label_strategy`, :func:`reference_trace`: the parser and the reference traces.
 * :func:`warm_start`: a small built-in model taught all three procedures, cached on disk.
-* :func:`strategy_shares`, :func:`forced_accuracy`: ground-truth shares and per-type forced accuracy.
+* :func:`strategy_shares`, :func:`forced_accuracy`, :func:`coached_shares`: ground-truth shares, per-type
+  forced accuracy, and how the model reacts to the rule coach's prefixes.
 
 See ``docs/testbed_design.md``.
 """
 
-from meshrl.testbed.measure import ForcedReport, ShareReport, forced_accuracy, strategy_shares
+from meshrl.testbed.measure import (
+    CoachReport,
+    ForcedReport,
+    ShareReport,
+    coached_shares,
+    forced_accuracy,
+    strategy_shares,
+)
 from meshrl.testbed.task import (
     COACH_TEXT,
     DEFAULT_BUDGET,
@@ -46,10 +54,12 @@ __all__ = [
     "STRATEGY_NAMES",
     "TYPES",
     "AddTestbed",
+    "CoachReport",
     "ForcedPrompt",
     "ForcedReport",
     "ShareReport",
     "cache_root",
+    "coached_shares",
     "coach_strategies",
     "feasible_strategies",
     "forced_accuracy",

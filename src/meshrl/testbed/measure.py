@@ -187,3 +187,59 @@ def forced_accuracy(model, tok, task, problems: Sequence[Problem], n: int = 4, t
         formed[strategy] = ok / len(texts)
     return ForcedReport(n_problems=len(problems), n=n, temperature=temperature, accuracy=acc, overall=overall,
                         well_formed=formed)
+
+
+@dataclass
+class CoachReport:
+    """Rollouts conditioned on each rule-coach prefix (system placement, as the ``mesh`` recipes do).
+
+    ``follow[s][k]`` is the share of rollouts labelled ``k`` when the prefix describes ``s``;
+    ``accuracy[s]`` their mean reward. A model that follows the coach has ``follow[s][s]`` near 1.
+    """
+
+    n_problems: int
+    n: int
+    placement: str
+    follow: dict[str, dict[str, float]]
+    accuracy: dict[str, float]
+
+    def follow_rate(self) -> float:
+        """Mean over prefixes of the share of rollouts that use the described procedure."""
+        return _mean([self.follow[s][s] for s in self.follow])
+
+    def table(self) -> str:
+        cols = [*STRATEGIES, OTHER]
+        lines = ["| coach prefix | " + " | ".join(f"share {c}" for c in cols) + " | accuracy |",
+                 "|---" * (len(cols) + 2) + "|"]
+        for s, row in self.follow.items():
+            lines.append(f"| {s} | " + " | ".join(f"{row[c]:.2f}" for c in cols) + f" | {self.accuracy[s]:.3f} |")
+        return "\n".join(lines)
+
+
+def coached_shares(model, tok, task, problems: Sequence[Problem], n: int = 4, temperature: float = 1.0,
+                   seed: int = 0, *, placement: str = "system", batch_size: int | None = 64) -> CoachReport:
+    """Sample with each of the task's rule-coach prefixes wrapped by ``meshrl.mesh.wrap_prefix``.
+
+    This is what a ``cp_only``/``mesh`` run feeds the model; use it to check that a warm start reacts to
+    coach prefixes at all (the prompts are long, so keep ``problems`` small).
+    """
+    from meshrl.mesh import wrap_prefix
+    from meshrl.models import encode_prompt
+
+    problems = list(problems)
+    if not problems or n < 1:
+        raise ValueError("coached_shares needs at least one problem and n >= 1")
+    prefixes = task.coach_strategies(problems[0])
+    follow: dict[str, dict[str, float]] = {}
+    accuracy: dict[str, float] = {}
+    for j, (strategy, prefix) in enumerate(zip(task.strategies, prefixes, strict=True)):
+        wrapped = wrap_prefix(prefix, placement)
+        if placement == "system":
+            prompts = [encode_prompt(tok, task.format_prompt(p), system=wrapped) for p in problems]
+        else:
+            prompts = [encode_prompt(tok, task.format_prompt(p), assistant_prefix=wrapped) for p in problems]
+        texts = _sample(model, tok, prompts, n, temperature, seed + 104729 * j, task.max_new_tokens, batch_size)
+        labels = Counter(task.label_strategy(t, partial=True) or OTHER for t in texts)
+        follow[strategy] = {k: labels[k] / len(texts) for k in [*STRATEGIES, OTHER]}
+        accuracy[strategy] = _mean([task.score(t, problems[i // n]) for i, t in enumerate(texts)])
+    return CoachReport(n_problems=len(problems), n=n, placement=placement, follow=follow, accuracy=accuracy)

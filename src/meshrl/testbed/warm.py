@@ -231,7 +231,7 @@ def _optimise(model, data: _Examples, settings: dict[str, Any], *, progress: boo
                     logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
                 ) / n_tokens
                 loss.backward()
-                total += float(loss)
+                total += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
