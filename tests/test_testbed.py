@@ -87,6 +87,17 @@ def test_parser_rejects_malformed(bad):
     assert tb.label_strategy(bad) is None
 
 
+def test_parser_loose_labels_by_the_working():
+    assert tb.label_strategy(":5442+50=592|592") is None
+    assert tb.label_strategy(":5442+50=592|592", loose=True) == "t"  # tag worn off by RL, procedure kept
+    assert tb.label_strategy("r:542+50=592|592", loose=True) == "t"  # the working decides, not the tag
+    assert tb.label_strategy("3+8=11;7+4+1=12;5+0+1=6|621", loose=True) == "c"
+    assert tb.label_strategy("573+50-2=623-2|621", loose=True) == "r"
+    assert tb.label_strategy("|621", loose=True) is None
+    assert tb.label_strategy(":5442+5", partial=True, loose=True) is None  # t or r could still follow
+    assert tb.label_strategy(":5442+50-", partial=True, loose=True) == "r"
+
+
 def test_parser_partial_labels_truncated_traces():
     full = tb.reference_trace(573, 48, "c")
     assert tb.label_strategy(full[:21]) is None  # cut by the budget: not a complete trace
@@ -131,16 +142,38 @@ def test_over_budget_is_by_a_margin():
                 assert min(lengths[s] for s in tb.STRATEGIES if s != tb.HOME[kind]) > tb.DEFAULT_BUDGET
 
 
-def test_strict_reward(task):
+def test_strict_answer_reward():
+    task = load_task("testbed:add", reward="answer", size=3, eval_size=0)
     p = tb.make_problem(573, 48)
     assert task.score("r:573+50-2=623-2|621", p) == 1.0
-    assert task.score("|621", p) == 1.0  # the reward checks the answer only (the parser labels it None)
+    assert task.score("|621", p) == 1.0  # the answer-only reward ignores the working (the parser says None)
+    assert task.score("c:3+8=11;7+4+1=12|621", p) == 1.0  # a shortened column trace that fits the budget
     for wrong in ["r:573+50-2=623-2|620", "r:573+50-2=623-2|621\n", "|621|621", "|0621", "621",
                   "c:3+8=11;7+4+1=12;5+0+1=6|621", ""]:
         assert task.score(wrong, p) == 0.0, wrong
     long_ok = "x" * (task.budget - 4) + "|621"
     assert len(long_ok) == task.budget and task.score(long_ok, p) == 1.0
     assert task.score("x" + long_ok, p) == 0.0  # one character over the budget
+
+
+def test_trace_reward_is_the_default_and_closes_the_behaviours(task):
+    assert task.reward == "trace"
+    p = tb.make_problem(573, 48)
+    assert task.score("r:573+50-2=623-2|621", p) == 1.0
+    assert task.score("r:573+50-2=624-2|621", p) == 1.0  # intermediate results are not checked
+    for wrong in ["|621", "c:3+8=11;7+4+1=12|621", ":573+50-2=623-2|621", "t:573+50-2=623-2|621",
+                  "r:573+40-2=623-2|621", "r:573+50-2=623-2|620", "r:573+50-2=623-2|621 ", "x:|621",
+                  "c:3+8=11;7+4+1=12;5+0+1=6|621"]:  # the last is complete but over the budget
+        assert task.score(wrong, p) == 0.0, wrong
+    with pytest.raises(ValueError, match="reward"):
+        load_task("testbed:add", reward="dense")
+    for a, b in [(523, 41), (573, 40), (503, 91), (899, 99)]:
+        q = tb.make_problem(a, b) if tb.problem_type(a, b) else None
+        for s in tb.STRATEGIES:
+            trace = tb.reference_trace(a, b, s)
+            assert tb.trace_reward(trace, a, b, budget=99) == 1.0
+            if q is not None:
+                assert task.score(trace, q) == float(len(trace) <= task.budget)
 
 
 def test_forced_prompt_and_coach(task):
@@ -231,5 +264,31 @@ def test_measurements_on_an_untrained_model(task):
     assert set(shares.accuracy_by_type) <= set(tb.TYPES) and 0 <= shares.accuracy <= 1
     assert "| all |" in shares.table() and shares.to_dict()["max_share"] == shares.max_share
     forced = tb.forced_accuracy(model, tok, task, probs, n=1, seed=0)
-    assert set(forced.accuracy) == set(tb.STRATEGIES)
+    assert set(forced.accuracy) == set(forced.raw_accuracy) == set(forced.followed) == set(tb.STRATEGIES)
     assert set(forced.winners()) == set(forced.accuracy["c"]) and "forced c" in forced.table()
+
+
+# --------------------------------------------------------------------------------- the real warm start
+@pytest.mark.slow
+def test_real_warm_start_competes_and_shows_the_niches():
+    """The default warm start (trained here when the cache is cold: about 3 minutes on 2 cores; reused
+    otherwise): every procedure is sampled, accuracy is well below 1, each type has its own winner under
+    forcing, and the model follows plain coach prefixes."""
+    from meshrl.models import load_model
+
+    path = tb.warm_start(progress=False)
+    model, tok = load_model(str(path))
+    task = load_task("testbed:add")
+    probs = task.problems("eval")[:96]
+    shares = tb.strategy_shares(model, tok, task, probs, n=8, seed=1)
+    assert all(shares.shares[s] >= 0.15 for s in tb.STRATEGIES), shares.shares
+    assert shares.shares["other"] <= 0.05
+    assert 0.25 <= shares.accuracy <= 0.7, shares.accuracy
+    forced = tb.forced_accuracy(model, tok, task, probs, n=4, seed=2)
+    assert forced.winners() == tb.HOME, forced.table()
+    for kind, home in tb.HOME.items():
+        assert forced.accuracy[home][kind] >= 0.6, forced.table()
+        if kind != "low":  # the niches are hard: no other procedure fits the budget there
+            assert all(forced.accuracy[s][kind] <= 0.02 for s in tb.STRATEGIES if s != home)
+    coach = tb.coached_shares(model, tok, task, probs[:24], n=4, seed=3, template="plain")
+    assert coach.follow_rate() >= 0.8, coach.table()

@@ -41,7 +41,9 @@ from meshrl.testbed.traces import (
     STRATEGY_NAMES,
     label_strategy,
     reference_trace,
+    skeleton,
     strict_reward,
+    trace_reward,
 )
 from meshrl.testbed.warm import cache_root, warm_info, warm_start
 
@@ -68,8 +70,10 @@ __all__ = [
     "make_problem",
     "problem_type",
     "reference_trace",
+    "skeleton",
     "strategy_shares",
     "strict_reward",
+    "trace_reward",
     "warm_info",
     "warm_start",
 ]

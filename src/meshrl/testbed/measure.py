@@ -62,14 +62,24 @@ class ShareReport:
 
 @dataclass
 class ForcedReport:
-    """Accuracy with the procedure forced (response starts with its tag), per (strategy, type)."""
+    """Accuracy with the procedure forced (response starts with its tag), per (strategy, type).
+
+    ``accuracy[s][k]``: share of forced rollouts that are right *and* whose working is procedure ``s``
+    (``label_strategy(..., loose=True) == s``). At the warm start the tag decides the procedure, but RL
+    can decouple them (a model after GRPO wrote tens-then-ones working after an ``r:`` tag on ``decade``
+    problems), so the tag alone no longer forces anything. ``raw_accuracy`` counts every right answer;
+    ``followed[s][k]`` is the share whose working is ``s``; ``well_formed[s]`` the share of complete,
+    strictly well-formed ``s`` traces over all types.
+    """
 
     n_problems: int
     n: int
     temperature: float
-    accuracy: dict[str, dict[str, float]]  # strategy -> type -> accuracy
+    accuracy: dict[str, dict[str, float]]  # strategy -> type -> accuracy (right and procedure followed)
     overall: dict[str, float]  # strategy -> accuracy over all problems
-    well_formed: dict[str, float]  # strategy -> share of complete, well-formed traces of that procedure
+    raw_accuracy: dict[str, dict[str, float]]  # strategy -> type -> accuracy (right, any working)
+    followed: dict[str, dict[str, float]]  # strategy -> type -> share of rollouts doing procedure s
+    well_formed: dict[str, float]
 
     def winners(self) -> dict[str, str]:
         """The procedure with the highest forced accuracy on each type."""
@@ -111,10 +121,12 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def strategy_shares(model, tok, task, problems: Sequence[Problem], n: int = 8, temperature: float = 1.0,
-                    seed: int = 0, *, max_new_tokens: int | None = None,
+                    seed: int = 0, *, max_new_tokens: int | None = None, loose: bool = True,
                     batch_size: int | None = 512) -> ShareReport:
     """Sample ``n`` unprompted responses per problem and report procedure shares and accuracy.
 
+    Labels are ``label_strategy(text, partial=True, loose=loose)``: a trace cut off by the budget counts
+    as the procedure it was writing, and (``loose``) a procedure whose tag RL wore off still counts.
     ``max_new_tokens`` defaults to ``task.max_new_tokens`` (budget + 1); ``batch_size`` bounds the
     sequences per ``generate`` call.
     """
@@ -129,7 +141,7 @@ def strategy_shares(model, tok, task, problems: Sequence[Problem], n: int = 8, t
     labels, scores, kinds, over = [], [], [], 0
     for i, text in enumerate(texts):
         problem = problems[i // n]
-        labels.append(task.label_strategy(text, partial=True) or OTHER)
+        labels.append(task.label_strategy(text, partial=True, loose=loose) or OTHER)
         scores.append(task.score(text, problem))
         kinds.append(_type(problem))
         over += len(text) > task.budget
@@ -168,6 +180,8 @@ def forced_accuracy(model, tok, task, problems: Sequence[Problem], n: int = 4, t
     order = [k for k in getattr(task, "types", ()) if any(_type(p) == k for p in problems)]
     order = order or sorted({_type(p) for p in problems})
     acc: dict[str, dict[str, float]] = {}
+    raw: dict[str, dict[str, float]] = {}
+    followed: dict[str, dict[str, float]] = {}
     overall: dict[str, float] = {}
     formed: dict[str, float] = {}
     for j, strategy in enumerate(strategies):
@@ -176,17 +190,20 @@ def forced_accuracy(model, tok, task, problems: Sequence[Problem], n: int = 4, t
         max_new = max_new_tokens or (task.max_new_tokens - len(tag))
         texts = _sample(model, tok, [f.ids(tok) for f in forced], n, temperature, seed + 7919 * j, max_new,
                         batch_size)
-        per_type: dict[str, list[float]] = defaultdict(list)
+        per_type: dict[str, list[tuple[float, bool]]] = defaultdict(list)
         ok = 0
         for i, text in enumerate(texts):
             problem, completion = problems[i // n], tag + text
-            per_type[_type(problem)].append(task.score(completion, problem))
+            own = task.label_strategy(completion, partial=True, loose=True) == strategy
+            per_type[_type(problem)].append((task.score(completion, problem), own))
             ok += task.label_strategy(completion) == strategy
-        acc[strategy] = {k: _mean(per_type[k]) for k in order}
-        overall[strategy] = _mean([s for k in order for s in per_type[k]])
+        acc[strategy] = {k: _mean([sc * own for sc, own in per_type[k]]) for k in order}
+        raw[strategy] = {k: _mean([sc for sc, _ in per_type[k]]) for k in order}
+        followed[strategy] = {k: _mean([float(own) for _, own in per_type[k]]) for k in order}
+        overall[strategy] = _mean([sc * own for k in order for sc, own in per_type[k]])
         formed[strategy] = ok / len(texts)
     return ForcedReport(n_problems=len(problems), n=n, temperature=temperature, accuracy=acc, overall=overall,
-                        well_formed=formed)
+                        raw_accuracy=raw, followed=followed, well_formed=formed)
 
 
 @dataclass
@@ -200,6 +217,7 @@ class CoachReport:
     n_problems: int
     n: int
     placement: str
+    template: str
     follow: dict[str, dict[str, float]]
     accuracy: dict[str, float]
 
@@ -217,14 +235,17 @@ class CoachReport:
 
 
 def coached_shares(model, tok, task, problems: Sequence[Problem], n: int = 4, temperature: float = 1.0,
-                   seed: int = 0, *, placement: str = "system", batch_size: int | None = 64) -> CoachReport:
-    """Sample with each of the task's rule-coach prefixes wrapped by ``meshrl.mesh.wrap_prefix``.
+                   seed: int = 0, *, placement: str = "system", template: str = "wrapped",
+                   batch_size: int | None = 64) -> CoachReport:
+    """Sample with each of the task's rule-coach prefixes, as a Coach Prompting run would.
 
-    This is what a ``cp_only``/``mesh`` run feeds the model; use it to check that a warm start reacts to
-    coach prefixes at all (the prompts are long, so keep ``problems`` small).
+    ``template="wrapped"``: the prefix wrapped by ``meshrl.mesh.wrap_prefix(prefix, placement)``, which is
+    what the ``cp_only``/``mesh`` recipes feed the model today (long prompts: keep ``problems`` small);
+    ``template="plain"``: the prefix text alone, as the system prompt (``placement="system"``) or at the
+    start of the answer. Use it to check that a warm start reacts to coach prefixes at all.
     """
-    from meshrl.mesh import wrap_prefix
     from meshrl.models import encode_prompt
+    from meshrl.testbed.warm import coach_system_prompt
 
     problems = list(problems)
     if not problems or n < 1:
@@ -233,13 +254,19 @@ def coached_shares(model, tok, task, problems: Sequence[Problem], n: int = 4, te
     follow: dict[str, dict[str, float]] = {}
     accuracy: dict[str, float] = {}
     for j, (strategy, prefix) in enumerate(zip(task.strategies, prefixes, strict=True)):
-        wrapped = wrap_prefix(prefix, placement)
+        if template == "wrapped":
+            from meshrl.mesh import wrap_prefix
+
+            wrapped = wrap_prefix(prefix, placement)
+        else:
+            wrapped = coach_system_prompt(prefix, template)
         if placement == "system":
             prompts = [encode_prompt(tok, task.format_prompt(p), system=wrapped) for p in problems]
         else:
             prompts = [encode_prompt(tok, task.format_prompt(p), assistant_prefix=wrapped) for p in problems]
         texts = _sample(model, tok, prompts, n, temperature, seed + 104729 * j, task.max_new_tokens, batch_size)
-        labels = Counter(task.label_strategy(t, partial=True) or OTHER for t in texts)
+        labels = Counter(task.label_strategy(t, partial=True, loose=True) or OTHER for t in texts)
         follow[strategy] = {k: labels[k] / len(texts) for k in [*STRATEGIES, OTHER]}
         accuracy[strategy] = _mean([task.score(t, problems[i // n]) for i, t in enumerate(texts)])
-    return CoachReport(n_problems=len(problems), n=n, placement=placement, follow=follow, accuracy=accuracy)
+    return CoachReport(n_problems=len(problems), n=n, placement=placement, template=template, follow=follow,
+                       accuracy=accuracy)

@@ -18,6 +18,12 @@ that scores 0, like a generation cut at ``max_new_tokens``. Set the trainer's
 ``rollout.max_new_tokens`` to ``budget + 1`` (the extra token is the end-of-sequence token); a larger
 value only wastes compute, a smaller one changes the task. ``docs/testbed_design.md`` explains the design.
 
+**Reward** (option ``reward``): ``trace`` (default) pays 1 for the exact answer written at the end of a
+complete trace of one of the procedures on the problem's operands (intermediate results unchecked);
+``answer`` pays 1 for the exact answer after ``|`` whatever precedes it. Both are strict (no partial
+credit) and both enforce the budget. Under ``answer``, RL shortens procedures (a column trace without its
+last column fits ``carry`` problems) and wears tags off, which erodes the niches and the labels.
+
 Train and eval problems come from disjoint pair sets fixed by a hash of ``(a, b)`` and independent of
 the seed, so a warm start made with any seed never saw any seed's eval problems.
 """
@@ -30,27 +36,25 @@ from functools import lru_cache
 from typing import Any
 
 from meshrl.tasks import Problem, StaticTask, register_task
-from meshrl.testbed.traces import STRATEGIES, label_strategy, reference_trace, strict_reward
+from meshrl.testbed.traces import STRATEGIES, label_strategy, reference_trace, strict_reward, trace_reward
 
 TYPES: tuple[str, ...] = ("low", "carry", "decade")
 HOME: dict[str, str] = {"low": "c", "carry": "r", "decade": "t"}
 DEFAULT_MIX: dict[str, float] = {"low": 0.5, "carry": 0.25, "decade": 0.25}
 DEFAULT_BUDGET = 21
+REWARDS = ("trace", "answer")
 A_RANGE = range(100, 900)  # sums stay below 1000: every answer has three digits
 B_RANGE = range(10, 100)
 EVAL_SHARE = 8  # one pair in EVAL_SHARE is reserved for the eval split
 
 # The rule coach's prefixes: method and why, never a number (meshrl's validation rejects leaks).
 COACH_TEXT: dict[str, str] = {
-    "c": ("Work column by column from the ones place: add the two digits of each column, carry a one "
-          "into the next column whenever a column reaches ten, and bring the remaining digits down. "
-          "Every step is a single-digit fact, so it is safe when few columns carry."),
-    "t": ("Keep the first number whole and jump: add the tens of the second number first, then add its "
-          "ones. When the second number is a whole number of tens a single jump finishes the sum, so "
-          "the working stays short even if the tens carry."),
-    "r": ("Round the second number up to the next whole ten, add that round number to the first one, "
-          "then take back what you added too much. When both the ones and the tens carry this is the "
-          "shortest route, and the take-back needs no borrowing."),
+    "c": ("Add column by column from the ones, carrying a one when a column reaches ten; "
+          "every step is a single-digit fact."),
+    "t": ("Keep the first number whole, add the tens of the second number, then its ones; "
+          "short when it is whole tens."),
+    "r": ("Round the second number up to a whole ten, add that, then take back the extra; "
+          "short when both columns carry."),
 }
 
 
@@ -147,11 +151,14 @@ class AddTestbed(StaticTask):
     types = TYPES
 
     def __init__(self, *, seed: int = 0, size: int = 2000, eval_size: int = 512, mix: Any = None,
-                 budget: int = DEFAULT_BUDGET) -> None:
+                 budget: int = DEFAULT_BUDGET, reward: str = "trace") -> None:
         if size < 1 or eval_size < 0:
             raise ValueError(f"testbed:add: need size >= 1 and eval_size >= 0, got {size}, {eval_size}")
         if budget < 4:
             raise ValueError(f"testbed:add: budget must be >= 4 characters, got {budget}")
+        if reward not in REWARDS:
+            raise ValueError(f"testbed:add: reward must be one of {REWARDS}, got {reward!r}")
+        self.reward = reward
         self.mix = parse_mix(mix)
         self.budget = int(budget)
         splits = {
@@ -166,12 +173,15 @@ class AddTestbed(StaticTask):
         return self.budget + 1
 
     def score(self, completion: str, problem: Problem) -> float:
-        """Strict: see :func:`meshrl.testbed.traces.strict_reward` (budget included)."""
-        return strict_reward(completion, problem.answer, self.budget)
+        """Strict, budget included: :func:`~meshrl.testbed.traces.trace_reward` (``reward="trace"``, the
+        default) or :func:`~meshrl.testbed.traces.strict_reward` (``reward="answer"``)."""
+        if self.reward == "answer":
+            return strict_reward(completion, problem.answer, self.budget)
+        return trace_reward(completion, problem.meta["a"], problem.meta["b"], self.budget)
 
-    def label_strategy(self, completion: str, *, partial: bool = False) -> str | None:
-        """See :func:`meshrl.testbed.traces.label_strategy`."""
-        return label_strategy(completion, partial=partial)
+    def label_strategy(self, completion: str, *, partial: bool = False, loose: bool = False) -> str | None:
+        """See :func:`meshrl.testbed.traces.label_strategy` (the trainer calls it with the defaults)."""
+        return label_strategy(completion, partial=partial, loose=loose)
 
     def reference_trace(self, problem: Problem, strategy: str) -> str:
         """The correct, complete trace of ``strategy`` for ``problem``."""
@@ -226,5 +236,5 @@ def _testbed_add(*, seed: int = 0, **options: Any) -> AddTestbed:
     from meshrl.tasks.base import take_options
 
     opts = take_options("testbed:add", options,
-                        {"size": 2000, "eval_size": 512, "mix": None, "budget": DEFAULT_BUDGET})
+                        {"size": 2000, "eval_size": 512, "mix": None, "budget": DEFAULT_BUDGET, "reward": "trace"})
     return AddTestbed(seed=seed, **opts)

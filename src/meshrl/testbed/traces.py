@@ -84,22 +84,46 @@ def reference_trace(a: int, b: int, strategy: str) -> str:
     return TRACERS[strategy](a, b)
 
 
-def label_strategy(completion: str, *, partial: bool = False) -> str | None:
+# The working of each procedure without its tag, for ``loose`` labelling.
+BODIES: dict[str, regex.Pattern] = {k: regex.compile(g.pattern[2:]) for k, g in GRAMMARS.items()}
+_LOOSE_TAG = regex.compile(r"[a-z]?:")
+
+
+def label_strategy(completion: str, *, partial: bool = False, loose: bool = False) -> str | None:
     """The procedure a response follows: ``"c"``, ``"t"``, ``"r"``, or ``None``.
 
-    A label needs the tag *and* a well-formed trace of that procedure (``GRAMMARS``: the shape of every
-    step, the answer after ``|``; for ``r`` the same adjustment on both sides). Arithmetic is not
-    checked. With ``partial=True`` a response that is a proper beginning of a well-formed trace (at
-    least one character past the tag) also gets its label: that is how a trace cut off by the length
-    budget is still counted as the procedure it was attempting.
+    Strict (default): the tag *and* a well-formed trace of that procedure (``GRAMMARS``: the shape of
+    every step, the answer after ``|``; for ``r`` the same adjustment on both sides). Arithmetic is not
+    checked.
+
+    ``partial=True``: a response that is a proper beginning of a well-formed trace (at least one
+    character past the tag) also gets its label; that is how a trace cut off by the length budget still
+    counts as the procedure it was attempting.
+
+    ``loose=True``: the label comes from the shape of the working alone (``BODIES``), whatever tag (or
+    bare ``:``) precedes it. RL can wear the tag off while keeping the procedure (a run at lr 3e-4 wrote
+    ``:5442+50=592|592``, tens-then-ones with a lost tag and a doubled digit, on most ``decade`` problems);
+    strict labels call that ``None``, loose ones ``t``. The three bodies are disjoint, so the label is
+    unique; a cut-off body that more than one procedure could still complete gets ``None``.
     """
-    if len(completion) < 2 or completion[1] != ":" or completion[0] not in GRAMMARS:
+    if len(completion) >= 2 and completion[1] == ":" and completion[0] in GRAMMARS:
+        grammar = GRAMMARS[completion[0]]
+        if grammar.fullmatch(completion):
+            return completion[0]
+        if partial and len(completion) > 2 and grammar.fullmatch(completion, partial=True):
+            return completion[0]
+    if not loose:
         return None
-    grammar = GRAMMARS[completion[0]]
-    if grammar.fullmatch(completion):
-        return completion[0]
-    if partial and len(completion) > 2 and grammar.fullmatch(completion, partial=True):
-        return completion[0]
+    head = _LOOSE_TAG.match(completion)
+    body = completion[head.end():] if head else completion
+    if not body:
+        return None
+    for name, pattern in BODIES.items():
+        if pattern.fullmatch(body):
+            return name
+    if partial:  # a cut-off working counts only when a single procedure can still complete it
+        hits = [name for name, pattern in BODIES.items() if pattern.fullmatch(body, partial=True)]
+        return hits[0] if len(hits) == 1 else None
     return None
 
 
@@ -110,8 +134,24 @@ def final_answer(completion: str) -> str | None:
     return completion.split("|", 1)[1]
 
 
+_RESULT = regex.compile(r"=\d+")
+_T_CARRIED = regex.compile(r";\d+\+")
+
+
+def skeleton(trace: str) -> str:
+    """``trace`` with every written result replaced by ``#``: what is left is the procedure's shape on its
+    operands (tag, operands, carries, number of steps) and the final answer.
+
+    ``c:3+8=11;7+4+1=12;5+0+1=6|621`` -> ``c:3+8=#;7+4+1=#;5+0+1=#|621``; in a tens-then-ones trace the
+    second step starts from the first step's result, which is masked too: ``t:573+40=#;#+8=#|621``.
+    """
+    out = _RESULT.sub("=#", trace)
+    return _T_CARRIED.sub(";#+", out) if out.startswith("t:") else out
+
+
 def strict_reward(completion: str, answer: str, budget: int) -> float:
-    """1.0 iff the response fits the budget and everything after its first ``|`` is exactly ``answer``.
+    """Answer-only reward: 1.0 iff the response fits the budget and everything after its first ``|`` is
+    exactly ``answer``.
 
     No partial credit, no stripping of whitespace, no tolerance for leading zeros or trailing text:
     ``...|621`` scores for 621, ``...|621 ``, ``...|0621`` and ``...|621|621`` do not. A response longer
@@ -120,3 +160,19 @@ def strict_reward(completion: str, answer: str, budget: int) -> float:
     if len(completion) > budget:
         return 0.0
     return float(final_answer(completion) == answer)
+
+
+def trace_reward(completion: str, a: int, b: int, budget: int) -> float:
+    """Trace reward: :func:`strict_reward` *and* the response is a complete trace of one of the three
+    procedures on this problem's operands.
+
+    The response's :func:`skeleton` must equal the skeleton of the reference trace of the procedure its
+    tag names: same operands, carries and number of steps, and the exact answer (intermediate results
+    are not checked). This closes the set of rewarded behaviours: a bare ``|621``, a column trace that
+    leaves out its last column (``c:3+8=11;7+4+1=12|621`` fits a budget the full trace does not) or a
+    trace whose tag was lost all score 0, so every rewarded rollout has a parser label and the niches
+    cannot be eroded by shortening a procedure.
+    """
+    if len(completion) > budget or len(completion) < 2 or completion[1] != ":" or completion[0] not in TRACERS:
+        return 0.0
+    return float(skeleton(completion) == skeleton(TRACERS[completion[0]](a, b)))

@@ -7,11 +7,16 @@ the starting policy uses every procedure on every type and the three genuinely c
 out which one works where. Over-budget traces (column addition on a ``carry`` problem) are taught too:
 the procedure exists, it just does not finish within the budget.
 
-A fraction of the examples (``coach_fraction``) carries a rule-coach prefix in the system prompt,
-wrapped exactly as the ``mesh``/``cp_only`` recipes wrap it (``meshrl.mesh.wrap_prefix(text, "system")``),
-with the trace of the procedure the prefix describes. Without them the tiny model has never seen a
-system prompt and would not react to coach prefixes at all, so Coach Prompting could not be studied
-on it. Those examples are long (the template is about 800 characters), hence the small default share.
+A few extra examples (``coach_fraction`` per plain example) carry a rule-coach prefix in the system
+prompt, with the trace of the procedure the prefix describes. Without them the tiny model has never seen
+a system prompt and ignores coach prefixes (it writes garbage under them), so Coach Prompting could not be
+studied on it. Two forms (``coach_templates``, see :func:`coach_system_prompt`):
+
+* ``plain`` (default): the prefix text alone as the system prompt (about 110 characters). 2,300 such
+  examples cost about 15 s and the model then follows the prefix in 99% of rollouts.
+* ``wrapped``: ``meshrl.mesh.wrap_prefix(text, "system")``, the anti-hacking template the ``mesh`` and
+  ``cp_only`` recipes use today (about 820 characters, 35 times a plain prompt). Learning to follow it
+  takes about 2,000 examples (``coach_fraction=0.05``), which adds about 3 minutes on 2 CPU cores.
 
 The result is saved with ``save_pretrained`` (model and tokenizer) into a directory that
 ``meshrl.models.load_model`` and ``meshrl train --model PATH`` accept. The directory is named after a
@@ -40,6 +45,19 @@ from meshrl.testbed.traces import STRATEGIES, reference_trace
 WARM_VERSION = "testbed-add-warm-v1"  # bump when data, format or training loop change the weights
 MARKER = "warm_start.json"
 DEFAULT_STEPS = 600
+COACH_TEMPLATES = ("wrapped", "plain")
+
+
+def coach_system_prompt(text: str, template: str) -> str:
+    """The system prompt a coach prefix becomes: ``wrapped`` = ``meshrl.mesh.wrap_prefix(text, "system")``
+    (what the ``mesh``/``cp_only`` recipes feed the model), ``plain`` = the prefix text alone."""
+    if template == "wrapped":
+        from meshrl.mesh import wrap_prefix
+
+        return wrap_prefix(text, "system")
+    if template == "plain":
+        return text
+    raise ValueError(f"unknown coach template {template!r}; known: {', '.join(COACH_TEMPLATES)}")
 
 
 def cache_root() -> Path:
@@ -50,11 +68,12 @@ def cache_root() -> Path:
 
 
 def warm_settings(*, seed: int, steps: int, preset: str, batch_size: int, lr: float, coach_fraction: float,
-                  mix: Any = None) -> dict[str, Any]:
+                  coach_templates: tuple[str, ...] = ("plain",), mix: Any = None) -> dict[str, Any]:
     """Everything that determines the warm-start weights (and names the cache directory)."""
     return {"version": WARM_VERSION, "task": "testbed:add", "budget": DEFAULT_BUDGET, "seed": int(seed),
             "steps": int(steps), "preset": preset, "batch_size": int(batch_size), "lr": float(lr),
-            "coach_fraction": float(coach_fraction), "mix": parse_mix(mix)}
+            "coach_fraction": float(coach_fraction), "coach_templates": list(coach_templates),
+            "mix": parse_mix(mix)}
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
@@ -65,8 +84,8 @@ def settings_hash(settings: dict[str, Any]) -> str:
 
 def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps: int = DEFAULT_STEPS,
                preset: str = "tiny:small", force: bool = False, batch_size: int = 64, lr: float = 3e-3,
-               coach_fraction: float = 0.05, mix: Any = None, threads: int | None = None,
-               progress: bool = True) -> Path:
+               coach_fraction: float = 0.06, coach_templates: tuple[str, ...] = ("plain",), mix: Any = None,
+               threads: int | None = None, progress: bool = True) -> Path:
     """Return the directory of a warm-started testbed model, training it first if it is not cached.
 
     Args:
@@ -76,8 +95,10 @@ def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps
         steps: optimiser steps of ``batch_size`` examples.
         preset: a ``meshrl.models.TINY_PRESETS`` name.
         force: retrain even if a cached copy exists (it is replaced atomically).
-        lr: peak AdamW learning rate (linear warm-up over 5% of the steps, cosine decay to 10%).
-        coach_fraction: share of examples with a coach prefix in the system prompt (0 turns them off).
+        lr: peak AdamW learning rate (see :func:`lr_at` for the schedule).
+        coach_fraction: coach-prefixed examples per plain example (0 turns them off); they are extra.
+        coach_templates: system-prompt forms of the coach examples, each drawn uniformly
+            (:func:`coach_system_prompt`; ``wrapped`` is what the trainer's Mesh recipes use).
         mix: problem-type weights of the training data (default: the task's).
         threads: ``torch.set_num_threads`` during training (default ``min(4, cpu count)``; restored).
         progress: show a rich progress bar.
@@ -85,8 +106,11 @@ def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps
     if steps < 0 or batch_size < 1 or not 0 <= coach_fraction < 1 or lr <= 0:
         raise ValueError(f"bad warm-start settings: steps={steps}, batch_size={batch_size}, lr={lr}, "
                          f"coach_fraction={coach_fraction}")
+    bad = sorted(set(coach_templates) - set(COACH_TEMPLATES))
+    if bad or not coach_templates:
+        raise ValueError(f"coach_templates must be a non-empty subset of {COACH_TEMPLATES}, got {coach_templates}")
     settings = warm_settings(seed=seed, steps=steps, preset=preset, batch_size=batch_size, lr=lr,
-                             coach_fraction=coach_fraction, mix=mix)
+                             coach_fraction=coach_fraction, coach_templates=tuple(coach_templates), mix=mix)
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / f"warm_{settings_hash(settings)}"
     if not force and _complete(target, settings):
         return target
@@ -95,6 +119,7 @@ def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps
     try:
         info = _train(tmp, settings, threads=threads, progress=progress)
         (tmp / MARKER).write_text(json.dumps({"settings": settings, **info}, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is for every user of the machine
         _publish(tmp, target, force=force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -161,34 +186,41 @@ class _Examples:
     """Seeded stream of teacher-forcing batches: plain prompts and (a few) coach-prefixed ones."""
 
     def __init__(self, tok, settings: dict[str, Any]) -> None:
-        from meshrl.mesh import wrap_prefix
         from meshrl.models import encode_prompt
 
         self.tok, self.encode = tok, encode_prompt
         self.rng = random.Random(f"testbed-warm-{settings['seed']}")
         self.mix = settings["mix"]
         self.batch = settings["batch_size"]
-        self.n_coach = int(round(settings["batch_size"] * settings["coach_fraction"]))
-        self.systems = {s: wrap_prefix(COACH_TEXT[s], "system") for s in STRATEGIES}
+        self.per_step = settings["batch_size"] * settings["coach_fraction"]  # coach examples per step, on average
+        self.templates = list(settings["coach_templates"])
+        self.systems = {(s, t): coach_system_prompt(COACH_TEXT[s], t) for s in STRATEGIES for t in self.templates}
         self.eos = tok.eos_token_id
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos
 
-    def _rows(self, n: int, coach: bool) -> list[tuple[list[int], list[int]]]:
+    def _rows(self, n: int, template: str | None) -> list[tuple[list[int], list[int]]]:
         rows = []
         for problem in sample_problems(n, self.mix, self.rng, held_out=False):
             strategy = self.rng.choice(STRATEGIES)
-            system = self.systems[strategy] if coach else None
+            system = self.systems[strategy, template] if template else None
             prompt = self.encode(self.tok, problem.prompt, system=system)
             trace = reference_trace(problem.meta["a"], problem.meta["b"], strategy)
             rows.append((prompt, self.tok.encode(trace, add_special_tokens=False) + [self.eos]))
         return rows
 
-    def next(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Padded ``(input_ids, attention_mask, labels)`` micro-batches of one step (labels -100 off-response)."""
-        parts = [self._rows(self.batch - self.n_coach, coach=False)]
-        if self.n_coach:
-            parts.append(self._rows(self.n_coach, coach=True))
-        return [self._pad(rows) for rows in parts if rows]
+    def next(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Padded ``(input_ids, attention_mask, labels)`` micro-batches of step ``step`` (labels -100 off-response).
+
+        Every step has ``batch_size`` plain examples; coach-prefixed ones come on top, spread evenly over
+        the steps (``floor((step + 1) q) - floor(step q)`` of them, ``q = batch_size * coach_fraction``),
+        each with a template drawn from ``coach_templates``, in one micro-batch per template (a wrapped
+        prompt is twenty times longer than a plain one).
+        """
+        n_coach = math.floor((step + 1) * self.per_step + 1e-9) - math.floor(step * self.per_step + 1e-9)
+        parts = [self._rows(self.batch, None)]
+        drawn = [self.rng.choice(self.templates) for _ in range(n_coach)]
+        parts += [self._rows(drawn.count(t), t) for t in self.templates if t in drawn]
+        return [self._pad(rows) for rows in parts]
 
     def _pad(self, rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(p) + len(r) for p, r in rows)
@@ -204,12 +236,14 @@ class _Examples:
 
 
 def lr_at(step: int, steps: int, peak: float) -> float:
-    """Linear warm-up over 5% of the steps, then cosine decay from ``peak`` to ``0.1 * peak``."""
-    warm = max(1, steps // 20)
+    """Warm-up, stable, decay: linear warm-up over 5% of the steps, ``peak`` until 75%, then a linear
+    decay to ``0.1 * peak`` (a short run learns more at a constant rate than under a cosine)."""
+    warm, decay = max(1, steps // 20), int(0.75 * steps)
     if step < warm:
         return peak * (step + 1) / warm
-    frac = (step - warm) / max(1, steps - warm)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    if step < decay:
+        return peak
+    return peak * (1 - 0.9 * (step - decay) / max(1, steps - decay))
 
 
 def _optimise(model, data: _Examples, settings: dict[str, Any], *, progress: bool) -> list[float]:
@@ -221,7 +255,7 @@ def _optimise(model, data: _Examples, settings: dict[str, Any], *, progress: boo
         for step in range(steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, peak)
-            batches = data.next()
+            batches = data.next(step)
             n_tokens = sum(int((labels[:, 1:] != -100).sum()) for _, _, labels in batches)
             total = 0.0
             for ids, mask, labels in batches:
