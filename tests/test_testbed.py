@@ -292,3 +292,21 @@ def test_real_warm_start_competes_and_shows_the_niches():
             assert all(forced.accuracy[s][kind] <= 0.02 for s in tb.STRATEGIES if s != home)
     coach = tb.coached_shares(model, tok, task, probs[:24], n=4, seed=3, template="plain")
     assert coach.follow_rate() >= 0.8, coach.table()
+
+
+def test_trainer_masses_use_lenient_labels_and_periodic_eval_reports_the_unconditioned_policy(task, tmp_path):
+    from meshrl.trainer import load_config, train
+
+    assert task.label_strategy("c:3+8=11;7+4+1=12;5+0") == "c"  # cut by the budget: still counts as c
+    assert task.label_strategy("c:3+8=11;7+4+1=12;5+0", partial=False, loose=False) is None
+    cfg = load_config(overrides=[
+        "model=tiny", "task=testbed:add", "steps=1", "rollout.prompts_per_step=2", "rollout.group_size=3",
+        "rollout.max_new_tokens=22", "eval.every=1", "eval.limit=6", "eval.n=2", "log.progress=false",
+        "recipe=cp_only", "mesh.m=3", "mesh.template=plain"])
+    hist = train(cfg, tmp_path / "run")
+    m = hist[-1]
+    masses = [m[f"eval/strategy/mass/{s}"] for s in tb.STRATEGIES]
+    assert all(0 <= x <= 1 for x in masses) and sum(masses) <= 1 + 1e-9
+    assert 0 <= m.get("eval/strategy/problem_max_mass", 0) <= 1
+    assert {k for k in m if k.startswith("eval/acc/type/")} <= {f"eval/acc/type/{t}" for t in tb.TYPES}
+    assert any(k.startswith("eval/acc/type/") for k in m)

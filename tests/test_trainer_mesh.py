@@ -140,3 +140,22 @@ def test_mesh_samples_record_their_conditioning_for_census(tmp_path):
     assert len(rows) == 16 and all(r["strategy"] in (0, 1, 2, 3) and "system" in r for r in rows)
     out = census(str(tmp_path / "s"), tmp_path / "s" / "samples.jsonl", eps=0.05, progress=False)
     assert out["total"]["n_groups"] == 2 and out["total"]["n_rollouts"] == 16
+
+
+@pytest.mark.parametrize("placement", ["system", "assistant"])
+def test_plain_template_conditions_on_the_prefix_text_alone(placement, tmp_path):
+    from meshrl.mesh import wrap_prefix
+
+    tr = Trainer(_cfg("recipe=cp_only", "mesh.template=plain", f"mesh.placement={placement}"), tmp_path / placement)
+    prob = tr.sampler.problems[0]
+    prefix = tr.sampler.prefixes[prob.id][1]
+    key = "system" if placement == "system" else "assistant_prefix"
+    assert tr.sampler.conditioning(prob, 1) == {key: prefix}
+    wrapped = Trainer(_cfg("recipe=cp_only", f"mesh.placement={placement}"), tmp_path / f"w{placement}")
+    assert wrapped.sampler.conditioning(prob, 1) == {key: wrap_prefix(prefix, placement)}
+    assert len(tr.sampler.prompt_ids(prob, 1)) < len(wrapped.sampler.prompt_ids(prob, 1))
+
+
+def test_unknown_template_is_rejected():
+    with pytest.raises(ValueError, match="mesh.template='fancy'"):
+        _cfg("recipe=mesh", "mesh.template=fancy")

@@ -13,6 +13,7 @@ from meshrl.cli import (
     compare_cmd,
     demo_cmd,
     eval_cmd,
+    experiment_cmd,
     mei_cmd,
     probe_cmd,
     report_cmd,
@@ -20,8 +21,8 @@ from meshrl.cli import (
     train_cmd,
 )
 
-COMMANDS = [demo_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd, census_cmd,
-            probe_cmd]
+COMMANDS = [demo_cmd, experiment_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd,
+            census_cmd, probe_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

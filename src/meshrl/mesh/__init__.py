@@ -4,6 +4,7 @@ Layer 2: imports torch, numpy, the standard library and :mod:`meshrl.algos` only
 tensors, ids and queries it is handed.
 
 - :func:`strategy_balance_loss` / :func:`strategy_balance_row_weights`: the balancing term.
+- :func:`support_balance_row_weights`: meshrl's support-balancing variant (unconditioned, one-sided).
 - :mod:`meshrl.mesh.coach`: offline prefix generation, validation, cache, anti-hacking template.
 - :func:`budget_groups`: rollouts per prefix under the ``matched`` / ``per_prefix`` budgets.
 """
@@ -19,6 +20,7 @@ from meshrl.mesh.coach import (
     query_key,
     wrap_prefix,
 )
+from meshrl.mesh.support import support_balance_row_weights
 
 __all__ = [
     "BUDGET_MODES",
@@ -33,5 +35,6 @@ __all__ = [
     "query_key",
     "strategy_balance_loss",
     "strategy_balance_row_weights",
+    "support_balance_row_weights",
     "wrap_prefix",
 ]

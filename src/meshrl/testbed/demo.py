@@ -16,22 +16,22 @@ from typing import Any
 
 log = logging.getLogger("meshrl")
 
-ARMS = ("grpo", "cp_only", "mesh")
+#: demo arm -> the experiment arm it runs (meshrl.testbed.experiment.ARMS); "mesh" is the paper's form.
+DEMO_ARMS = {"grpo": "grpo", "cp_only": "cp_only", "mesh": "mesh_mu1e-5"}
+ARMS = tuple(DEMO_ARMS)
 
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes of one demo; ``quick()`` is the CI-sized version (about two minutes on 2 cores)."""
+    """Sizes of one demo; ``quick()`` is the CI-sized version (under two minutes on 2 cores)."""
 
-    warm_steps: int = 600
-    steps: int = 40
+    warm_steps: int = 700
+    steps: int = 30
     prompts_per_step: int = 16
     group_size: int = 12  # m = 3 procedures x 4 rollouts at the matched budget
-    lr: float = 1e-3
-    warmup_steps: int = 3
-    ppo_epochs: int = 2
+    lr: float = 3e-4
+    ppo_epochs: int = 1
     mini_batches: int = 2
-    mu: float = 1e-5
     eval_problems: int = 256
     eval_n: int = 8
     ks: tuple[int, ...] = (1, 2, 4, 8)
@@ -39,22 +39,21 @@ class DemoSettings:
 
     @classmethod
     def quick(cls) -> DemoSettings:
-        return cls(warm_steps=120, steps=4, prompts_per_step=4, group_size=6, ppo_epochs=1, mini_batches=1,
-                   eval_problems=48, eval_n=4, ks=(1, 2, 4))
+        return cls(warm_steps=120, steps=3, prompts_per_step=4, group_size=6, eval_problems=48, eval_n=4,
+                   ks=(1, 2, 4))
 
 
 def arm_config(arm: str, model_path: Path, s: DemoSettings, seed: int, max_new_tokens: int):
+    """The run config of demo ``arm``: the experiment's shared base and arm overrides at the demo's sizes."""
+    from meshrl.testbed.experiment import ARMS as EXPERIMENT_ARMS
+    from meshrl.testbed.experiment import ExperimentSettings, base_overrides
     from meshrl.trainer import load_config
 
-    return load_config(overrides=[
-        f"recipe={arm}", f"model={model_path}", "task=testbed:add", f"steps={s.steps}", f"seed={seed}",
-        f"rollout.prompts_per_step={s.prompts_per_step}", f"rollout.group_size={s.group_size}",
-        f"rollout.max_new_tokens={max_new_tokens}", "rollout.temperature=1.0", f"optim.lr={s.lr}",
-        f"optim.warmup_steps={s.warmup_steps}", f"train.ppo_epochs={s.ppo_epochs}",
-        f"train.mini_batches={s.mini_batches}", "train.micro_batch_size=64", f"mesh.mu={s.mu}",
-        "mesh.m=3", "diag.mei.every=1", "log.progress=true",
-        f"checkpoint.every={max(s.steps, 1)}",
-    ])
+    es = ExperimentSettings(steps=s.steps, prompts_per_step=s.prompts_per_step, group_size=s.group_size,
+                            lr=s.lr, ppo_epochs=s.ppo_epochs, mini_batches=s.mini_batches)
+    return load_config(overrides=[*base_overrides(es, model_path, max_new_tokens), *EXPERIMENT_ARMS[DEMO_ARMS[arm]],
+                                  f"seed={seed}", "log.samples_per_step=4", "log.progress=true",
+                                  f"checkpoint.every={max(s.steps, 1)}", "checkpoint.keep_last=1"])
 
 
 def run_demo(out: Path, *, quick: bool = False, seed: int = 0, settings: DemoSettings | None = None,

@@ -196,7 +196,7 @@ def forced_accuracy(model, tok, task, problems: Sequence[Problem], n: int = 4, t
             problem, completion = problems[i // n], tag + text
             own = task.label_strategy(completion, partial=True, loose=True) == strategy
             per_type[_type(problem)].append((task.score(completion, problem), own))
-            ok += task.label_strategy(completion) == strategy
+            ok += task.label_strategy(completion, partial=False, loose=False) == strategy
         acc[strategy] = {k: _mean([sc * own for sc, own in per_type[k]]) for k in order}
         raw[strategy] = {k: _mean([sc for sc, _ in per_type[k]]) for k in order}
         followed[strategy] = {k: _mean([float(own) for _, own in per_type[k]]) for k in order}

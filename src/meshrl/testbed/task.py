@@ -48,13 +48,10 @@ B_RANGE = range(10, 100)
 EVAL_SHARE = 8  # one pair in EVAL_SHARE is reserved for the eval split
 
 # The rule coach's prefixes: method and why, never a number (meshrl's validation rejects leaks).
-COACH_TEXT: dict[str, str] = {
-    "c": ("Add column by column from the ones, carrying a one when a column reaches ten; "
-          "every step is a single-digit fact."),
-    "t": ("Keep the first number whole, add the tens of the second number, then its ones; "
-          "short when it is whole tens."),
-    "r": ("Round the second number up to a whole ten, add that, then take back the extra; "
-          "short when both columns carry."),
+COACH_TEXT: dict[str, str] = {  # short on purpose: Mesh conditions every rollout on one (prompt length)
+    "c": "Column by column from the ones, carrying a ten.",
+    "t": "Add the tens of the second number, then its ones.",
+    "r": "Round the second number up to tens, then take back.",
 }
 
 
@@ -179,8 +176,14 @@ class AddTestbed(StaticTask):
             return strict_reward(completion, problem.answer, self.budget)
         return trace_reward(completion, problem.meta["a"], problem.meta["b"], self.budget)
 
-    def label_strategy(self, completion: str, *, partial: bool = False, loose: bool = False) -> str | None:
-        """See :func:`meshrl.testbed.traces.label_strategy` (the trainer calls it with the defaults)."""
+    def label_strategy(self, completion: str, *, partial: bool = True, loose: bool = True) -> str | None:
+        """The procedure ``completion`` used (see :func:`meshrl.testbed.traces.label_strategy`).
+
+        The task's defaults are the lenient labelling that strategy masses need (the trainer calls it with
+        the defaults): a trace cut off by the budget counts as the procedure it was writing, and the working
+        decides, not the tag, since RL can wear tags off. With the strict parser defaults about a third of
+        early-RL rollouts went unlabelled and the masses described only the survivors.
+        """
         return label_strategy(completion, partial=partial, loose=loose)
 
     def reference_trace(self, problem: Problem, strategy: str) -> str:

@@ -42,9 +42,9 @@ import torch
 from meshrl.testbed.task import COACH_TEXT, DEFAULT_BUDGET, parse_mix, sample_problems
 from meshrl.testbed.traces import STRATEGIES, reference_trace
 
-WARM_VERSION = "testbed-add-warm-v1"  # bump when data, format or training loop change the weights
+WARM_VERSION = "testbed-add-warm-v2"  # bump when data, format or training loop change the weights
 MARKER = "warm_start.json"
-DEFAULT_STEPS = 600
+DEFAULT_STEPS = 700
 COACH_TEMPLATES = ("wrapped", "plain")
 
 
@@ -73,7 +73,7 @@ def warm_settings(*, seed: int, steps: int, preset: str, batch_size: int, lr: fl
     return {"version": WARM_VERSION, "task": "testbed:add", "budget": DEFAULT_BUDGET, "seed": int(seed),
             "steps": int(steps), "preset": preset, "batch_size": int(batch_size), "lr": float(lr),
             "coach_fraction": float(coach_fraction), "coach_templates": list(coach_templates),
-            "mix": parse_mix(mix)}
+            "mix": parse_mix(mix), "coach_text": dict(COACH_TEXT)}
 
 
 def settings_hash(settings: dict[str, Any]) -> str:

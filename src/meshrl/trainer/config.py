@@ -98,9 +98,12 @@ class MeshConfig:
     prefixes: str | None = None  # prefixes.jsonl from `meshrl coach`; None = the task's rule strategies
     m: int = 4  # strategies (prefix groups) per query
     placement: str = "system"  # "system" (as the paper's release) or "assistant" (masked prefix tokens)
+    template: str = "wrapped"  # "wrapped": the anti-hacking template; "plain": the prefix text alone
     budget: str = "matched"  # "matched": m groups of G/m; "per_prefix": m groups of G
     adv_unit: str = "prefix_group"  # advantage normalisation unit: "prefix_group" (release) or "query"
     mu: float = 1e-5  # balancing strength (cp_only forces 0)
+    balance: str = "paper"  # "paper": KL(uniform||softmax(z - z_ref)) on conditioned logps; "support":
+    # meshrl's extension, one-sided on the unconditioned logps (meshrl.mesh.support)
     subtract_ref: bool = True  # r = z - z_ref (paper); False = the release variant without the reference
     reduction: str = "mean"  # over queries: "mean" (all queries), "mean_active", "sum" (release)
 
@@ -194,6 +197,8 @@ class RunConfig:
         m = self.mesh
         choices = {"mesh.placement": (m.placement, ("system", "assistant")),
                    "mesh.budget": (m.budget, ("matched", "per_prefix")),
+                   "mesh.template": (m.template, ("wrapped", "plain")),
+                   "mesh.balance": (m.balance, ("paper", "support")),
                    "mesh.adv_unit": (m.adv_unit, ("prefix_group", "query")),
                    "mesh.reduction": (m.reduction, ("mean", "mean_active", "sum")),
                    "diag.mei.feature": (self.diag.mei.feature, ("bias", "head"))}

@@ -29,7 +29,7 @@ from meshrl.trainer.batch import collate, micro_weight, response_logits, token_e
 from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from meshrl.trainer.config import RunConfig, save_config
 from meshrl.trainer.mei_monitor import MeiMonitor
-from meshrl.trainer.mesh_support import balance_row_weights, prepare_prefixes
+from meshrl.trainer.mesh_support import balance_row_weights, prepare_prefixes, support_backward, support_row_weights
 from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
@@ -56,7 +56,9 @@ class Trainer:
         self.model, self.tokenizer = load_model(cfg.model, dtype=cfg.train.dtype, seed=cfg.seed)
         self.ref_model = None
         self.balance_on = cfg.mesh_enabled and cfg.balance_mu > 0
-        needs_ref = self.recipe.needs_reference or (self.balance_on and cfg.mesh.subtract_ref)
+        self.paper_balance = self.balance_on and cfg.mesh.balance == "paper"
+        self.support_balance = self.balance_on and cfg.mesh.balance == "support"
+        needs_ref = self.recipe.needs_reference or (self.paper_balance and cfg.mesh.subtract_ref)
         if cfg.train.lora_r > 0:  # the reference is the adapter-disabled base model
             from meshrl.models import apply_lora
 
@@ -85,6 +87,8 @@ class Trainer:
         self._mei_collect = False
         self.step_idx, self.cursor, self.bad_in_row = 0, 0, 0
         self.last_data = StepData()
+        self.balance_w: torch.Tensor | None = None  # per-row balancing weights of the current step
+        self.support_w: torch.Tensor | None = None
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -218,12 +222,14 @@ class Trainer:
         tc, rec = self.cfg.train, self.recipe
         single_pass = tc.ppo_epochs == 1 and tc.mini_batches == 1
         # With one optimiser step per batch the old policy IS the current one: reuse logp.detach().
-        old_logps = None if single_pass and not self.balance_on else self._logps(self.model, data)
+        old_logps = None if single_pass and not self.paper_balance else self._logps(self.model, data)
         need_ref_logp = (rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled")
-                         or (self.balance_on and self.cfg.mesh.subtract_ref))
+                         or (self.paper_balance and self.cfg.mesh.subtract_ref))
         ref_logps = self._ref_logps(data) if need_ref_logp else None
-        self.balance_w, balance_stats = None, {}
-        if self.balance_on:
+        self.balance_w, self.support_w, balance_stats = None, None, {}
+        if self.support_balance:
+            self.support_w, balance_stats = support_row_weights(self, data)
+        if self.paper_balance:
             seq = torch.stack([lp.sum() for lp in old_logps])
             ref_seq = torch.stack([lp.sum() for lp in ref_logps]) if self.cfg.mesh.subtract_ref else None
             self.balance_w, balance_stats = balance_row_weights(self.cfg, data, seq, ref_seq)
@@ -293,6 +299,8 @@ class Trainer:
                 balance_grads = self._balance_backward(idx, seq_logp, params, balance_grads)
             for k, v in mstats.items():  # metrics: row-weighted mean over micro-batches
                 stats[k] += v * len(idx) / len(rows)
+        if self.support_w is not None:
+            balance_grads = support_backward(self, rows, data, params, balance_grads)
         if balance_grads is not None:
             stats.update(self._merge_balance_grads(params, balance_grads))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)

@@ -59,3 +59,51 @@ def balance_row_weights(cfg, data, seq_logp: torch.Tensor, ref_seq_logp: torch.T
         subtract_ref=cfg.mesh.subtract_ref, reduction=cfg.mesh.reduction,
     )
     return w, {k: v for k, v in metrics.items() if v == v}
+
+
+def _bare_micro_batches(trainer, rows: list[int], data):
+    """Micro-batches of ``rows`` whose prompts are the bare queries (no coach prefix)."""
+    from meshrl.trainer.batch import collate
+
+    size = trainer.cfg.train.micro_batch_size
+    for i in range(0, len(rows), size):
+        idx = rows[i : i + size]
+        prompts = [trainer.sampler.prompt_ids(data.problems[j], -1) for j in idx]
+        yield idx, collate(prompts, [data.response_ids[j] for j in idx], trainer.pad_id)
+
+
+def _bare_seq_logp(trainer, mb) -> torch.Tensor:
+    from meshrl.trainer.batch import response_logits, token_logprobs
+
+    logits = response_logits(trainer.model, mb, trainer.cfg.train.autocast_bf16)
+    logp = token_logprobs(logits, mb.response_ids, trainer.cfg.rollout.temperature)
+    return (logp * mb.response_mask).sum(-1)
+
+
+def support_row_weights(trainer, data) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weights of meshrl's support balancing (:func:`meshrl.mesh.support_balance_row_weights`): one
+    no-grad forward of the correct rollouts under their bare queries, at the step's start parameters."""
+    from meshrl.mesh import support_balance_row_weights
+    from meshrl.trainer.rollout_step import CORRECT_AT
+
+    correct = [s >= CORRECT_AT for s in data.scores]
+    seq = torch.zeros(len(data), dtype=torch.float64)
+    with torch.no_grad():
+        for idx, mb in _bare_micro_batches(trainer, [j for j, ok in enumerate(correct) if ok], data):
+            seq[idx] = _bare_seq_logp(trainer, mb).double().cpu()
+    w, metrics = support_balance_row_weights(seq, torch.tensor(correct), data.query_ids, data.strategy_ids,
+                                             trainer.cfg.balance_mu, reduction=trainer.cfg.mesh.reduction)
+    return w, {k: v for k, v in metrics.items() if v == v}
+
+
+def support_backward(trainer, rows: list[int], data, params, acc: list[torch.Tensor] | None):
+    """Add the gradient of ``sum_j w_j log pi(tau_j | bare query)`` over the weighted ``rows`` to ``acc``
+    (kept apart from the policy gradient, as the paper form's, for ``mesh/grad_ratio``)."""
+    weighted = [j for j in rows if trainer.support_w[j] != 0]
+    for idx, mb in _bare_micro_batches(trainer, weighted, data):
+        seq = _bare_seq_logp(trainer, mb)
+        w = trainer.support_w[idx].to(seq.dtype).to(seq.device)
+        grads = torch.autograd.grad((w * seq).sum(), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        acc = grads if acc is None else [a + g for a, g in zip(acc, grads, strict=True)]
+    return acc

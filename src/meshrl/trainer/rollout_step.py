@@ -74,11 +74,14 @@ class RolloutStep:
         self.last = StepData()
 
     def conditioning(self, problem, strategy: int) -> dict[str, str]:
-        """``{"system": text}`` or ``{"assistant_prefix": text}``: the wrapped coach prefix of a rollout."""
+        """``{"system": text}`` or ``{"assistant_prefix": text}``: the coach prefix of a rollout, wrapped in
+        the anti-hacking template unless ``mesh.template`` is ``plain`` (small models trained on bare
+        prefixes, such as the testbed's warm start, cannot read an 800-character template)."""
         from meshrl.mesh import wrap_prefix
 
         placement = self.cfg.mesh.placement
-        wrapped = wrap_prefix(self.prefixes[problem.id][strategy], placement)
+        prefix = self.prefixes[problem.id][strategy]
+        wrapped = prefix if self.cfg.mesh.template == "plain" else wrap_prefix(prefix, placement)
         return {"system": wrapped} if placement == "system" else {"assistant_prefix": wrapped}
 
     def prompt_ids(self, problem, strategy: int = -1) -> list[int]:

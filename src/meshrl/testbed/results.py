@@ -1,0 +1,295 @@
+"""Read a testbed experiment back (``meshrl.testbed.experiment``) into tables: ``results.json``.
+
+- ``arms``: final held-out figures per arm (mean and sd over seeds): mean@1, pass@k, per type, the niches,
+  and the final *unconditioned* strategy shares (parser labels on the evaluation samples);
+- ``paired``: every arm against GRPO on the same problems (per-problem scores averaged over the seeds
+  both have), paired bootstrap CI and permutation p, Holm-corrected across arms;
+- ``curves``: per arm and step, the mean over seeds of the training figures;
+- ``warning``: per probed run, the step at which each signal crosses its calibrated threshold and the
+  steps of the ground-truth events, with lead = event step - signal step (positive = the signal warns).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+#: signal -> (probe key, direction of collapse). Thresholds: mean +- 3 sd over the warm-start probes.
+SIGNALS: dict[str, tuple[str, str]] = {
+    **{f"MEI {f}": (f"mei/{f}", "up") for f in ("bias", "head", "full")},
+    **{f"effective dirs {f}": (f"eff_dirs/{f}", "down") for f in ("bias", "head", "full")},
+    "entropy": ("entropy", "down"),
+    **{f"kernel max mass {f}": (f"kernel_max_mass/{f}@0.2", "up") for f in ("bias", "head", "full")},
+    "weakest procedure log-prob": ("ref_logp/min", "down"),
+}
+#: ground-truth events: (probe key, direction, fixed threshold or None = calibrated like a signal)
+EVENTS: dict[str, tuple[str, str, float | None]] = {
+    "true max mass > 0.8": ("true_max_mass", "up", 0.8),
+    "niche accuracy falls": ("acc/niche", "down", None),
+}
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    vals = [v for v in values if v == v]
+    if not vals:
+        return math.nan, math.nan
+    m = sum(vals) / len(vals)
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+    return m, sd
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def _runs(out: Path) -> dict[str, dict[int, Path]]:
+    runs: dict[str, dict[int, Path]] = defaultdict(dict)
+    for d in sorted((out / "runs").glob("*/seed_*")):
+        if (d / "eval" / "eval.json").is_file():
+            runs[d.parent.name][int(d.name.split("_")[1])] = d
+    return runs
+
+
+def eval_shares(eval_dir: Path, task) -> dict[str, Any]:
+    """Unconditioned strategy shares of the evaluation samples, overall and per type, and the mean over
+    problems of the per-problem max share."""
+    rows = _read_jsonl(eval_dir / "eval_samples.jsonl")
+    names = tuple(task.strategies)
+    overall: Counter = Counter()
+    by_type: dict[str, Counter] = defaultdict(Counter)
+    per_problem: dict[str, Counter] = defaultdict(Counter)
+    for r in rows:
+        lab = task.label_strategy(r["completion"]) or "other"
+        overall[lab] += 1
+        by_type[r.get("group", "?")][lab] += 1
+        per_problem[r["problem_id"]][lab] += 1
+
+    def shares(c: Counter) -> dict[str, float]:
+        n = sum(c.values())
+        return {s: c[s] / n for s in (*names, "other")} if n else {}
+
+    pmax = [max(c.values()) / sum(c.values()) for c in per_problem.values()]
+    return {"overall": shares(overall), "by_type": {t: shares(c) for t, c in sorted(by_type.items())},
+            "problem_max_mass": sum(pmax) / len(pmax) if pmax else math.nan}
+
+
+def arm_table(out: Path) -> dict[str, Any]:
+    from meshrl.tasks import load_task
+
+    task = load_task("testbed:add")
+    table: dict[str, Any] = {}
+    for arm, seeds in _runs(out).items():
+        per_seed = []
+        for seed, d in sorted(seeds.items()):
+            ev = json.loads((d / "eval" / "eval.json").read_text())
+            groups = ev.get("by", {}).get("groups", {})
+            niche_n = sum(groups[t]["problems"] for t in ("carry", "decade") if t in groups)
+            niche = sum(groups[t]["mean@1"] * groups[t]["problems"] for t in ("carry", "decade") if t in groups)
+            metrics = _read_jsonl(d / "metrics.jsonl")
+            per_seed.append({
+                "seed": seed, **{k: v for k, v in ev["overall"].items() if k != "problems"},
+                **{f"mean@1/{t}": g["mean@1"] for t, g in groups.items()},
+                "mean@1/niche": niche / niche_n if niche_n else math.nan,
+                "shares": eval_shares(d / "eval", task),
+                "train_seconds": sum(m.get("time/step_s", 0.0) for m in metrics),
+                "rollouts": sum(m.get("rollouts/count", 0.0) for m in metrics),
+            })
+        keys = [k for k in per_seed[0] if k not in ("seed", "shares")]
+        row: dict[str, Any] = {"seeds": [p["seed"] for p in per_seed]}
+        for k in keys:
+            row[k], row[f"{k}_sd"] = _mean_sd([p[k] for p in per_seed])
+        row["problem_max_mass"], row["problem_max_mass_sd"] = _mean_sd(
+            [p["shares"]["problem_max_mass"] for p in per_seed])
+        row["shares_by_type"] = {t: {s: _mean_sd([p["shares"]["by_type"].get(t, {}).get(s, math.nan)
+                                                  for p in per_seed])[0] for s in (*task.strategies, "other")}
+                                 for t in per_seed[0]["shares"]["by_type"]}
+        row["per_seed"] = per_seed
+        table[arm] = row
+    return table
+
+
+def _per_problem(eval_dir: Path, metric: str) -> dict[str, float]:
+    from meshrl.evaluation.compare import per_problem_scores
+
+    return per_problem_scores(json.loads((eval_dir / "eval.json").read_text()), metric)
+
+
+def paired_vs(out: Path, baseline: str = "grpo", metrics: tuple[str, ...] = ("mean", "pass@8"),
+              n_boot: int = 5000) -> dict[str, Any]:
+    """Each arm vs ``baseline``: per-problem scores averaged over the seeds both arms have."""
+    from meshrl.stats import holm_correction, paired_bootstrap, paired_permutation_test
+
+    runs = _runs(out)
+    if baseline not in runs:
+        return {}
+    res: dict[str, Any] = {}
+    for metric in metrics:
+        rows = {}
+        for arm, seeds in runs.items():
+            common = sorted(set(seeds) & set(runs[baseline]))
+            if arm == baseline or not common:
+                continue
+            a = [_per_problem(seeds[s] / "eval", metric) for s in common]
+            b = [_per_problem(runs[baseline][s] / "eval", metric) for s in common]
+            pids = sorted(set.intersection(*(set(x) for x in a + b)))
+            sa = [sum(x[p] for x in a) / len(a) for p in pids]
+            sb = [sum(x[p] for x in b) / len(b) for p in pids]
+            boot = paired_bootstrap(sa, sb, n_boot=n_boot, seed=0)
+            rows[arm] = {"seeds": common, "problems": len(pids), "arm": boot.mean_a, "baseline": boot.mean_b,
+                         "diff": boot.diff, "ci_low": boot.ci_low, "ci_high": boot.ci_high,
+                         "p_bootstrap": boot.p_value, "p_permutation": paired_permutation_test(sa, sb, seed=0)}
+        if rows:
+            adjusted, reject = holm_correction([r["p_permutation"] for r in rows.values()])
+            for r, p, rej in zip(rows.values(), adjusted, reject, strict=True):
+                r["p_holm"], r["significant"] = float(p), bool(rej)
+        res[metric] = rows
+    return res
+
+
+def curves(out: Path, keys: tuple[str, ...] = ("reward/mean", "strategy/max_mass", "acc/type/carry",
+                                              "acc/type/decade", "acc/type/low", "mei/query",
+                                              "mei/effective_dirs", "entropy/mean", "mesh/grad_ratio")
+           ) -> dict[str, dict[str, list[float]]]:
+    res: dict[str, dict[str, list[float]]] = {}
+    for arm, seeds in _runs(out).items():
+        series = [_read_jsonl(d / "metrics.jsonl") for d in seeds.values()]
+        steps = min(len(s) for s in series)
+        res[arm] = {k: [_mean_sd([s[i].get(k, math.nan) for s in series])[0] for i in range(steps)] for k in keys}
+    return res
+
+
+def thresholds(out: Path) -> dict[str, tuple[float, str]]:
+    """Calibrated threshold per signal (and per calibrated event) from the warm-start probes."""
+    from meshrl.testbed.signals import calibrated_threshold
+
+    base = _read_jsonl(out / "baseline_probes.jsonl")
+    th: dict[str, tuple[float, str]] = {}
+    for name, (key, direction) in SIGNALS.items():
+        th[name] = (calibrated_threshold([b[key] for b in base], direction), direction)
+    for name, (key, direction, fixed) in EVENTS.items():
+        th[name] = (fixed if fixed is not None else calibrated_threshold([b[key] for b in base], direction),
+                    direction)
+    return th
+
+
+def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
+    """Per probed run: crossing step of every signal and event; lead = event - signal (None if either never
+    crosses). Aggregated per signal: runs where it crossed, mean and range of the lead over runs."""
+    from meshrl.testbed.signals import first_crossing
+
+    if not (out / "baseline_probes.jsonl").is_file():
+        return {}
+    th = thresholds(out)
+    keys = {**{n: k for n, (k, _) in SIGNALS.items()}, **{n: k for n, (k, _, _) in EVENTS.items()}}
+    per_run = []
+    for arm, seeds in _runs(out).items():
+        for seed, d in sorted(seeds.items()):
+            probes = sorted(_read_jsonl(d / "probes.jsonl"), key=lambda r: r["step"])
+            if len(probes) < 2:
+                continue
+            steps = [p["step"] for p in probes]
+            cross = {n: first_crossing(steps, [p.get(k, math.nan) for p in probes], th[n][0], th[n][1], patience)
+                     for n, k in keys.items()}
+            per_run.append({"arm": arm, "seed": seed, "dir": str(d), "crossings": cross,
+                            "final": {n: probes[-1].get(k) for n, k in keys.items()}})
+    summary: dict[str, Any] = {}
+    for event in EVENTS:
+        for sig in SIGNALS:
+            leads = [r["crossings"][event] - r["crossings"][sig] for r in per_run
+                     if r["crossings"][event] is not None and r["crossings"][sig] is not None]
+            summary[f"{sig} | {event}"] = {
+                "runs": len(per_run), "event_seen": sum(r["crossings"][event] is not None for r in per_run),
+                "signal_seen": sum(r["crossings"][sig] is not None for r in per_run), "both": len(leads),
+                "lead_mean": _mean_sd(leads)[0] if leads else None,
+                "lead_min": min(leads) if leads else None, "lead_max": max(leads) if leads else None}
+    return {"thresholds": {k: {"value": v, "direction": d} for k, (v, d) in th.items()}, "runs": per_run,
+            "summary": summary}
+
+
+def partition_agreement(out: Path) -> dict[str, Any]:
+    """ARI of the kernel epsilon-partition against parser labels, per feature map and epsilon: at the warm
+    start (baseline probes) and at the last probe of the probed runs."""
+    from meshrl.testbed.signals import EPSILONS, FEATURES
+
+    base = _read_jsonl(out / "baseline_probes.jsonl")
+    finals = [sorted(_read_jsonl(d / "probes.jsonl"), key=lambda r: r["step"])[-1]
+              for seeds in _runs(out).values() for d in seeds.values() if (d / "probes.jsonl").is_file()]
+    res: dict[str, Any] = {}
+    for label, rows in (("warm_start", base), ("final", finals)):
+        if not rows:
+            continue
+        res[label] = {"probes": len(rows),
+                      "distinct_frac": _mean_sd([r.get("distinct_frac", math.nan) for r in rows])[0],
+                      "true_max_mass": _mean_sd([r["true_max_mass"] for r in rows])[0]}
+        for f in FEATURES:
+            for e in EPSILONS:
+                for kind in ("ari", "pooled_ari"):
+                    key = f"{kind}/{f}@{e:g}"
+                    res[label][key] = _mean_sd([r.get(key, math.nan) for r in rows])[0]
+    return res
+
+
+def _ranks(x: list[float]) -> list[float]:
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    ranks = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1  # ties share their mean rank
+        i = j + 1
+    return ranks
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman rank correlation (Pearson correlation of mid-ranks; NaN if either side is constant)."""
+    if len(x) != len(y):
+        raise ValueError(f"lengths differ: {len(x)} vs {len(y)}")
+    rx, ry = _ranks(x), _ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
+def mei_vs_truth(out: Path) -> dict[str, Any]:
+    """MEI and effective directions per query against the true number of procedures among its rollouts,
+    pooled over every probe (warm start and checkpoints): means by true count and Spearman correlations."""
+    from meshrl.testbed.signals import FEATURES
+
+    recs = _read_jsonl(out / "baseline_per_problem.jsonl")
+    for seeds in _runs(out).values():
+        for d in seeds.values():
+            recs += [r for r in _read_jsonl(d / "probes_per_problem.jsonl") if r.get("step", 0) > 0]
+    if not recs:
+        return {}
+    res: dict[str, Any] = {"queries": len(recs), "by_true_strategies": {}, "spearman": {}}
+    for n in sorted({r["true_strategies"] for r in recs}):
+        sub = [r for r in recs if r["true_strategies"] == n]
+        res["by_true_strategies"][n] = {"queries": len(sub), **{
+            k: _mean_sd([r.get(k, math.nan) for r in sub])[0] for f in FEATURES for k in (f"mei/{f}", f"eff_dirs/{f}")},
+            "distinct_frac": _mean_sd([r["distinct_frac"] for r in sub])[0]}
+    truth = [float(r["true_strategies"]) for r in recs]
+    for f in FEATURES:
+        for k in (f"mei/{f}", f"eff_dirs/{f}"):
+            pairs = [(t, r[k]) for t, r in zip(truth, recs, strict=True) if r.get(k) == r.get(k)]
+            res["spearman"][k] = spearman([p[0] for p in pairs], [p[1] for p in pairs]) if pairs else math.nan
+    res["spearman"]["distinct_frac"] = spearman(truth, [r["distinct_frac"] for r in recs])
+    return res
+
+
+def summarize_experiment(out: Path) -> dict[str, Any]:
+    """Everything above into ``out/results.json``; returns it."""
+    settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
+    k = max(settings.get("ks") or [1])
+    res = {"settings": settings, "k_max": k,
+           "arms": arm_table(out), "paired_vs_grpo": paired_vs(out, metrics=("mean", f"pass@{k}")),
+           "warning": warning_table(out),
+           "partition": partition_agreement(out), "mei_vs_truth": mei_vs_truth(out), "curves": curves(out)}
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    return res
