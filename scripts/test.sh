@@ -7,3 +7,9 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ruff check src tests benchmarks
 python -m pytest -q "$@"
+# The CI-sized demo end to end (warm start, three arms, evaluation, report); skipped when pytest args are given.
+if [ "$#" -eq 0 ]; then
+  demo_out="$(mktemp -d)"
+  meshrl demo --quick --out "$demo_out/demo" --no-progress
+  test -f "$demo_out/demo/report/index.html"
+fi

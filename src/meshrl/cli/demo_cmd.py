@@ -22,13 +22,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshrl.report import build_report
-    from meshrl.testbed.demo import run_demo
+    from meshrl.testbed.demo import run_demo, summary_markdown
 
     summary = run_demo(args.out, quick=args.quick, seed=args.seed, progress=not args.no_progress)
     paths = [Path(p) for p in summary["runs"].values()] + [Path(p) for p in summary["evals"].values()]
     index = build_report(paths, args.out / "report", title="meshrl demo: GRPO vs CP-only vs Mesh")
-    brief = {arm: {"pass@1": row["eval"].get("pass@1"), "max_strategy_mass": row.get("train_last", {}).get(
-        "strategy/max_mass")} for arm, row in summary["final"].items()}
-    print(json.dumps({"results": brief, "seconds": round(summary["seconds"], 1)}, indent=1))
+    md = summary_markdown(summary)
+    (args.out / "results.md").write_text(md + "\n")
+    print(md)
+    print(json.dumps({"summary": str(args.out / "demo_summary.json"), "seconds": round(summary["seconds"], 1)}))
     print(f"report: {index}")
     return 0

@@ -107,15 +107,35 @@ def run_demo(out: Path, *, quick: bool = False, seed: int = 0, settings: DemoSet
 
 def _final_table(runs: dict[str, Path], evals: dict[str, Path]) -> dict[str, Any]:
     """Per arm: last-step training figures (max strategy mass, MEI) and held-out results by type."""
+    from meshrl.tasks import load_task
+    from meshrl.testbed.results import eval_shares
     from meshrl.trainer.runlog import read_jsonl
 
+    task = load_task("testbed:add")
     table: dict[str, Any] = {}
     for arm, ev_dir in evals.items():
         ev = json.loads((ev_dir / "eval.json").read_text())
-        row: dict[str, Any] = {"eval": ev["overall"], "eval_by_type": ev.get("by", {}).get("groups", {})}
+        row: dict[str, Any] = {"eval": ev["overall"], "eval_by_type": ev.get("by", {}).get("groups", {}),
+                               "shares": eval_shares(ev_dir, task)}
         if arm in runs:
             last = read_jsonl(runs[arm] / "metrics.jsonl")[-1]
             row["train_last"] = {k: v for k, v in last.items()
                                  if k.startswith(("strategy/", "mei/query", "mei/effective", "acc/", "reward/mean"))}
         table[arm] = row
     return table
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """The demo's result table: held-out mean@1 overall and per type, pass@k, and which procedure the
+    unconditioned policy uses on each type (shares c / t / r)."""
+    k = max(summary["settings"]["ks"])
+    types = ("low", "carry", "decade")
+    lines = [f"| policy | mean@1 | pass@{k} | " + " | ".join(f"{t} mean@1" for t in types)
+             + " | " + " | ".join(f"{t} c/t/r" for t in types) + " |", "|---" * (3 + 2 * len(types)) + "|"]
+    for arm, row in summary["final"].items():
+        by, sh = row["eval_by_type"], row["shares"]["by_type"]
+        lines.append(f"| {arm} | {row['eval']['mean@1']:.3f} | {row['eval'].get(f'pass@{k}', float('nan')):.3f} | "
+                     + " | ".join(f"{by[t]['mean@1']:.3f}" if t in by else "–" for t in types) + " | "
+                     + " | ".join("/".join(f"{sh[t][x]:.2f}" for x in ("c", "t", "r")) if t in sh else "–"
+                                  for t in types) + " |")
+    return "\n".join(lines)
