@@ -310,3 +310,18 @@ def test_trainer_masses_use_lenient_labels_and_periodic_eval_reports_the_uncondi
     assert 0 <= m.get("eval/strategy/problem_max_mass", 0) <= 1
     assert {k for k in m if k.startswith("eval/acc/type/")} <= {f"eval/acc/type/{t}" for t in tb.TYPES}
     assert any(k.startswith("eval/acc/type/") for k in m)
+
+
+def test_masses_and_type_accuracy_count_rollouts_dynamic_sampling_dropped(tmp_path):
+    """DAPO drops groups whose rollouts all score alike; the policy's masses and per-type accuracy must
+    still be measured on every sampled rollout, not only on the kept (mixed) groups."""
+    from meshrl.trainer import load_config, train
+
+    cfg = load_config(overrides=[
+        "model=tiny", "task=testbed:add", "steps=1", "rollout.prompts_per_step=3", "rollout.group_size=2",
+        "rollout.max_new_tokens=22", "log.progress=false", "recipe=dapo", "dynamic_sampling.max_rounds=1"])
+    m = train(cfg, tmp_path / "run")[-1]
+    assert m["rollouts/count"] == 6 and m["rollouts/kept"] == 0  # an untrained model: every group all-wrong
+    assert m["acc/sampled_mean"] == 0.0
+    assert any(k.startswith("acc/type/") for k in m)
+    assert sum(m[f"strategy/mass/{s}"] for s in tb.STRATEGIES) + m["strategy/unlabelled"] == pytest.approx(1.0)

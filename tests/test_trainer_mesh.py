@@ -159,3 +159,34 @@ def test_plain_template_conditions_on_the_prefix_text_alone(placement, tmp_path)
 def test_unknown_template_is_rejected():
     with pytest.raises(ValueError, match="mesh.template='fancy'"):
         _cfg("recipe=mesh", "mesh.template=fancy")
+
+
+@pytest.mark.parametrize("balance", ["paper", "support"])
+def test_bare_group_samples_without_prefix_at_the_matched_budget(balance, tmp_path):
+    tr = Trainer(_cfg("recipe=mesh", "mesh.m=3", "mesh.bare_group=true", f"mesh.balance={balance}", "mesh.mu=0.5"),
+                 tmp_path / balance)
+    data, _ = tr.sampler.run(0, 0)
+    assert len(data) == 2 * 8  # matched: 3 prefix groups + 1 bare group of 2 = G = 8 per query
+    assert sorted(set(data.strategy_ids)) == [-1, 0, 1, 2]
+    bare = [i for i, k in enumerate(data.strategy_ids) if k == -1]
+    assert len(bare) == 2 * 2
+    bare_prompt = tr.sampler.prompt_ids(data.problems[bare[0]], -1)
+    assert data.prompt_ids[bare[0]] == bare_prompt  # no coach text in the bare group's prompt
+    assert all(data.group_ids[i] == (data.query_ids[i], -1) for i in bare)  # its own advantage group
+    data.scores = [1.0] * len(data)  # everything correct: every strategy cell is active
+    if balance == "paper":
+        from meshrl.trainer.mesh_support import balance_row_weights
+
+        seq = torch.randn(len(data))
+        w, _ = balance_row_weights(tr.cfg, data, seq, seq * 0)
+    else:
+        from meshrl.trainer.mesh_support import support_row_weights
+
+        w, _ = support_row_weights(tr, data)
+    assert all(float(w[i]) == 0.0 for i in bare)  # the bare group is not a strategy to balance
+    assert any(float(w[i]) != 0.0 for i in range(len(data)) if i not in bare)
+
+
+def test_bare_group_needs_divisible_group_size():
+    with pytest.raises(ValueError, match=r"mesh.m=3 \+ 1 \(mesh.bare_group\)"):
+        _cfg("recipe=mesh", "mesh.m=3", "mesh.bare_group=true", "rollout.group_size=6")

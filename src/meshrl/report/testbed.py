@@ -55,18 +55,20 @@ def paired_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def warning_markdown(res: dict[str, Any]) -> str:
-    w = res.get("warning") or {}
-    if not w:
+def warning_markdown(res: dict[str, Any], key: str = "warning") -> str:
+    w = res.get(key) or {}
+    if not w or not w.get("runs"):
         return "(no probes)"
     lines = ["| signal | threshold | event | runs where the event happened | signal crossed | lead (mean, "
              "min..max steps; + = warns first) |", "|---|---|---|---|---|---|"]
     for key, s in w["summary"].items():
         sig, event = key.split(" | ")
-        th = w["thresholds"][sig]
+        th = w.get("thresholds", {}).get(sig, {"direction": "up", "value": math.nan})
         lead = ("–" if s["lead_mean"] is None else
                 f"{s['lead_mean']:+.1f} ({s['lead_min']:+d}..{s['lead_max']:+d}, n={s['both']})")
-        lines.append(f"| {sig} | {'>' if th['direction'] == 'up' else '<'} {th['value']:.3g} | {event} | "
+        th_text = "calibrated per run" if th["value"] != th["value"] else \
+            f"{'>' if th['direction'] == 'up' else '<'} {th['value']:.3g}"
+        lines.append(f"| {sig} | {th_text} | {event} | "
                      f"{s['event_seen']}/{s['runs']} | {s['signal_seen']}/{s['runs']} | {lead} |")
     lines += ["", "Crossing steps per probed run (– = never within the run):", "",
               "| run | " + " | ".join(w["runs"][0]["crossings"]) + " |",
@@ -114,7 +116,9 @@ def mei_truth_markdown(res: dict[str, Any]) -> str:
 
 def results_markdown(res: dict[str, Any]) -> str:
     return "\n\n".join(["### Final held-out results", arms_markdown(res), "### Paired comparisons against GRPO",
-                        paired_markdown(res), "### Warning signals", warning_markdown(res),
+                        paired_markdown(res), "### Warning signals (checkpoint probes)", warning_markdown(res),
+                        "### Warning signals (training logs, every step)",
+                        warning_markdown(res, "warning_training"),
                         "### Kernel partition vs parser labels (ARI)", partition_markdown(res),
                         "### MEI and effective directions vs the true number of procedures", mei_truth_markdown(res)])
 

@@ -30,6 +30,10 @@ ARMS: dict[str, list[str]] = {
     "cp_only": ["recipe=cp_only"],  # = the paper's Mesh at mu = 0
     **{f"mesh_mu{mu}": ["recipe=mesh", f"mesh.mu={mu}"] for mu in ("1e-5", "1e-3", "1e-2", "1e-1")},
     **{f"support_mu{mu}": ["recipe=mesh", "mesh.balance=support", f"mesh.mu={mu}"] for mu in ("1e-1", "1")},
+    # meshrl extension: a fourth, prefix-free group per query (G = 4 groups of 3), so the policy that is
+    # evaluated (no coach at test time) is trained too.
+    "cp_bare": ["recipe=cp_only", "mesh.bare_group=true"],
+    "support_bare_mu1e-1": ["recipe=mesh", "mesh.balance=support", "mesh.mu=1e-1", "mesh.bare_group=true"],
 }
 PROBE_ARMS = ("grpo", "dapo", "grpo_kl", "grpo_js")
 

@@ -28,8 +28,15 @@ SIGNALS: dict[str, tuple[str, str]] = {
 #: ground-truth events: (probe key, direction, fixed threshold or None = calibrated like a signal)
 EVENTS: dict[str, tuple[str, str, float | None]] = {
     "true max mass > 0.8": ("true_max_mass", "up", 0.8),
-    "niche accuracy falls": ("acc/niche", "down", None),
+    "niche accuracy falls": ("acc/niche_min", "down", None),
 }
+
+
+def _with_niche_min(row: dict[str, Any]) -> dict[str, Any]:
+    """Add ``acc/niche_min``: the accuracy of the worse niche type (a collapse kills one niche while the
+    other may improve, so their mean can hide it)."""
+    vals = [row[k] for k in ("acc/type/carry", "acc/type/decade") if k in row and row[k] == row[k]]
+    return {**row, "acc/niche_min": min(vals) if vals else math.nan}
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -165,7 +172,7 @@ def thresholds(out: Path) -> dict[str, tuple[float, str]]:
     """Calibrated threshold per signal (and per calibrated event) from the warm-start probes."""
     from meshrl.testbed.signals import calibrated_threshold
 
-    base = _read_jsonl(out / "baseline_probes.jsonl")
+    base = [_with_niche_min(b) for b in _read_jsonl(out / "baseline_probes.jsonl")]
     th: dict[str, tuple[float, str]] = {}
     for name, (key, direction) in SIGNALS.items():
         th[name] = (calibrated_threshold([b[key] for b in base], direction), direction)
@@ -187,7 +194,7 @@ def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
     per_run = []
     for arm, seeds in _runs(out).items():
         for seed, d in sorted(seeds.items()):
-            probes = sorted(_read_jsonl(d / "probes.jsonl"), key=lambda r: r["step"])
+            probes = sorted(map(_with_niche_min, _read_jsonl(d / "probes.jsonl")), key=lambda r: r["step"])
             if len(probes) < 2:
                 continue
             steps = [p["step"] for p in probes]
@@ -207,6 +214,62 @@ def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
                 "lead_min": min(leads) if leads else None, "lead_max": max(leads) if leads else None}
     return {"thresholds": {k: {"value": v, "direction": d} for k, (v, d) in th.items()}, "runs": per_run,
             "summary": summary}
+
+
+#: per-step signals in the training log (online MEI is the bias map over each query's G rollouts)
+TRAIN_SIGNALS: dict[str, tuple[str, str]] = {"MEI bias (online)": ("mei/query", "up"),
+                                             "effective dirs (online)": ("mei/effective_dirs", "down"),
+                                             "entropy (training)": ("entropy/mean", "down"),
+                                             "overall max mass (training)": ("strategy/max_mass", "up")}
+
+
+def _training_truth(run_dir: Path, task) -> dict[int, float]:
+    """Step -> mean over the step's problems of the per-problem max strategy share (all rollouts)."""
+    groups: dict[int, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+    for r in _read_jsonl(run_dir / "samples.jsonl"):
+        groups[r["step"]][r["problem_id"]][task.label_strategy(r["completion"]) or "other"] += 1
+    return {step: sum(max(c.values()) / sum(c.values()) for c in g.values()) / len(g)
+            for step, g in sorted(groups.items())}
+
+
+def training_warning_table(out: Path, arms: tuple[str, ...] = ("grpo", "dapo", "grpo_kl", "grpo_js"),
+                           calib_steps: int = 5, patience: int = 2) -> dict[str, Any]:
+    """Step-resolution version from the training logs of the baseline runs: thresholds are mean +- 3 sd of
+    each signal over the run's first ``calib_steps`` steps; events are the per-problem max strategy share
+    of the training rollouts passing 0.8 and the training niche accuracy falling below its calibrated
+    threshold, both for ``patience`` consecutive steps (single steps are noisy)."""
+    from meshrl.tasks import load_task
+    from meshrl.testbed.signals import calibrated_threshold, first_crossing
+
+    task = load_task("testbed:add")
+    runs, per_run = _runs(out), []
+    for arm in arms:
+        for seed, d in sorted(runs.get(arm, {}).items()):
+            metrics = _read_jsonl(d / "metrics.jsonl")
+            truth = _training_truth(d, task)
+            steps = [m["step"] for m in metrics]
+            niche = [_with_niche_min(m)["acc/niche_min"] for m in metrics]
+            cross: dict[str, int | None] = {
+                "true max mass > 0.8": first_crossing(steps, [truth.get(s, math.nan) for s in steps], 0.8, "up",
+                                                      patience),
+                "niche accuracy falls": first_crossing(
+                    steps, niche, calibrated_threshold(niche[:calib_steps], "down"), "down", patience)}
+            for name, (key, direction) in TRAIN_SIGNALS.items():
+                vals = [m.get(key, math.nan) for m in metrics]
+                th = calibrated_threshold(vals[:calib_steps], direction)
+                cross[name] = first_crossing(steps[calib_steps:], vals[calib_steps:], th, direction, patience)
+            per_run.append({"arm": arm, "seed": seed, "crossings": cross})
+    summary = {}
+    for event in ("true max mass > 0.8", "niche accuracy falls"):
+        for sig in TRAIN_SIGNALS:
+            leads = [r["crossings"][event] - r["crossings"][sig] for r in per_run
+                     if r["crossings"][event] is not None and r["crossings"][sig] is not None]
+            summary[f"{sig} | {event}"] = {
+                "runs": len(per_run), "event_seen": sum(r["crossings"][event] is not None for r in per_run),
+                "signal_seen": sum(r["crossings"][sig] is not None for r in per_run), "both": len(leads),
+                "lead_mean": _mean_sd(leads)[0] if leads else None,
+                "lead_min": min(leads) if leads else None, "lead_max": max(leads) if leads else None}
+    return {"runs": per_run, "summary": summary}
 
 
 def partition_agreement(out: Path) -> dict[str, Any]:
@@ -289,7 +352,7 @@ def summarize_experiment(out: Path) -> dict[str, Any]:
     k = max(settings.get("ks") or [1])
     res = {"settings": settings, "k_max": k,
            "arms": arm_table(out), "paired_vs_grpo": paired_vs(out, metrics=("mean", f"pass@{k}")),
-           "warning": warning_table(out),
+           "warning": warning_table(out), "warning_training": training_warning_table(out),
            "partition": partition_agreement(out), "mei_vs_truth": mei_vs_truth(out), "curves": curves(out)}
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     return res

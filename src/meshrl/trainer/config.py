@@ -104,6 +104,8 @@ class MeshConfig:
     mu: float = 1e-5  # balancing strength (cp_only forces 0)
     balance: str = "paper"  # "paper": KL(uniform||softmax(z - z_ref)) on conditioned logps; "support":
     # meshrl's extension, one-sided on the unconditioned logps (meshrl.mesh.support)
+    bare_group: bool = False  # meshrl extension: one more group per query sampled WITHOUT a prefix, so the
+    # policy that runs at test time is trained too; matched budget: m + 1 groups of G/(m + 1)
     subtract_ref: bool = True  # r = z - z_ref (paper); False = the release variant without the reference
     reduction: str = "mean"  # over queries: "mean" (all queries), "mean_active", "sum" (release)
 
@@ -207,9 +209,11 @@ class RunConfig:
                 raise ValueError(f"{key}={value!r}; known: {', '.join(allowed)}")
         if m.m < 1 or m.mu < 0:
             raise ValueError(f"mesh.m must be >= 1 and mesh.mu >= 0, got m={m.m} mu={m.mu}")
-        if self.mesh_enabled and m.budget == "matched" and self.rollout.group_size % m.m:
+        groups = m.m + int(m.bare_group)
+        if self.mesh_enabled and m.budget == "matched" and self.rollout.group_size % groups:
+            extra = " + 1 (mesh.bare_group)" if m.bare_group else ""
             raise ValueError(f"matched budget needs rollout.group_size={self.rollout.group_size} divisible by "
-                             f"mesh.m={m.m}")
+                             f"mesh.m={m.m}{extra}")
 
 
 def get_key(cfg: Any, dotted: str) -> Any:

@@ -81,7 +81,8 @@ class Trainer:
                                    cfg=cfg, encode_prompt=encode_prompt, prefixes=prefixes)
         self.evaluator = (PeriodicEval(cfg, self.task, self.tokenizer, self.backend, runner, encode_prompt)
                           if cfg.eval.every > 0 else None)
-        group = cfg.rollout.group_size * (cfg.mesh.m if cfg.mesh_enabled and cfg.mesh.budget == "per_prefix" else 1)
+        per_prefix = cfg.mesh_enabled and cfg.mesh.budget == "per_prefix"
+        group = cfg.rollout.group_size * (cfg.mesh.m + int(cfg.mesh.bare_group) if per_prefix else 1)
         self.mei = MeiMonitor(cfg, group) if cfg.diag.mei.every > 0 else None
         self.pending_events: list[dict[str, Any]] = []
         self._mei_collect = False
@@ -173,18 +174,23 @@ class Trainer:
         }
 
     def _strategy_metrics(self, data: StepData) -> dict[str, float]:
-        """True strategy masses (tasks with a trace parser) and accuracy per problem type (``meta["type"]``)."""
+        """True strategy masses (tasks with a trace parser) and accuracy per problem type (``meta["type"]``),
+        over every rollout sampled this step (before a dynamic-sampling filter: they describe the policy)."""
         out: dict[str, float] = {}
+        seen = data.seen or list(zip(data.texts, data.scores, data.problems, strict=True))
+        if not seen:
+            return out
+        out["acc/sampled_mean"] = sum(float(sc >= CORRECT_AT) for _, sc, _ in seen) / len(seen)
         names = getattr(self.task, "strategies", ())
-        if names and len(data):
-            labels = [self.task.label_strategy(t) for t in data.texts]
+        if names:
+            labels = [self.task.label_strategy(t) for t, _, _ in seen]
             labelled = [x for x in labels if x is not None]
             for name in names:
                 out[f"strategy/mass/{name}"] = labels.count(name) / len(labels)
             out["strategy/unlabelled"] = 1 - len(labelled) / len(labels)
             out["strategy/max_mass"] = max(labelled.count(n) for n in names) / len(labelled) if labelled else 0.0
         types: dict[str, list[float]] = defaultdict(list)
-        for p, sc in zip(data.problems, data.scores, strict=True):
+        for _, sc, p in seen:
             if "type" in p.meta:
                 types[str(p.meta["type"])].append(float(sc >= CORRECT_AT))
         for t, v in sorted(types.items()):

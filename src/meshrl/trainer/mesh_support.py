@@ -53,7 +53,8 @@ def balance_row_weights(cfg, data, seq_logp: torch.Tensor, ref_seq_logp: torch.T
     from meshrl.mesh import strategy_balance_row_weights
     from meshrl.trainer.rollout_step import CORRECT_AT
 
-    correct = torch.tensor([s >= CORRECT_AT for s in data.scores])
+    # Rows of the bare group (strategy -1) have no prefix: they are not a strategy cell to balance.
+    correct = torch.tensor([s >= CORRECT_AT and k >= 0 for s, k in zip(data.scores, data.strategy_ids, strict=True)])
     w, _loss, metrics = strategy_balance_row_weights(
         seq_logp, ref_seq_logp, correct, data.query_ids, data.strategy_ids, cfg.balance_mu,
         subtract_ref=cfg.mesh.subtract_ref, reduction=cfg.mesh.reduction,
@@ -86,7 +87,7 @@ def support_row_weights(trainer, data) -> tuple[torch.Tensor, dict[str, float]]:
     from meshrl.mesh import support_balance_row_weights
     from meshrl.trainer.rollout_step import CORRECT_AT
 
-    correct = [s >= CORRECT_AT for s in data.scores]
+    correct = [s >= CORRECT_AT and k >= 0 for s, k in zip(data.scores, data.strategy_ids, strict=True)]
     seq = torch.zeros(len(data), dtype=torch.float64)
     with torch.no_grad():
         for idx, mb in _bare_micro_batches(trainer, [j for j, ok in enumerate(correct) if ok], data):

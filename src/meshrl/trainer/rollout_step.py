@@ -34,6 +34,9 @@ class StepData:
     rewards: torch.Tensor | None = None  # shaped reward [N]
     advantages: torch.Tensor | None = None  # [N]
     stats: dict[str, float] = field(default_factory=dict)
+    # Every rollout sampled this step, before dynamic sampling dropped any group: (text, score, problem).
+    # Strategy masses and per-type accuracy describe the policy, so they use these, not the kept rows.
+    seen: list[tuple[str, float, Any]] = field(default_factory=list)
 
     def extend(self, other: StepData, keep: list[int]) -> None:
         for name in ("prompt_ids", "response_ids", "texts", "truncated", "problems", "group_ids", "query_ids",
@@ -104,9 +107,11 @@ class RolloutStep:
             return [(j, -1) for j in range(len(chosen))], g
         from meshrl.mesh import budget_groups
 
-        m = self.cfg.mesh.m
-        n = budget_groups(g, m, self.cfg.mesh.budget)[0]
-        return [(j, k) for j in range(len(chosen)) for k in range(m)], n
+        m, bare = self.cfg.mesh.m, self.cfg.mesh.bare_group
+        # The bare group (strategy -1: no prefix) is one more group of the same size as a prefix group.
+        n = budget_groups(g, m + int(bare), self.cfg.mesh.budget)[0]
+        strategies = [*range(m), -1] if bare else list(range(m))
+        return [(j, k) for j in range(len(chosen)) for k in strategies], n
 
     def _sample(self, cursor: int, n_problems: int, seed: int) -> StepData:
         from meshrl.rollout import SamplingParams
@@ -128,7 +133,8 @@ class RolloutStep:
             data.problems.append(chosen[j])
             data.query_ids.append(cursor + j)
             data.strategy_ids.append(k)
-            data.group_ids.append(cursor + j if k < 0 or per_query else (cursor + j, k))
+            grouped = per_query or self.prefixes is None
+            data.group_ids.append(cursor + j if grouped else (cursor + j, k))
         data.scores = self.rewards(data.texts, data.problems)
         return data
 
@@ -145,6 +151,7 @@ class RolloutStep:
             data = self._sample(cursor, need, seed)
             cursor += need
             sampled += len(data)
+            batch.seen.extend(zip(data.texts, data.scores, data.problems, strict=True))
             if rec.dynamic_sampling:
                 # DAPO filters on accuracy, not on the length-shaped reward (eq. 11).
                 keep_mask = dynamic_sampling_mask(torch.tensor(data.scores), data.query_ids)
