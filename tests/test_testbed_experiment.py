@@ -71,5 +71,7 @@ def test_experiment_end_to_end_at_toy_size(tmp_path, monkeypatch):
     assert set(res["arms"]) == set(s.arms)
     assert set(res["paired_vs_grpo"]["mean"]) == {"mesh_mu1e-1", "support_mu1"}
     assert res["warning"]["runs"][0]["arm"] == "grpo" and res["mei_vs_truth"]["queries"] > 0
+    assert set(res["coach_following"]) == {"mesh_mu1e-1", "support_mu1"}
+    assert {r["arm"] for r in res["warning_training"]["runs"]} == {"grpo"}
     assert "### Warning signals" in (out / "results.md").read_text()
     assert (out / "figures" / "testbed_final_by_type.png").is_file()

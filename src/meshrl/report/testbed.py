@@ -114,6 +114,18 @@ def mei_truth_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def following_markdown(res: dict[str, Any]) -> str:
+    rows = res.get("coach_following") or {}
+    if not rows:
+        return "(no coach-conditioned arms)"
+    lines = ["| arm | follows its prefix, first 4 steps | last 4 steps | correct rollouts not following it, "
+             "last 4 steps |", "|---|---|---|---|"]
+    for arm, r in rows.items():
+        lines.append(f"| {arm} | {_f(r['follow_first'], 2)} | {_f(r['follow_last'], 2)} | "
+                     f"{_f(r['correct_deviating_last'], 2)} |")
+    return "\n".join(lines)
+
+
 def results_markdown(res: dict[str, Any]) -> str:
     return "\n\n".join(["### Final held-out results", arms_markdown(res), "### Paired comparisons against GRPO",
                         paired_markdown(res), "### Warning signals (checkpoint probes)", warning_markdown(res),

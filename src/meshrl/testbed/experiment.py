@@ -33,6 +33,10 @@ ARMS: dict[str, list[str]] = {
     # meshrl extension: a fourth, prefix-free group per query (G = 4 groups of 3), so the policy that is
     # evaluated (no coach at test time) is trained too.
     "cp_bare": ["recipe=cp_only", "mesh.bare_group=true"],
+    # ablations of the DAPO collapse: its token-mean aggregation alone on GRPO, and DAPO without it
+    "grpo_tokenmean": ["recipe=grpo", "algo.loss_agg=token-mean"],
+    "dapo_seqmean": ["recipe=dapo", "dynamic_sampling.max_rounds=1", "algo.overlong_shaping=false",
+                     "algo.loss_agg=seq-mean-token-mean"],
     "support_bare_mu1e-1": ["recipe=mesh", "mesh.balance=support", "mesh.mu=1e-1", "mesh.bare_group=true"],
 }
 PROBE_ARMS = ("grpo", "dapo", "grpo_kl", "grpo_js")

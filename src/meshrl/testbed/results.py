@@ -195,7 +195,8 @@ def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
     for arm, seeds in _runs(out).items():
         for seed, d in sorted(seeds.items()):
             probes = sorted(map(_with_niche_min, _read_jsonl(d / "probes.jsonl")), key=lambda r: r["step"])
-            if len(probes) < 2:
+            probes = [p for p in probes if p["step"] > 0]  # events and warnings are changes after the start
+            if not probes:
                 continue
             steps = [p["step"] for p in probes]
             cross = {n: first_crossing(steps, [p.get(k, math.nan) for p in probes], th[n][0], th[n][1], patience)
@@ -295,6 +296,41 @@ def partition_agreement(out: Path) -> dict[str, Any]:
     return res
 
 
+def coach_following(out: Path, window: int = 4) -> dict[str, Any]:
+    """Coach-conditioned arms: per step, the share of conditioned rollouts whose procedure is the one their
+    prefix describes (prefix k = ``task.strategies[k]``, the rule coach's order), and the share of correct
+    conditioned rollouts that did *not* follow their prefix; mean over seeds, first and last ``window``
+    steps averaged."""
+    from meshrl.tasks import load_task
+
+    task = load_task("testbed:add")
+    names = tuple(task.strategies)
+    res: dict[str, Any] = {}
+    for arm, seeds in _runs(out).items():
+        follow: dict[int, list[float]] = defaultdict(list)
+        deviate: dict[int, list[float]] = defaultdict(list)
+        for d in seeds.values():
+            per_step: dict[int, list[tuple[bool, bool]]] = defaultdict(list)
+            for r in _read_jsonl(d / "samples.jsonl"):
+                k = r.get("strategy", -1)
+                if k >= 0:
+                    per_step[r["step"]].append((task.label_strategy(r["completion"]) == names[k], r["score"] >= 1))
+            for step, rows in per_step.items():
+                follow[step].append(sum(f for f, _ in rows) / len(rows))
+                good = [f for f, ok in rows if ok]
+                if good:
+                    deviate[step].append(1 - sum(good) / len(good))
+        if not follow:
+            continue
+        steps = sorted(follow)
+        f = [sum(follow[s]) / len(follow[s]) for s in steps]
+        dv = [sum(deviate[s]) / len(deviate[s]) if deviate[s] else math.nan for s in steps]
+        res[arm] = {"follow": f, "correct_deviating": dv,
+                    "follow_first": _mean_sd(f[:window])[0], "follow_last": _mean_sd(f[-window:])[0],
+                    "correct_deviating_last": _mean_sd(dv[-window:])[0]}
+    return res
+
+
 def _ranks(x: list[float]) -> list[float]:
     order = sorted(range(len(x)), key=lambda i: x[i])
     ranks = [0.0] * len(x)
@@ -353,6 +389,8 @@ def summarize_experiment(out: Path) -> dict[str, Any]:
     res = {"settings": settings, "k_max": k,
            "arms": arm_table(out), "paired_vs_grpo": paired_vs(out, metrics=("mean", f"pass@{k}")),
            "warning": warning_table(out), "warning_training": training_warning_table(out),
-           "partition": partition_agreement(out), "mei_vs_truth": mei_vs_truth(out), "curves": curves(out)}
+           "partition": partition_agreement(out), "mei_vs_truth": mei_vs_truth(out),
+           "coach_following": coach_following(out),
+           "curves": curves(out)}
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     return res
