@@ -41,11 +41,25 @@ def arms_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def seeds_markdown(res: dict[str, Any]) -> str:
+    """Per seed: held-out mean@1 and, in brackets, mean@1 on the ``decade`` niche (the one a collapse onto
+    the generalist procedure loses)."""
+    seeds = sorted({p["seed"] for r in res["arms"].values() for p in r["per_seed"]})
+    lines = ["| arm | " + " | ".join(f"seed {s}: mean@1 (decade)" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for arm, r in res["arms"].items():
+        by = {p["seed"]: p for p in r["per_seed"]}
+        lines.append(f"| {arm} | " + " | ".join(
+            f"{by[s]['mean@1']:.3f} ({by[s].get('mean@1/decade', math.nan):.2f})" if s in by else "–" for s in seeds)
+            + " |")
+    return "\n".join(lines)
+
+
 def paired_markdown(res: dict[str, Any]) -> str:
     lines = []
     for metric, rows in res.get("paired_vs_grpo", {}).items():
-        lines += [f"**{metric}** (arm − GRPO, per-problem scores averaged over common seeds; 95% paired "
-                  "bootstrap CI; sign-flip permutation p, Holm-corrected across arms):", "",
+        lines += [f"**{metric}** (arm − GRPO, paired by seed and problem: each seed evaluates 256 held-out "
+                  "problems, the same for both arms; 95% paired bootstrap CI; sign-flip permutation p, "
+                  "Holm-corrected across arms):", "",
                   "| arm | arm | GRPO | diff | 95% CI | p (perm.) | p (Holm) |", "|---|---|---|---|---|---|---|"]
         for arm, r in rows.items():
             lines.append(f"| {arm} | {_f(r['arm'])} | {_f(r['baseline'])} | {r['diff']:+.3f} | "
@@ -127,12 +141,17 @@ def following_markdown(res: dict[str, Any]) -> str:
 
 
 def results_markdown(res: dict[str, Any]) -> str:
-    return "\n\n".join(["### Final held-out results", arms_markdown(res), "### Paired comparisons against GRPO",
-                        paired_markdown(res), "### Warning signals (checkpoint probes)", warning_markdown(res),
-                        "### Warning signals (training logs, every step)",
-                        warning_markdown(res, "warning_training"),
-                        "### Kernel partition vs parser labels (ARI)", partition_markdown(res),
-                        "### MEI and effective directions vs the true number of procedures", mei_truth_markdown(res)])
+    sections = [
+        ("Final held-out results", arms_markdown(res)),
+        ("Final held-out results per seed", seeds_markdown(res)),
+        ("Paired comparisons against GRPO", paired_markdown(res)),
+        ("Coach following (training rollouts of the coach-conditioned arms)", following_markdown(res)),
+        ("Warning signals (checkpoint probes)", warning_markdown(res)),
+        ("Warning signals (training logs, every step)", warning_markdown(res, "warning_training")),
+        ("Kernel partition vs parser labels (ARI)", partition_markdown(res)),
+        ("MEI and effective directions vs the true number of procedures", mei_truth_markdown(res)),
+    ]
+    return "\n\n".join(f"### {title}\n\n{body}" for title, body in sections)
 
 
 def plot_results(res: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -126,7 +126,7 @@ def _per_problem(eval_dir: Path, metric: str) -> dict[str, float]:
 
 def paired_vs(out: Path, baseline: str = "grpo", metrics: tuple[str, ...] = ("mean", "pass@8"),
               n_boot: int = 5000) -> dict[str, Any]:
-    """Each arm vs ``baseline``: per-problem scores averaged over the seeds both arms have."""
+    """Each arm vs ``baseline``, paired by (seed, problem) over the seeds both arms have."""
     from meshrl.stats import holm_correction, paired_bootstrap, paired_permutation_test
 
     runs = _runs(out)
@@ -139,13 +139,17 @@ def paired_vs(out: Path, baseline: str = "grpo", metrics: tuple[str, ...] = ("me
             common = sorted(set(seeds) & set(runs[baseline]))
             if arm == baseline or not common:
                 continue
-            a = [_per_problem(seeds[s] / "eval", metric) for s in common]
-            b = [_per_problem(runs[baseline][s] / "eval", metric) for s in common]
-            pids = sorted(set.intersection(*(set(x) for x in a + b)))
-            sa = [sum(x[p] for x in a) / len(a) for p in pids]
-            sb = [sum(x[p] for x in b) / len(b) for p in pids]
+            # Each seed's evaluation draws its own 256 held-out problems: pair within a seed, and pool the
+            # (seed, problem) pairs as the units of the test.
+            sa, sb = [], []
+            for s in common:
+                a, b = _per_problem(seeds[s] / "eval", metric), _per_problem(runs[baseline][s] / "eval", metric)
+                pids = sorted(set(a) & set(b))
+                sa += [a[p] for p in pids]
+                sb += [b[p] for p in pids]
+            pids = sa  # the number of paired units, for the record
             boot = paired_bootstrap(sa, sb, n_boot=n_boot, seed=0)
-            rows[arm] = {"seeds": common, "problems": len(pids), "arm": boot.mean_a, "baseline": boot.mean_b,
+            rows[arm] = {"seeds": common, "pairs": len(pids), "arm": boot.mean_a, "baseline": boot.mean_b,
                          "diff": boot.diff, "ci_low": boot.ci_low, "ci_high": boot.ci_high,
                          "p_bootstrap": boot.p_value, "p_permutation": paired_permutation_test(sa, sb, seed=0)}
         if rows:
