@@ -24,12 +24,12 @@ def _pm(row: dict[str, Any], key: str) -> str:
 def arms_markdown(res: dict[str, Any]) -> str:
     """Final held-out accuracy per arm (mean ± sd over seeds) and the final unconditioned shares."""
     k = res.get("k_max", 8)
-    lines = [f"| arm | seeds | mean@1 | pass@{k} | low | carry | decade | niche | per-problem max mass |",
+    lines = [f"| arm | seeds | accuracy | pass@{k} | low | carry | decade | niche | per-problem max mass |",
              "|---|---|---|---|---|---|---|---|---|"]
     for arm, r in res["arms"].items():
-        lines.append(f"| {arm} | {len(r['seeds'])} | {_pm(r, 'mean@1')} | {_pm(r, f'pass@{k}')} | "
-                     + " | ".join(_pm(r, f"mean@1/{t}") for t in TYPES)
-                     + f" | {_pm(r, 'mean@1/niche')} | {_pm(r, 'problem_max_mass')} |")
+        lines.append(f"| {arm} | {len(r['seeds'])} | {_pm(r, 'acc')} | {_pm(r, f'pass@{k}')} | "
+                     + " | ".join(_pm(r, f"acc/{t}") for t in TYPES)
+                     + f" | {_pm(r, 'acc/niche')} | {_pm(r, 'problem_max_mass')} |")
     lines += ["", "Final unconditioned strategy shares (c / t / r) per problem type, mean over seeds:", "",
               "| arm | low | carry | decade |", "|---|---|---|---|"]
     for arm, r in res["arms"].items():
@@ -42,14 +42,15 @@ def arms_markdown(res: dict[str, Any]) -> str:
 
 
 def seeds_markdown(res: dict[str, Any]) -> str:
-    """Per seed: held-out mean@1 and, in brackets, mean@1 on the ``decade`` niche (the one a collapse onto
-    the generalist procedure loses)."""
+    """Per seed: held-out accuracy and, in brackets, accuracy on the ``decade`` niche (the one a collapse
+    onto the generalist procedure loses)."""
     seeds = sorted({p["seed"] for r in res["arms"].values() for p in r["per_seed"]})
-    lines = ["| arm | " + " | ".join(f"seed {s}: mean@1 (decade)" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    lines = ["| arm | " + " | ".join(f"seed {s}: accuracy (decade)" for s in seeds) + " |",
+             "|---|" + "---|" * len(seeds)]
     for arm, r in res["arms"].items():
         by = {p["seed"]: p for p in r["per_seed"]}
         lines.append(f"| {arm} | " + " | ".join(
-            f"{by[s]['mean@1']:.3f} ({by[s].get('mean@1/decade', math.nan):.2f})" if s in by else "–" for s in seeds)
+            f"{by[s]['acc']:.3f} ({by[s].get('acc/decade', math.nan):.3f})" if s in by else "–" for s in seeds)
             + " |")
     return "\n".join(lines)
 
@@ -176,11 +177,11 @@ def plot_results(res: dict[str, Any], out_dir: Path) -> list[Path]:
     arms = list(res["arms"])
     width = 0.8 / len(TYPES)
     for j, t in enumerate(TYPES):
-        vals = [res["arms"][a].get(f"mean@1/{t}", math.nan) for a in arms]
-        errs = [res["arms"][a].get(f"mean@1/{t}_sd", 0.0) for a in arms]
+        vals = [res["arms"][a].get(f"acc/{t}", math.nan) for a in arms]
+        errs = [res["arms"][a].get(f"acc/{t}_sd", 0.0) for a in arms]
         ax.bar([i + j * width for i in range(len(arms))], vals, width, yerr=errs, label=t, color=colour(j))
     ax.set_xticks([i + width for i in range(len(arms))], arms, rotation=30, fontsize=7)
-    ax.set_ylabel("held-out mean@1")
+    ax.set_ylabel("held-out accuracy (c/n)")
     ax.legend(fontsize=8)
     files.append(out_dir / _save(fig, out_dir, "testbed_final_by_type.png"))
 

@@ -126,16 +126,16 @@ def _final_table(runs: dict[str, Path], evals: dict[str, Path]) -> dict[str, Any
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
-    """The demo's result table: held-out mean@1 overall and per type, pass@k, and which procedure the
+    """The demo's result table: held-out accuracy (c/n) overall and per type, pass@k, and which procedure the
     unconditioned policy uses on each type (shares c / t / r)."""
     k = max(summary["settings"]["ks"])
     types = ("low", "carry", "decade")
-    lines = [f"| policy | mean@1 | pass@{k} | " + " | ".join(f"{t} mean@1" for t in types)
+    lines = [f"| policy | accuracy | pass@{k} | " + " | ".join(f"{t} accuracy" for t in types)
              + " | " + " | ".join(f"{t} c/t/r" for t in types) + " |", "|---" * (3 + 2 * len(types)) + "|"]
     for arm, row in summary["final"].items():
         by, sh = row["eval_by_type"], row["shares"]["by_type"]
-        lines.append(f"| {arm} | {row['eval']['mean@1']:.3f} | {row['eval'].get(f'pass@{k}', float('nan')):.3f} | "
-                     + " | ".join(f"{by[t]['mean@1']:.3f}" if t in by else "–" for t in types) + " | "
+        lines.append(f"| {arm} | {row['eval']['pass@1']:.3f} | {row['eval'].get(f'pass@{k}', float('nan')):.3f} | "
+                     + " | ".join(f"{by[t]['pass@1']:.3f}" if t in by else "–" for t in types) + " | "
                      + " | ".join("/".join(f"{sh[t][x]:.2f}" for x in ("c", "t", "r")) if t in sh else "–"
                                   for t in types) + " |")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Read a testbed experiment back (``meshrl.testbed.experiment``) into tables: ``results.json``.
 
-- ``arms``: final held-out figures per arm (mean and sd over seeds): mean@1, pass@k, per type, the niches,
+- ``arms``: final held-out figures per arm (mean and sd over seeds): accuracy (c/n), pass@k, per type, the niches,
   and the final *unconditioned* strategy shares (parser labels on the evaluation samples);
 - ``paired``: every arm against GRPO on the same problems (per-problem scores averaged over the seeds
   both have), paired bootstrap CI and permutation p, Holm-corrected across arms;
@@ -94,12 +94,13 @@ def arm_table(out: Path) -> dict[str, Any]:
             ev = json.loads((d / "eval" / "eval.json").read_text())
             groups = ev.get("by", {}).get("groups", {})
             niche_n = sum(groups[t]["problems"] for t in ("carry", "decade") if t in groups)
-            niche = sum(groups[t]["mean@1"] * groups[t]["problems"] for t in ("carry", "decade") if t in groups)
+            niche = sum(groups[t]["pass@1"] * groups[t]["problems"] for t in ("carry", "decade") if t in groups)
             metrics = _read_jsonl(d / "metrics.jsonl")
             per_seed.append({
                 "seed": seed, **{k: v for k, v in ev["overall"].items() if k != "problems"},
-                **{f"mean@1/{t}": g["mean@1"] for t, g in groups.items()},
-                "mean@1/niche": niche / niche_n if niche_n else math.nan,
+                # accuracy = pass@1 = c/n over the n samples (the unbiased, lowest-variance estimate)
+                "acc": ev["overall"]["pass@1"], **{f"acc/{t}": g["pass@1"] for t, g in groups.items()},
+                "acc/niche": niche / niche_n if niche_n else math.nan,
                 "shares": eval_shares(d / "eval", task),
                 "train_seconds": sum(m.get("time/step_s", 0.0) for m in metrics),
                 "rollouts": sum(m.get("rollouts/count", 0.0) for m in metrics),
