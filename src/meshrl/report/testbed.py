@@ -166,7 +166,7 @@ def plot_results(res: dict[str, Any], out_dir: Path) -> list[Path]:
                                 ("training reward", "max strategy mass (training rollouts)",
                                  "training accuracy, decade", "training accuracy, carry"), strict=True):
         for i, (arm, c) in enumerate(curves.items()):
-            ax.plot(range(1, len(c[key]) + 1), c[key], color=colour(i), label=arm, lw=1.2)
+            ax.plot(range(1, len(c[key]) + 1), c[key], color=colour(i), label=arm, lw=1.2, ls=_style(i))
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step")
     axes[0].legend(fontsize=6, ncol=2)
@@ -191,6 +191,11 @@ def plot_results(res: dict[str, Any], out_dir: Path) -> list[Path]:
     return files
 
 
+def _style(i: int) -> str:
+    """Line style per series: colours repeat after ten, styles tell the repeats apart."""
+    return ("-", "--", ":", "-.")[(i // 10) % 4]
+
+
 def _plot_probes(res: dict[str, Any], out_dir: Path) -> str:
     """Per probed run: true per-problem max mass, niche accuracy and MEI (bias) against the step."""
     import json
@@ -202,10 +207,10 @@ def _plot_probes(res: dict[str, Any], out_dir: Path) -> str:
             continue
         rows = sorted((json.loads(x) for x in path.read_text().splitlines() if x.strip()), key=lambda r: r["step"])
         steps = [r["step"] for r in rows]
-        for ax, key in zip(axes, ("true_max_mass", "acc/niche", "mei/bias"), strict=True):
-            ax.plot(steps, [r.get(key, math.nan) for r in rows], color=colour(i), lw=1,
+        for ax, key in zip(axes, ("true_max_mass", "acc/type/decade", "mei/bias"), strict=True):
+            ax.plot(steps, [r.get(key, math.nan) for r in rows], color=colour(i), lw=1, ls=_style(i),
                     label=f"{run['arm']} s{run['seed']}")
-    for ax, title in zip(axes, ("true per-problem max mass", "niche accuracy (carry+decade)", "MEI (bias)"),
+    for ax, title in zip(axes, ("true per-problem max mass", "accuracy on the decade niche", "MEI (bias)"),
                          strict=True):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
