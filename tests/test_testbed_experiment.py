@@ -75,3 +75,14 @@ def test_experiment_end_to_end_at_toy_size(tmp_path, monkeypatch):
     assert {r["arm"] for r in res["warning_training"]["runs"]} == {"grpo"}
     assert "### Warning signals" in (out / "results.md").read_text()
     assert (out / "figures" / "testbed_final_by_type.png").is_file()
+
+
+def test_lead_summary_hand_case():
+    from meshrl.testbed.results import lead_summary
+
+    runs = [{"crossings": {"ev": 12, "a": 8, "b": None}}, {"crossings": {"ev": 8, "a": 10, "b": 4}},
+            {"crossings": {"ev": None, "a": 4, "b": 4}}]
+    s = lead_summary(runs, ("a", "b"), ("ev",))
+    assert s["a | ev"] == {"runs": 3, "event_seen": 2, "signal_seen": 3, "both": 2, "lead_mean": 1.0,
+                           "lead_min": -2, "lead_max": 4}
+    assert s["b | ev"]["both"] == 1 and s["b | ev"]["lead_mean"] == 4.0

@@ -208,9 +208,17 @@ def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
                      for n, k in keys.items()}
             per_run.append({"arm": arm, "seed": seed, "dir": str(d), "crossings": cross,
                             "final": {n: probes[-1].get(k) for n, k in keys.items()}})
+    return {"thresholds": {k: {"value": v, "direction": d} for k, (v, d) in th.items()}, "runs": per_run,
+            "summary": lead_summary(per_run, tuple(SIGNALS), tuple(EVENTS))}
+
+
+def lead_summary(per_run: list[dict[str, Any]], signals: tuple[str, ...], events: tuple[str, ...]
+                 ) -> dict[str, Any]:
+    """Per (signal, event): runs where each crossed, and the lead = event step - signal step over the runs
+    where both did (mean, min, max; positive = the signal warns first)."""
     summary: dict[str, Any] = {}
-    for event in EVENTS:
-        for sig in SIGNALS:
+    for event in events:
+        for sig in signals:
             leads = [r["crossings"][event] - r["crossings"][sig] for r in per_run
                      if r["crossings"][event] is not None and r["crossings"][sig] is not None]
             summary[f"{sig} | {event}"] = {
@@ -218,8 +226,7 @@ def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
                 "signal_seen": sum(r["crossings"][sig] is not None for r in per_run), "both": len(leads),
                 "lead_mean": _mean_sd(leads)[0] if leads else None,
                 "lead_min": min(leads) if leads else None, "lead_max": max(leads) if leads else None}
-    return {"thresholds": {k: {"value": v, "direction": d} for k, (v, d) in th.items()}, "runs": per_run,
-            "summary": summary}
+    return summary
 
 
 #: per-step signals in the training log (online MEI is the bias map over each query's G rollouts)
@@ -265,17 +272,8 @@ def training_warning_table(out: Path, arms: tuple[str, ...] = ("grpo", "dapo", "
                 th = calibrated_threshold(vals[:calib_steps], direction)
                 cross[name] = first_crossing(steps[calib_steps:], vals[calib_steps:], th, direction, patience)
             per_run.append({"arm": arm, "seed": seed, "crossings": cross})
-    summary = {}
-    for event in ("true max mass > 0.8", "niche accuracy falls"):
-        for sig in TRAIN_SIGNALS:
-            leads = [r["crossings"][event] - r["crossings"][sig] for r in per_run
-                     if r["crossings"][event] is not None and r["crossings"][sig] is not None]
-            summary[f"{sig} | {event}"] = {
-                "runs": len(per_run), "event_seen": sum(r["crossings"][event] is not None for r in per_run),
-                "signal_seen": sum(r["crossings"][sig] is not None for r in per_run), "both": len(leads),
-                "lead_mean": _mean_sd(leads)[0] if leads else None,
-                "lead_min": min(leads) if leads else None, "lead_max": max(leads) if leads else None}
-    return {"runs": per_run, "summary": summary}
+    return {"runs": per_run,
+            "summary": lead_summary(per_run, tuple(TRAIN_SIGNALS), ("true max mass > 0.8", "niche accuracy falls"))}
 
 
 def partition_agreement(out: Path) -> dict[str, Any]:
