@@ -20,6 +20,7 @@ from meshrl.diagnostics import (
     mei_from_gram,
     mei_key,
     mei_metrics,
+    normalise_kernel,
     strategy_masses,
 )
 from meshrl.diagnostics.mei import gram_matrix
@@ -232,6 +233,9 @@ def test_coupling_kernel_and_zero_rows(gen):
     assert torch.allclose(Kt.diagonal()[:4], torch.ones(4, dtype=torch.float64))
     d = kernel_distance(Kt)
     assert torch.allclose(d, d.T) and d.diagonal().abs().max() == 0 and (d[4, :4] >= 1 - 1e-12).all()
+    assert torch.equal(normalise_kernel(K), Kt)  # the Gram-matrix route gives the same K~
+    with pytest.raises(ValueError, match="square"):
+        normalise_kernel(K[:3])
 
 
 def test_partition_two_clusters_and_identical_rows(gen):

@@ -16,7 +16,13 @@ naming the argument.
 
 from meshrl.diagnostics.features import bias_features, head_gram
 from meshrl.diagnostics.fisher import count_sketch, fisher_scores
-from meshrl.diagnostics.kernel import coupling_kernel, epsilon_partition, kernel_distance, strategy_masses
+from meshrl.diagnostics.kernel import (
+    coupling_kernel,
+    epsilon_partition,
+    kernel_distance,
+    normalise_kernel,
+    strategy_masses,
+)
 from meshrl.diagnostics.mei import (
     FEATURE_MAPS,
     SCOPES,
@@ -42,6 +48,7 @@ __all__ = [
     "group_mei",
     "head_gram",
     "kernel_distance",
+    "normalise_kernel",
     "mean_pairwise_cosine",
     "mei_from_gram",
     "mei_key",

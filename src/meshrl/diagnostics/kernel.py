@@ -44,12 +44,19 @@ def coupling_kernel(U: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_tensor("U", U, ndim=2)
     u = U.detach().to(torch.float64)
     K = u @ u.T
+    return K, normalise_kernel(K)
+
+
+def normalise_kernel(K: torch.Tensor) -> torch.Tensor:
+    """``K~_ij = K_ij / sqrt(K_ii K_jj)`` of a Gram matrix ``[G, G]`` (float64), with zero-norm rows and
+    columns set to 0 and values clamped to [-1, 1] (see :func:`coupling_kernel`). For feature maps known
+    only through their Gram matrix (the ``head`` map's kernel trick)."""
+    K = _check_square("K", K).detach().to(torch.float64)
     norms = torch.diagonal(K).clamp(min=0).sqrt()
     nz = norms > 0
     safe = torch.where(nz, norms, torch.ones_like(norms))
     Kt = (K / (safe[:, None] * safe[None, :])).clamp(-1.0, 1.0)
-    Kt = Kt * (nz[:, None] & nz[None, :])
-    return K, Kt
+    return Kt * (nz[:, None] & nz[None, :])
 
 
 def _check_square(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -40,16 +40,18 @@ def _with_niche_min(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
-    vals = [v for v in values if v == v]
-    if not vals:
-        return math.nan, math.nan
-    m = sum(vals) / len(vals)
-    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
-    return m, sd
+    """Mean and sample sd of the finite values (NaN sd for fewer than two)."""
+    from meshrl.analysis._common import finite_stats
+
+    mean, sd, _ = finite_stats(values)
+    return mean, sd
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    """The records of a JSONL file, or none when a run has not written it."""
+    from meshrl.trainer.runlog import read_jsonl
+
+    return read_jsonl(path) if path.is_file() else []
 
 
 def _runs(out: Path) -> dict[str, dict[int, Path]]:

@@ -57,21 +57,13 @@ def adjusted_rand_index(a: Sequence[Any], b: Sequence[Any]) -> float:
     return 1.0 if denom == 0 else (sum_ij - expected) / denom
 
 
-def _cosine(gram: torch.Tensor) -> torch.Tensor:
-    """``K~`` from a Gram matrix, normalised as :func:`meshrl.diagnostics.coupling_kernel` does from
-    features (zero rows give zero rows and columns): the head map has a Gram matrix but no features."""
-    d = torch.diagonal(gram).clamp(min=0).sqrt()
-    nz = d > 0
-    safe = torch.where(nz, d, torch.ones_like(d))
-    return (gram / (safe[:, None] * safe[None, :])).clamp(-1, 1) * (nz[:, None] & nz[None, :])
-
-
 def _grams(model, tok, prompts: list[list[int]], responses: list[list[int]], temperature: float,
-           features: Sequence[str]) -> dict[str, torch.Tensor]:
+           features: Sequence[str]) -> tuple[dict[str, torch.Tensor], float]:
+    """Gram matrix per feature map of the rollouts, and their mean token entropy (same forward pass)."""
     from meshrl.analysis._common import forward_response, pad_id_of
     from meshrl.analysis.census import full_sequences
     from meshrl.diagnostics import bias_features, fisher_scores, head_gram
-    from meshrl.trainer.batch import collate
+    from meshrl.trainer.batch import collate, token_entropy
 
     pad = pad_id_of(tok, [tok.eos_token_id])
     mb = collate(prompts, responses, pad)
@@ -79,6 +71,7 @@ def _grams(model, tok, prompts: list[list[int]], responses: list[list[int]], tem
     with torch.no_grad():
         logits, h = forward_response(model, mb, hidden="head" in features)
         mask = mb.response_mask
+        entropy = float((token_entropy(logits, temperature) * mask).sum() / mask.sum().clamp(min=1))
         if "bias" in features:
             phi = bias_features(logits, mb.response_ids, mask, temperature).double()
             out["bias"] = phi @ phi.T
@@ -88,7 +81,7 @@ def _grams(model, tok, prompts: list[list[int]], responses: list[list[int]], tem
         ids, am, rm = full_sequences(prompts, responses, pad)
         u = fisher_scores(model, ids, am, rm, temperature=temperature).double()
         out["full"] = u @ u.T
-    return out
+    return out, entropy
 
 
 def probe_signals(model, tok, task, problems: Sequence, *, group_size: int = 12, seed: int = 0,
@@ -96,11 +89,10 @@ def probe_signals(model, tok, task, problems: Sequence, *, group_size: int = 12,
                   epsilons: Sequence[float] = EPSILONS) -> dict[str, Any]:
     """Measure one policy on ``problems`` (see the module docstring). Returns ``{"scalars": {...},
     "per_problem": [...]}``; every scalar is a mean over problems unless its name says otherwise."""
-    from meshrl.analysis._common import sequence_logprobs
-    from meshrl.diagnostics import epsilon_partition, mei_from_gram, strategy_masses
+    from meshrl.analysis._common import pad_id_of, sequence_logprobs
+    from meshrl.diagnostics import epsilon_partition, mei_from_gram, normalise_kernel, strategy_masses
     from meshrl.models import encode_prompt
     from meshrl.rollout import SamplingParams, make_backend
-    from meshrl.trainer.batch import collate, response_logits, token_entropy
 
     was_training = model.training
     model.eval()
@@ -110,9 +102,12 @@ def probe_signals(model, tok, task, problems: Sequence, *, group_size: int = 12,
     names = tuple(task.strategies)
     per_problem, agg = [], defaultdict(list)
     pool: dict[tuple[int, str], tuple[list[int], list[int], str]] = {}
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_id_of(tok, [tok.eos_token_id])
+    rows_of: dict[int, list[int]] = defaultdict(list)
+    for k, pi in enumerate(roll.prompt_index):
+        rows_of[pi].append(k)
     for i, problem in enumerate(problems):
-        rows = [k for k, pi in enumerate(roll.prompt_index) if pi == i]
+        rows = rows_of[i]
         texts = [roll.texts[k] for k in rows]
         responses = [roll.response_ids[k] for k in rows]
         labels = [task.label_strategy(t) or "other" for t in texts]
@@ -127,20 +122,16 @@ def probe_signals(model, tok, task, problems: Sequence, *, group_size: int = 12,
         rec["distinct_frac"] = len(set(texts)) / len(texts)
         for k, lab in zip(rows, labels, strict=True):
             pool.setdefault((i, lab), (prompts[i], roll.response_ids[k], lab))
-        grams = _grams(model, tok, [prompts[i]] * len(rows), responses, temperature, features)
+        grams, rec["entropy"] = _grams(model, tok, [prompts[i]] * len(rows), responses, temperature, features)
         for feat, gram in grams.items():
             mei = mei_from_gram(gram)
             rec[f"mei/{feat}"] = mei
             rec[f"eff_dirs/{feat}"] = len(rows) / mei if mei and mei == mei else math.nan
-            kt = _cosine(gram)
+            kt = normalise_kernel(gram)
             for eps in epsilons:
                 part = epsilon_partition(kt, eps)
                 rec[f"kernel_max_mass/{feat}@{eps:g}"] = float(strategy_masses(part)["max_count_mass"])
                 rec[f"ari/{feat}@{eps:g}"] = adjusted_rand_index(part.tolist(), labels)
-        with torch.no_grad():
-            mb = collate([prompts[i]] * len(responses), responses, pad)
-            ent = token_entropy(response_logits(model, mb), temperature)
-            rec["entropy"] = float((ent * mb.response_mask).sum() / mb.response_mask.sum().clamp(min=1))
         per_problem.append(rec)
     # Log-probability of each procedure's reference trace (teacher-forced), per problem.
     for s in names:
@@ -178,15 +169,15 @@ def _pooled_agreement(model, tok, items: list[tuple[list[int], list[int], str]],
     scores well. Pooling distinct rollouts of different problems asks the real question: do gradients
     group traces by procedure when the texts differ?
     """
-    from meshrl.diagnostics import epsilon_partition
+    from meshrl.diagnostics import epsilon_partition, normalise_kernel
 
     if len(items) < 3:
         return {}
-    grams = _grams(model, tok, [it[0] for it in items], [it[1] for it in items], temperature, features)
+    grams, _ = _grams(model, tok, [it[0] for it in items], [it[1] for it in items], temperature, features)
     labels = [it[2] for it in items]
     out = {"pooled/n": float(len(items))}
     for feat, gram in grams.items():
-        kt = _cosine(gram)
+        kt = normalise_kernel(gram)
         for eps in epsilons:
             out[f"pooled_ari/{feat}@{eps:g}"] = adjusted_rand_index(epsilon_partition(kt, eps).tolist(), labels)
         out[f"pooled_ari/{feat}@best"] = max(out[f"pooled_ari/{feat}@{eps:g}"] for eps in epsilons)

@@ -31,7 +31,7 @@ from meshrl.trainer.config import RunConfig, save_config
 from meshrl.trainer.mei_monitor import MeiMonitor
 from meshrl.trainer.mesh_support import balance_row_weights, prepare_prefixes, support_backward, support_row_weights
 from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
-from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData
+from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData, strategy_figures
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
 
 log = logging.getLogger("meshrl")
@@ -174,36 +174,24 @@ class Trainer:
         }
 
     def _strategy_metrics(self, data: StepData) -> dict[str, float]:
-        """True strategy masses (tasks with a trace parser) and accuracy per problem type (``meta["type"]``),
-        over every rollout sampled this step (before a dynamic-sampling filter: they describe the policy)."""
-        out: dict[str, float] = {}
+        """Strategy masses and accuracy per type over every rollout sampled this step (before a
+        dynamic-sampling filter: they describe the policy), and the sampled accuracy."""
         seen = data.seen or list(zip(data.texts, data.scores, data.problems, strict=True))
         if not seen:
-            return out
-        out["acc/sampled_mean"] = sum(float(sc >= CORRECT_AT) for _, sc, _ in seen) / len(seen)
-        names = getattr(self.task, "strategies", ())
-        if names:
-            labels = [self.task.label_strategy(t) for t, _, _ in seen]
-            labelled = [x for x in labels if x is not None]
-            for name in names:
-                out[f"strategy/mass/{name}"] = labels.count(name) / len(labels)
-            out["strategy/unlabelled"] = 1 - len(labelled) / len(labels)
-            out["strategy/max_mass"] = max(labelled.count(n) for n in names) / len(labelled) if labelled else 0.0
-        types: dict[str, list[float]] = defaultdict(list)
-        for _, sc, p in seen:
-            if "type" in p.meta:
-                types[str(p.meta["type"])].append(float(sc >= CORRECT_AT))
-        for t, v in sorted(types.items()):
-            out[f"acc/type/{t}"] = sum(v) / len(v)
-        return out
+            return {}
+        return {"acc/sampled_mean": sum(float(sc >= CORRECT_AT) for _, sc, _ in seen) / len(seen),
+                **strategy_figures(self.task, seen)}
 
     # ------------------------------------------------------------------ the update
-    def _micro_batches(self, rows: list[int], data: StepData):
+    def _micro_batches(self, rows: list[int], data: StepData, *, bare: bool = False):
+        """``(row indices, MicroBatch)`` of ``rows``; ``bare`` puts each response after its query *without*
+        the coach prefix it was sampled under (support balancing scores the unconditioned policy)."""
         size = self.cfg.train.micro_batch_size
         for i in range(0, len(rows), size):
             idx = rows[i : i + size]
-            mb = collate([data.prompt_ids[j] for j in idx], [data.response_ids[j] for j in idx], self.pad_id)
-            yield idx, mb
+            prompts = ([self.sampler.prompt_ids(data.problems[j], -1) for j in idx] if bare
+                       else [data.prompt_ids[j] for j in idx])
+            yield idx, collate(prompts, [data.response_ids[j] for j in idx], self.pad_id)
 
     @torch.no_grad()
     def _logps(self, model: torch.nn.Module, data: StepData) -> list[torch.Tensor]:

@@ -62,17 +62,6 @@ def balance_row_weights(cfg, data, seq_logp: torch.Tensor, ref_seq_logp: torch.T
     return w, {k: v for k, v in metrics.items() if v == v}
 
 
-def _bare_micro_batches(trainer, rows: list[int], data):
-    """Micro-batches of ``rows`` whose prompts are the bare queries (no coach prefix)."""
-    from meshrl.trainer.batch import collate
-
-    size = trainer.cfg.train.micro_batch_size
-    for i in range(0, len(rows), size):
-        idx = rows[i : i + size]
-        prompts = [trainer.sampler.prompt_ids(data.problems[j], -1) for j in idx]
-        yield idx, collate(prompts, [data.response_ids[j] for j in idx], trainer.pad_id)
-
-
 def _bare_seq_logp(trainer, mb) -> torch.Tensor:
     from meshrl.trainer.batch import response_logits, token_logprobs
 
@@ -90,7 +79,7 @@ def support_row_weights(trainer, data) -> tuple[torch.Tensor, dict[str, float]]:
     correct = [s >= CORRECT_AT and k >= 0 for s, k in zip(data.scores, data.strategy_ids, strict=True)]
     seq = torch.zeros(len(data), dtype=torch.float64)
     with torch.no_grad():
-        for idx, mb in _bare_micro_batches(trainer, [j for j, ok in enumerate(correct) if ok], data):
+        for idx, mb in trainer._micro_batches([j for j, ok in enumerate(correct) if ok], data, bare=True):
             seq[idx] = _bare_seq_logp(trainer, mb).double().cpu()
     w, metrics = support_balance_row_weights(seq, torch.tensor(correct), data.query_ids, data.strategy_ids,
                                              trainer.cfg.balance_mu, reduction=trainer.cfg.mesh.reduction)
@@ -101,7 +90,7 @@ def support_backward(trainer, rows: list[int], data, params, acc: list[torch.Ten
     """Add the gradient of ``sum_j w_j log pi(tau_j | bare query)`` over the weighted ``rows`` to ``acc``
     (kept apart from the policy gradient, as the paper form's, for ``mesh/grad_ratio``)."""
     weighted = [j for j in rows if trainer.support_w[j] != 0]
-    for idx, mb in _bare_micro_batches(trainer, weighted, data):
+    for idx, mb in trainer._micro_batches(weighted, data, bare=True):
         seq = _bare_seq_logp(trainer, mb)
         w = trainer.support_w[idx].to(seq.dtype).to(seq.device)
         grads = torch.autograd.grad((w * seq).sum(), params, allow_unused=True)

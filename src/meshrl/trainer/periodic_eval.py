@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshrl.trainer.rollout_step import CORRECT_AT
+from meshrl.trainer.rollout_step import CORRECT_AT, strategy_figures
 
 
 class PeriodicEval:
@@ -48,34 +48,10 @@ class PeriodicEval:
             "eval/mean@1": sum(sum(v) / len(v) for v in correct.values()) / n_prob,
             f"eval/pass@{ev.n}": sum(pass_at_k(len(v), sum(v), ev.n) for v in correct.values()) / n_prob,
             "eval/score_mean": sum(scores) / len(scores),
-            **self._strategy_figures(out.texts, probs, scores),
+            # the *unconditioned* policy's strategy masses: under Mesh the training rollouts are
+            # coach-conditioned, so only these held-out samples show which strategy it picks on its own
+            **strategy_figures(self.task, list(zip(out.texts, scores, probs, strict=True)), prefix="eval/"),
         }
-
-    def _strategy_figures(self, texts: list[str], probs: list, scores: list[float]) -> dict[str, float]:
-        """For tasks with a strategy parser: the *unconditioned* policy's strategy masses (overall, and the
-        mean over problems of the per-problem max mass) and accuracy per problem type. Under Mesh the
-        training rollouts are coach-conditioned, so only these held-out samples show which strategy the
-        policy picks on its own."""
-        out: dict[str, float] = {}
-        names = getattr(self.task, "strategies", ())
-        if names:
-            labels = [self.task.label_strategy(t) for t in texts]
-            for name in names:
-                out[f"eval/strategy/mass/{name}"] = labels.count(name) / len(labels)
-            per_problem: dict[str, list[str]] = {}
-            for p, lab in zip(probs, labels, strict=True):
-                if lab is not None:
-                    per_problem.setdefault(p.id, []).append(lab)
-            if per_problem:
-                out["eval/strategy/problem_max_mass"] = sum(
-                    max(v.count(n) for n in names) / len(v) for v in per_problem.values()) / len(per_problem)
-        by_type: dict[str, list[float]] = {}
-        for p, s in zip(probs, scores, strict=True):
-            if "type" in p.meta:
-                by_type.setdefault(str(p.meta["type"]), []).append(float(s >= CORRECT_AT))
-        for t, v in sorted(by_type.items()):
-            out[f"eval/acc/type/{t}"] = sum(v) / len(v)
-        return out
 
 
 def write_summary(run_dir: Path, key: str = "eval/mean@1") -> dict[str, Any] | None:

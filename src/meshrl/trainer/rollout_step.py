@@ -18,6 +18,41 @@ from meshrl.algos import Recipe, dynamic_sampling_mask, group_advantages, overlo
 CORRECT_AT = 1.0 - 1e-6  # a rollout is "correct" when its task score reaches 1
 
 
+def strategy_figures(task, samples: list[tuple[str, float, Any]], prefix: str = "") -> dict[str, float]:
+    """Strategy masses and accuracy per problem type of ``(text, score, problem)`` samples.
+
+    For tasks with a strategy parser (``task.strategies``, ``task.label_strategy``): the share of each
+    strategy, the unlabelled share, the max share among labelled samples and the mean over problems of the
+    per-problem max share (``strategy/...``); for problems with ``meta["type"]``: the share correct per type
+    (``acc/type/<t>``). Keys carry ``prefix`` (``"eval/"`` for held-out samples).
+    """
+    out: dict[str, float] = {}
+    if not samples:
+        return out
+    names = getattr(task, "strategies", ())
+    if names:
+        labels = [task.label_strategy(text) for text, _, _ in samples]
+        labelled = [x for x in labels if x is not None]
+        for name in names:
+            out[f"{prefix}strategy/mass/{name}"] = labels.count(name) / len(labels)
+        out[f"{prefix}strategy/unlabelled"] = 1 - len(labelled) / len(labels)
+        out[f"{prefix}strategy/max_mass"] = max(labelled.count(n) for n in names) / len(labelled) if labelled else 0.0
+        per_problem: dict[str, list[str]] = {}
+        for (_, _, problem), lab in zip(samples, labels, strict=True):
+            if lab is not None:
+                per_problem.setdefault(problem.id, []).append(lab)
+        if per_problem:
+            out[f"{prefix}strategy/problem_max_mass"] = sum(
+                max(v.count(n) for n in names) / len(v) for v in per_problem.values()) / len(per_problem)
+    by_type: dict[str, list[float]] = {}
+    for _, score, problem in samples:
+        if "type" in problem.meta:
+            by_type.setdefault(str(problem.meta["type"]), []).append(float(score >= CORRECT_AT))
+    for t, v in sorted(by_type.items()):
+        out[f"{prefix}acc/type/{t}"] = sum(v) / len(v)
+    return out
+
+
 @dataclass
 class StepData:
     """Rollouts of one training step, flattened to one row per sample."""
@@ -123,7 +158,8 @@ class RolloutStep:
                                 top_p=ro.top_p, n=n)
         out = self.backend.generate([self.prompt_ids(chosen[j], k) for j, k in arms], params, seed=seed)
         data = StepData()
-        per_query = self.cfg.mesh.adv_unit == "query"
+        # One advantage group per query, unless each prefix group (the bare one included) is its own.
+        per_query = self.cfg.mesh.adv_unit == "query" or self.prefixes is None
         for r, ai in enumerate(out.prompt_index):
             j, k = arms[ai]
             data.prompt_ids.append(list(out.prompt_ids[r]))
@@ -133,8 +169,7 @@ class RolloutStep:
             data.problems.append(chosen[j])
             data.query_ids.append(cursor + j)
             data.strategy_ids.append(k)
-            grouped = per_query or self.prefixes is None
-            data.group_ids.append(cursor + j if grouped else (cursor + j, k))
+            data.group_ids.append(cursor + j if per_query else (cursor + j, k))
         data.scores = self.rewards(data.texts, data.problems)
         return data
 
