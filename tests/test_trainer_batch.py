@@ -60,3 +60,78 @@ def test_micro_batch_weights_reproduce_the_full_aggregate(mode):
             continue
         acc = acc + aggregate(loss[lo:hi], m, mode, norm_len=5) * micro_weight(mode, m, tokens, nonempty, rows)
     torch.testing.assert_close(acc, full)
+
+
+def _groups(tok, seed: int = 0):
+    """Rows as a GRPO step makes them: 3 prompts of different lengths x 4 responses of 0..9 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [[int(t) for t in torch.randint(4, len(tok), (n,), generator=gen)] for n in (7, 3, 5)]
+    rows_p, rows_r = [], []
+    for p in prompts:
+        for _ in range(4):
+            length = int(torch.randint(0, 10, (1,), generator=gen))
+            rows_p.append(p)
+            rows_r.append([int(t) for t in torch.randint(4, len(tok), (length,), generator=gen)])
+    rows_r[1] = [9]  # a one-token response: only the prompt pass predicts it
+    return collate(rows_p, rows_r, tok.pad_token_id)
+
+
+def _logp_and_grads(model, mb, **kw):
+    model.zero_grad()
+    lp = token_logprobs(response_logits(model, mb, **kw), mb.response_ids) * mb.response_mask
+    (lp.sum() + (lp ** 2).sum()).backward()
+    return lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 3, 12])
+def test_shared_prompt_forward_equals_one_pass_logprobs_and_gradients(buckets):
+    from meshrl.models import load_model
+
+    model, tok = load_model("tiny:small", seed=3)
+    mb = _groups(tok)
+    ref_lp, ref_grads = _logp_and_grads(model, mb, share_prompts=False)
+    lp, grads = _logp_and_grads(model, mb, share_prompts=True, length_buckets=buckets)
+    torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=1e-5)
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads, strict=True):  # fp32 sums in another order: ~1e-5 of the largest entry
+        torch.testing.assert_close(g, r, atol=1e-4 * float(r.abs().max()), rtol=1e-3)
+    # Positions past the longest response of a length bucket are never computed (zeros); finite everywhere.
+    logits = response_logits(model, mb, length_buckets=buckets)
+    assert torch.isfinite(logits).all()
+    if buckets == 1:
+        assert torch.count_nonzero(logits[:, mb.response_mask.sum(-1).long().max():]) == 0
+
+
+def test_shared_prompt_forward_with_lora_and_pad_equal_to_eos():
+    from meshrl.models import apply_lora, build_tiny
+
+    model, tok = build_tiny("tiny", seed=1, pad_is_eos=True)
+    peft = apply_lora(model, r=4, alpha=8)
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.3)
+    mb = _groups(tok, seed=1)
+    ref_lp, ref_grads = _logp_and_grads(peft, mb, share_prompts=False)
+    lp, grads = _logp_and_grads(peft, mb)
+    torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads, strict=True):  # fp32 sums in another order: ~1e-5 of the largest entry
+        torch.testing.assert_close(g, r, atol=1e-4 * float(r.abs().max()), rtol=1e-3)
+
+
+def test_models_without_a_cache_argument_use_one_pass():
+    from meshrl.models import load_model
+
+    model, tok = load_model("tiny", seed=0)
+
+    class NoCache(torch.nn.Module):  # a forward that cannot take a KV cache back
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache=False, logits_to_keep=0):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False, logits_to_keep=logits_to_keep)
+
+    mb = _groups(tok)
+    with torch.no_grad():
+        torch.testing.assert_close(response_logits(NoCache(), mb), response_logits(model, mb, share_prompts=False))

@@ -69,15 +69,20 @@ def test_prefix_is_in_the_prompt_and_coach_tokens_get_no_gradient(placement, tmp
 
     def keep_logits(module, args, output):
         output.logits.retain_grad()
-        captured["logits"] = output.logits
+        captured.setdefault("logits", []).append(output.logits)
 
     handle = tr.model.register_forward_hook(keep_logits)
     try:
-        logp = token_logprobs(response_logits(tr.model, mb), mb.response_ids)
+        logp = token_logprobs(response_logits(tr.model, mb, share_prompts=False), mb.response_ids)
         (logp * mb.response_mask).sum().backward()
+        captured["shared"] = captured.pop("logits")
+        tr.model.zero_grad()
+        logp_shared = token_logprobs(response_logits(tr.model, mb, share_prompts=True), mb.response_ids)
+        (logp_shared * mb.response_mask).sum().backward()
     finally:
         handle.remove()
-    grad = captured["logits"].grad
+    (one_pass,) = captured["shared"]
+    grad = one_pass.grad
     t = mb.response_ids.shape[1]
     # Only the logits from the last prompt position on are computed at all (logits_to_keep = T + 1), so the
     # log-probabilities of prompt and coach tokens cannot enter any loss term; of those kept, the last one
@@ -85,11 +90,18 @@ def test_prefix_is_in_the_prompt_and_coach_tokens_get_no_gradient(placement, tmp
     assert grad.shape[1] == t + 1 < mb.input_ids.shape[1]
     assert torch.count_nonzero(grad[:, t:]) == 0
     assert torch.count_nonzero(grad[:, :t]) > 0
+    # Shared prompts: the prompt pass unembeds its last position only (it predicts response token 0); the
+    # response passes see response tokens only. Same log-probs either way.
+    prompt_pass, *response_passes = captured["logits"]
+    assert prompt_pass.shape[1] == 1 and torch.count_nonzero(prompt_pass.grad) > 0
+    assert all(r.shape[1] <= t - 1 for r in response_passes)
+    assert torch.allclose(logp_shared * mb.response_mask, logp * mb.response_mask, atol=1e-5)
 
 
 def test_mesh_balancing_metrics_and_gradient_ratio(tmp_path, monkeypatch):
-    # Make half the rollouts "correct" so that several strategies qualify for the balancing term.
-    monkeypatch.setattr(RepeatTask, "score", lambda self, completion, problem: float(len(completion) % 2))
+    # Make about half the rollouts "correct" (parity of the characters' code points, whatever the sampled
+    # lengths) so that several strategies qualify for the balancing term.
+    monkeypatch.setattr(RepeatTask, "score", lambda self, completion, problem: float(sum(map(ord, completion)) % 2))
     hist = train(_cfg("recipe=mesh", "mesh.mu=0.1", steps=2), tmp_path / "mesh")
     last = hist[-1]
     for key in ("mesh/balance_loss", "mesh/active_strategies", "mesh/grad_ratio", "mesh/balance_mu"):

@@ -54,12 +54,13 @@ def forward_response(
     """Float32 logits ``[n, T, V]`` predicting the response tokens and, with ``hidden``, the final hidden
     states ``[n, T, D]`` at the same positions (the input of the unembedding, ``logits_t = h_t W^T``).
 
-    Without ``hidden`` this is :func:`meshrl.trainer.batch.response_logits`. With it, the model is called
-    the same way plus ``output_hidden_states=True`` and ``hidden_states[-1]`` (after the final norm in
-    Hugging Face causal LMs) is sliced exactly as ``response_logits`` slices the logits.
+    Without ``hidden`` this is :func:`meshrl.trainer.batch.response_logits` in its one-pass form (real
+    logits at every position, padding included, as with ``hidden``). With it, the model is called the same
+    way plus ``output_hidden_states=True`` and ``hidden_states[-1]`` (after the final norm in Hugging Face
+    causal LMs) is sliced exactly as ``response_logits`` slices the logits.
     """
     if not hidden:
-        return response_logits(model, mb), None
+        return response_logits(model, mb, share_prompts=False), None
     device = next(model.parameters()).device
     out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
                 position_ids=mb.position_ids.to(device), use_cache=False, output_hidden_states=True)

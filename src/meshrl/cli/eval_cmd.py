@@ -22,6 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="auto", choices=["auto", "hf", "native", "vllm"],
+                   help="rollout backend: auto = native for Llama-family models, else hf (transformers generate)")
     p.add_argument("--by", help="problem meta field to break results down by (e.g. type, level)")
     p.add_argument("--out", type=Path, help="output directory (default eval_out/<data name>)")
     p.add_argument("--no-progress", action="store_true")
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--k must be a comma list of integers, got {args.k!r}") from e
     cfg = EvalConfig(model=args.model, data=args.data, n=args.n, ks=ks, split=args.split, limit=args.limit,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                     seed=args.seed, by=args.by)
+                     seed=args.seed, by=args.by, backend=args.backend)
     out = args.out or Path("eval_out") / args.data.split("?")[0].replace(":", "_").replace("/", "_")
     summary = run_eval(cfg, out, progress=not args.no_progress)
     print(json.dumps({"overall": summary["overall"], "out": str(out)}, indent=1))

@@ -34,6 +34,7 @@ class EvalConfig:
     seed: int = 0
     chunk_size: int = 8  # problems per generate call
     by: str | None = None  # meta field to break results down by (e.g. "type", "level")
+    backend: str = "auto"  # rollout backend: auto (native for Llama-family models, else hf) | hf | native
 
     def validate(self) -> EvalConfig:
         if self.n < 1:
@@ -96,7 +97,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     done_rows = _valid_rows(samples_path, cfg)
     done_ids = {r["problem_id"] for r in done_rows}
     model, tok, desc = load_policy(cfg.model, seed=cfg.seed)
-    backend = make_backend("hf", model, tok, batch_size=cfg.chunk_size * cfg.n)
+    backend = make_backend(cfg.backend, model, tok, batch_size=cfg.chunk_size * cfg.n)
     runner = RewardRunner(task.score, timeout_s=10.0)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             n=cfg.n)

@@ -1,4 +1,5 @@
-"""Rollout backends: ``hf`` (transformers ``generate``, CPU/GPU) and ``vllm`` (optional, GPU).
+"""Rollout backends: ``hf`` (transformers ``generate``, CPU/GPU), ``native`` (meshrl's decode loop for
+Llama-family models, CPU/GPU; ``auto`` picks it when it can) and ``vllm`` (optional, GPU).
 
 ``make_backend(name, model, tokenizer, **kw).generate(prompt_ids, SamplingParams(...), seed=...)``
 returns ``Rollouts`` (prompt-major, ``n`` samples per prompt); call ``sync_weights(model)`` after
@@ -14,13 +15,16 @@ from meshrl.rollout.base import (
     eos_ids,
     make_backend,
     register_backend,
+    resolve_auto,
 )
 from meshrl.rollout.hf import HFGenerateBackend, left_pad
+from meshrl.rollout.native import NativeDecodeBackend, unsupported_reason
 from meshrl.rollout.vllm_backend import VLLMBackend, save_policy
 
 __all__ = [
     "BACKENDS",
     "HFGenerateBackend",
+    "NativeDecodeBackend",
     "RolloutBackend",
     "Rollouts",
     "SamplingParams",
@@ -30,5 +34,7 @@ __all__ = [
     "left_pad",
     "make_backend",
     "register_backend",
+    "resolve_auto",
     "save_policy",
+    "unsupported_reason",
 ]

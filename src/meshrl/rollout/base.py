@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+log = logging.getLogger("meshrl")
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,26 @@ def register_backend(name: str) -> Callable:
 
 
 def make_backend(name: str, model, tokenizer, **kwargs) -> RolloutBackend:
-    """Construct the backend registered as ``name`` (``hf``, ``vllm``) for ``model``/``tokenizer``."""
+    """Construct the backend registered as ``name`` (``hf``, ``native``, ``vllm``) for ``model``/``tokenizer``.
+
+    ``auto`` picks ``native`` when that backend can run the model (Llama-family decoders) and ``hf``
+    otherwise, and logs which and why.
+    """
+    if name == "auto":
+        name = resolve_auto(model)
     if name not in BACKENDS:
-        raise ValueError(f"unknown rollout backend {name!r}; known: {sorted(BACKENDS)}")
+        raise ValueError(f"unknown rollout backend {name!r}; known: {sorted([*BACKENDS, 'auto'])}")
     return BACKENDS[name](model, tokenizer, **kwargs)
+
+
+def resolve_auto(model) -> str:
+    """``native`` if registered and able to run ``model``, else ``hf`` (the reason is logged)."""
+    native = BACKENDS.get("native")
+    reason = native.unsupported(model) if native is not None else "not registered"
+    if reason is None:
+        return "native"
+    log.info("rollout backend auto -> hf (native: %s)", reason)
+    return "hf"
 
 
 def eos_ids(model, tokenizer) -> list[int]:

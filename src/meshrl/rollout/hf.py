@@ -75,17 +75,15 @@ def generation_config(params: SamplingParams, eos: list[int], pad_id: int) -> Ge
     return GenerationConfig(**kw)
 
 
-@register_backend("hf")
-class HFGenerateBackend(RolloutBackend):
-    """Batched ``model.generate`` with left padding.
+class InProcessBackend(RolloutBackend):
+    """What the backends that run the policy module in this process share: argument checks, eos and pad
+    ids, the device, autocast, prompt-major jobs and the assembly of :class:`Rollouts`.
 
     ``batch_size`` bounds how many sequences (prompt copies, counting each of the ``n`` samples) go
-    through one ``generate`` call; None means all at once. ``autocast`` ("bfloat16") runs the forward
-    passes under ``torch.autocast``. The backend holds a reference to the policy, so ``sync_weights``
-    with the same model is a no-op.
+    through one batch; None means all at once. ``autocast`` ("bfloat16") runs the forward passes under
+    ``torch.autocast``. The backend holds a reference to the policy, so ``sync_weights`` with the same
+    model is a no-op.
     """
-
-    name = "hf"
 
     def __init__(self, model, tokenizer, *, batch_size: int | None = None, autocast: str | None = None):
         if batch_size is not None and batch_size < 1:
@@ -112,6 +110,34 @@ class HFGenerateBackend(RolloutBackend):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
 
+    @staticmethod
+    def _jobs(prompt_ids: list[list[int]], n: int) -> list[tuple[int, list[int]]]:
+        """``(prompt index, prompt)`` repeated ``n`` times each, prompt-major (so that batches can split
+        the copies of one prompt when n is large)."""
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        return [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(n)]
+
+    def _append(self, result: Rollouts, jobs: list[tuple[int, list[int]]], rows: list[list[int]]) -> None:
+        """Add raw generated rows (which may run past eos) to ``result``, cut at the first eos."""
+        for (index, prompt), tokens in zip(jobs, rows, strict=True):
+            response, truncated = cut_at_eos(tokens, self.eos)
+            result.prompt_index.append(index)
+            result.prompt_ids.append(prompt)
+            result.response_ids.append(response)
+            result.truncated.append(truncated)
+
+    def _finish(self, result: Rollouts) -> Rollouts:
+        result.texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
+        return result
+
+
+@register_backend("hf")
+class HFGenerateBackend(InProcessBackend):
+    """Batched ``model.generate`` with left padding (see :class:`InProcessBackend` for the arguments)."""
+
+    name = "hf"
+
     def _generate_batch(self, prompts: list[list[int]], config: GenerationConfig) -> list[list[int]]:
         """Raw generated tokens per row (may run past eos: padding, or eos repeated when pad == eos)."""
         input_ids, mask = left_pad(prompts, self.pad_id, self.device)
@@ -120,23 +146,12 @@ class HFGenerateBackend(RolloutBackend):
         return out[:, input_ids.shape[1] :].tolist()
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int) -> Rollouts:
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
-        # Repeat each prompt n times (prompt-major) instead of num_return_sequences, so micro-batches
-        # can split the copies of one prompt when n is large.
-        jobs = [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(params.n)]
+        jobs = self._jobs(prompt_ids, params.n)
         step = self.batch_size or max(len(jobs), 1)
         config = generation_config(params, self.eos, self.pad_id)
         result = Rollouts()
         with eval_mode(self.model), torch.inference_mode(), seeded(seed, self.device):
             for start in range(0, len(jobs), step):
                 chunk = jobs[start : start + step]
-                raw = self._generate_batch([p for _, p in chunk], config)
-                for (index, prompt), tokens in zip(chunk, raw, strict=True):
-                    response, truncated = cut_at_eos(tokens, self.eos)
-                    result.prompt_index.append(index)
-                    result.prompt_ids.append(prompt)
-                    result.response_ids.append(response)
-                    result.truncated.append(truncated)
-        result.texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
-        return result
+                self._append(result, chunk, self._generate_batch([p for _, p in chunk], config))
+        return self._finish(result)

@@ -61,9 +61,10 @@ def run_demo(out: Path, *, quick: bool = False, seed: int = 0, settings: DemoSet
     """Run the whole demo into ``out``; return the paths of its runs and evaluations and a summary."""
     import torch
 
-    from meshrl.evaluation import EvalConfig, run_eval
+    from meshrl.evaluation import run_eval
     from meshrl.evaluation.compare import compare_evals
     from meshrl.tasks import load_task
+    from meshrl.testbed.experiment import eval_config
     from meshrl.testbed.warm import warm_info, warm_start
     from meshrl.trainer import train
     from meshrl.trainer.checkpoint import latest_checkpoint
@@ -87,13 +88,9 @@ def run_demo(out: Path, *, quick: bool = False, seed: int = 0, settings: DemoSet
             log.info("demo: training %s (%d steps)", arm, cfg.steps)
             train(cfg, run_dir, resume=ckpt is not None)
         runs[arm] = run_dir
-        ev = EvalConfig(model=str(run_dir), data="testbed:add", split="eval", n=s.eval_n, ks=list(s.ks),
-                        limit=s.eval_problems, max_new_tokens=max_new, temperature=1.0, seed=seed, by="type")
-        run_eval(ev, out / "evals" / arm, progress=progress)
+        run_eval(eval_config(str(run_dir), s, seed, max_new), out / "evals" / arm, progress=progress)
         evals[arm] = out / "evals" / arm
-    base = EvalConfig(model=str(model_path), data="testbed:add", split="eval", n=s.eval_n, ks=list(s.ks),
-                      limit=s.eval_problems, max_new_tokens=max_new, temperature=1.0, seed=seed, by="type")
-    run_eval(base, out / "evals" / "warm_start", progress=progress)
+    run_eval(eval_config(str(model_path), s, seed, max_new), out / "evals" / "warm_start", progress=progress)
     evals["warm_start"] = out / "evals" / "warm_start"
     comparisons = {f"{a}_vs_grpo": [r.as_dict() for r in compare_evals(evals[a], evals["grpo"], n_boot=2000)]
                    for a in ("cp_only", "mesh")}

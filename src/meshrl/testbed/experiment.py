@@ -71,7 +71,10 @@ def base_overrides(s: ExperimentSettings, model_path: Path, max_new_tokens: int)
         f"rollout.max_new_tokens={max_new_tokens}", "rollout.temperature=1.0", f"optim.lr={s.lr}",
         "optim.warmup_steps=3", f"train.ppo_epochs={s.ppo_epochs}", f"train.mini_batches={s.mini_batches}",
         "train.micro_batch_size=96", "mesh.m=3", "mesh.template=plain", "diag.mei.every=1",
-        "log.progress=false", "log.samples_per_step=-1", *s.extra,
+        "log.progress=false", "log.samples_per_step=-1",
+        # The documented results (docs/testbed.md, README's demo table) were sampled with transformers'
+        # generate and scored in one pass; pinned so that they reproduce sample for sample.
+        "rollout.backend=hf", "train.share_prompts=false", *s.extra,
     ]
 
 
@@ -82,11 +85,14 @@ def checkpoint_overrides(arm: str, s: ExperimentSettings) -> list[str]:
     return [f"checkpoint.every={max(s.steps, 1)}", "checkpoint.keep_last=1"]
 
 
-def _eval_config(model: str, s: ExperimentSettings, seed: int, max_new: int):
+def eval_config(model: str, s, seed: int, max_new: int):
+    """The held-out evaluation of the testbed for settings ``s`` (experiment or demo; ``generate`` sampling
+    pinned, as in ``base_overrides``)."""
     from meshrl.evaluation import EvalConfig
 
     return EvalConfig(model=model, data="testbed:add", split="eval", n=s.eval_n, ks=list(s.ks),
-                      limit=s.eval_problems, max_new_tokens=max_new, temperature=1.0, seed=seed, by="type")
+                      limit=s.eval_problems, max_new_tokens=max_new, temperature=1.0, seed=seed, by="type",
+                      backend="hf")
 
 
 def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: Path) -> dict[str, Any]:
@@ -108,7 +114,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     if done < cfg.steps:
         train(cfg, run_dir, resume=ckpt is not None)
     if not (run_dir / "eval" / "eval.json").is_file():
-        run_eval(_eval_config(str(run_dir), s, seed, task.max_new_tokens), run_dir / "eval", progress=False)
+        run_eval(eval_config(str(run_dir), s, seed, task.max_new_tokens), run_dir / "eval", progress=False)
     if arm in PROBE_ARMS:
         probe_run(run_dir, s, seed, model_path)
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}

@@ -11,6 +11,7 @@ only, so a padded row gets the same positions as the unpadded sequence.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -52,22 +53,102 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -
     return MicroBatch(ids, attn, pos, ids[:, p_len:], resp_mask, p_len)
 
 
-def response_logits(model: torch.nn.Module, mb: MicroBatch, autocast_bf16: bool = False) -> torch.Tensor:
-    """Float32 logits ``[n, T, V]`` at the positions that predict each response token."""
+def response_logits(
+    model: torch.nn.Module, mb: MicroBatch, autocast_bf16: bool = False, *, share_prompts: bool = True,
+    length_buckets: int = 2,
+) -> torch.Tensor:
+    """Float32 logits ``[n, T, V]`` at the positions that predict each response token.
+
+    With ``share_prompts`` (and a model whose KV cache can be handed back in, as every Hugging Face causal LM
+    with full attention), each distinct prompt runs once and its keys/values are copied to the rows that
+    share it, and the responses run in ``length_buckets`` groups of similar length, each padded only to its
+    own longest response. The logits equal the one-pass forward's up to float rounding, and so do the
+    gradients (autograd sums them over the copies of a prompt); a GRPO group of G rollouts then costs one
+    prompt instead of G, and short responses stop paying for the longest one. As in the one-pass form,
+    positions past a row's response are padding (masked everywhere); those past the longest response of
+    its bucket are zeros.
+    """
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
-    t = mb.response_ids.shape[1]
     with ctx:
-        # Only the last T+1 positions' logits are needed (the prompt's last token predicts the first response
-        # token): skipping the unembedding of the rest of the prompt saves ~12% of an update (benchmarks/).
-        out = model(
-            input_ids=mb.input_ids.to(device),
-            attention_mask=mb.attention_mask.to(device),
-            position_ids=mb.position_ids.to(device),
-            use_cache=False,
-            logits_to_keep=t + 1,
-        )
-    return out.logits[:, :t].float()
+        if share_prompts and _cache_kwarg(model) is not None:
+            logits = _shared_prompt_logits(model, mb, device, max(1, length_buckets))
+            if logits is not None:
+                return logits.float()
+        return _one_pass_logits(model, mb, device).float()
+
+
+def _one_pass_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+    t = mb.response_ids.shape[1]
+    # Only the last T+1 positions' logits are needed (the prompt's last token predicts the first response
+    # token): skipping the unembedding of the rest of the prompt saves ~12% of an update (benchmarks/).
+    out = model(
+        input_ids=mb.input_ids.to(device),
+        attention_mask=mb.attention_mask.to(device),
+        position_ids=mb.position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=t + 1,
+    )
+    return out.logits[:, :t]
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str | None:
+    """Name of the forward argument that takes a KV cache (``cache`` in transformers >= 5,
+    ``past_key_values`` before), or None when the model takes neither."""
+    forward = getattr(model, "get_base_model", lambda: model)().forward
+    params = inspect.signature(forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """``[(keys, values)]`` per layer of a full-attention Hugging Face cache; None for any other kind
+    (sliding windows, linear attention...), for which the one-pass forward is used."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        return None
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def _distinct_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first row index of each distinct row, distinct index of every row)`` of a 2-D tensor."""
+    _, inverse = torch.unique(x, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), x.shape[0], dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, torch.arange(x.shape[0]), "amin")
+    return first, inverse
+
+
+def _shared_prompt_logits(
+    model: torch.nn.Module, mb: MicroBatch, device: torch.device, buckets: int
+) -> torch.Tensor | None:
+    from transformers import DynamicCache
+
+    p, t = mb.prompt_len, mb.response_ids.shape[1]
+    first, inverse = _distinct_rows(mb.input_ids[:, :p])
+    key = _cache_kwarg(model)
+    head = model(input_ids=mb.input_ids[first, :p].to(device), attention_mask=mb.attention_mask[first, :p].to(device),
+                 position_ids=mb.position_ids[first, :p].to(device), use_cache=True, logits_to_keep=1)
+    prompt_kv = _cache_layers(getattr(head, "cache", None) or getattr(head, "past_key_values", None))
+    if prompt_kv is None:
+        return None
+    lengths = mb.response_mask.sum(-1).long()
+    order = torch.argsort(lengths, stable=True)
+    parts = []
+    for rows in order.chunk(min(buckets, len(order))):
+        src = inverse[rows].to(device)
+        first_token = head.logits[src]  # [r, 1, V]: the prompt's last position predicts response token 0
+        width = int(lengths[rows].max())
+        if width <= 1:
+            parts.append(F.pad(first_token, (0, 0, 0, t - 1)))
+            continue
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(prompt_kv):
+            cache.update(k[src], v[src], layer)
+        out = model(input_ids=mb.response_ids[rows, : width - 1].to(device),
+                    attention_mask=mb.attention_mask[rows, : p + width - 1].to(device),
+                    position_ids=mb.position_ids[rows, p : p + width - 1].to(device),
+                    use_cache=True, **{key: cache})
+        parts.append(F.pad(torch.cat([first_token, out.logits], dim=1), (0, 0, 0, t - width)))
+    return torch.cat(parts)[torch.argsort(order).to(device)]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

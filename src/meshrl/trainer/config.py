@@ -17,13 +17,14 @@ from meshrl.algos import RECIPES, Recipe, recipe
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"
+    backend: str = "auto"  # auto: native when the model is Llama-family, else hf; or hf | native | vllm
     prompts_per_step: int = 8  # distinct problems per step
     group_size: int = 8  # G samples per problem
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
     batch_size: int = 64  # prompts per generate call (memory bound)
+    decode_workers: int = 0  # native backend on CPU: decoders in parallel (0 = one per torch thread)
 
 
 @dataclass
@@ -44,6 +45,8 @@ class TrainConfig:
     micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
     dtype: str = "float32"  # model weights
     autocast_bf16: bool = False  # bf16 autocast for forward passes on CPU/GPU
+    share_prompts: bool = True  # run each distinct prompt once per micro-batch and reuse its KV cache
+    length_buckets: int = 2  # response-length groups per micro-batch, each padded to its own longest
     lora_r: int = 0  # > 0 enables LoRA (peft) with this rank
     lora_alpha: int = 16
 
@@ -187,6 +190,8 @@ class RunConfig:
             "train.ppo_epochs": self.train.ppo_epochs >= 1,
             "train.mini_batches": self.train.mini_batches >= 1,
             "train.micro_batch_size": self.train.micro_batch_size >= 1,
+            "train.length_buckets": self.train.length_buckets >= 1,
+            "rollout.decode_workers": self.rollout.decode_workers >= 0,
             "checkpoint.every": self.checkpoint.every >= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]

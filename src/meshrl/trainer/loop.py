@@ -45,7 +45,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         from meshrl.models import encode_prompt, load_model
         from meshrl.rewards import RewardRunner
-        from meshrl.rollout import make_backend
+        from meshrl.rollout import make_backend, resolve_auto
         from meshrl.tasks import load_task
 
         self.cfg, self.run_dir = cfg, run_dir
@@ -72,8 +72,10 @@ class Trainer:
         # fused=True: on CPU the default per-tensor loop was 8x slower per step on 135M parameters (benchmarks/).
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, fused=True)
-        self.backend = make_backend(cfg.rollout.backend, self.model, self.tokenizer,
-                                    batch_size=cfg.rollout.batch_size)
+        backend = resolve_auto(self.model) if cfg.rollout.backend == "auto" else cfg.rollout.backend
+        extra = {"workers": cfg.rollout.decode_workers or None} if backend == "native" else {}
+        self.backend = make_backend(backend, self.model, self.tokenizer, batch_size=cfg.rollout.batch_size, **extra)
+        log.info("rollout backend: %s (rollout.backend=%s)", self.backend.name, cfg.rollout.backend)
         runner = RewardRunner(self.task.score, timeout_s=cfg.reward.timeout_s, strict=cfg.reward.strict)
         prefixes = prepare_prefixes(cfg, self.task, self.problems, run_dir) if cfg.mesh_enabled else None
         self.sampler = RolloutStep(task=self.task, problems=self.problems, backend=self.backend,
@@ -199,18 +201,24 @@ class Trainer:
         out: list[torch.Tensor] = [torch.empty(0)] * len(data)
         temp = self.cfg.rollout.temperature
         for idx, mb in self._micro_batches(list(range(len(data))), data):
-            lp = token_logprobs(response_logits(model, mb, self.cfg.train.autocast_bf16), mb.response_ids, temp)
+            lp = token_logprobs(self.logits_of(model, mb), mb.response_ids, temp)
             for k, j in enumerate(idx):
                 out[j] = lp[k, : len(data.response_ids[j])].cpu()
         return out
 
+    def logits_of(self, model: torch.nn.Module, mb) -> torch.Tensor:
+        """Response logits ``[n, T, V]`` of ``model`` with the configured autocast and prompt sharing."""
+        tc = self.cfg.train
+        return response_logits(model, mb, tc.autocast_bf16, share_prompts=tc.share_prompts,
+                               length_buckets=tc.length_buckets)
+
     def _reference_forward(self, mb) -> torch.Tensor:
         if self.ref_model is not None:
-            return response_logits(self.ref_model, mb, self.cfg.train.autocast_bf16)
+            return self.logits_of(self.ref_model, mb)
         from meshrl.models import reference_mode
 
         with reference_mode(self.model):
-            return response_logits(self.model, mb, self.cfg.train.autocast_bf16)
+            return self.logits_of(self.model, mb)
 
     def update(self, data: StepData) -> dict[str, Any]:
         tc, rec = self.cfg.train, self.recipe
@@ -323,7 +331,7 @@ class Trainer:
 
     def _micro_loss(self, idx, mb, data, old_logps, ref_logps) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         rec, temp = self.recipe, self.cfg.rollout.temperature
-        logits = response_logits(self.model, mb, self.cfg.train.autocast_bf16)
+        logits = self.logits_of(self.model, mb)
         logp = token_logprobs(logits, mb.response_ids, temp)
         mask = mb.response_mask
         if self._mei_collect:

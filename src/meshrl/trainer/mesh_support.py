@@ -63,9 +63,9 @@ def balance_row_weights(cfg, data, seq_logp: torch.Tensor, ref_seq_logp: torch.T
 
 
 def _bare_seq_logp(trainer, mb) -> torch.Tensor:
-    from meshrl.trainer.batch import response_logits, token_logprobs
+    from meshrl.trainer.batch import token_logprobs
 
-    logits = response_logits(trainer.model, mb, trainer.cfg.train.autocast_bf16)
+    logits = trainer.logits_of(trainer.model, mb)
     logp = token_logprobs(logits, mb.response_ids, trainer.cfg.rollout.temperature)
     return (logp * mb.response_mask).sum(-1)
 

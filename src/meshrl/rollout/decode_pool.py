@@ -1,0 +1,115 @@
+"""Worker processes that decode shards of a rollout batch on the other CPU cores.
+
+A decode step of a small model is a chain of small matmuls that BLAS runs on one core, plus per-op
+overhead; Python threads do not help (every op hands the GIL over). Forked worker processes do: each
+decodes its own rows with one torch thread while the parent decodes the first shard.
+
+Weights are not copied per call: the policy's parameters and buffers are moved to shared memory once
+(``Module.share_memory``), so the optimiser's in-place updates are what the workers read at the next
+call. A worker is told nothing but the prompts, the sampling parameters, the seed and where its rows
+start; sampling noise depends on ``(seed, row, step)`` only, so the samples are the same whatever the
+number of workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import signal
+import traceback
+import weakref
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("meshrl")
+
+
+def fork_available() -> bool:
+    return "fork" in mp.get_all_start_methods()
+
+
+def _worker_main(conn, decode: Callable) -> None:
+    """Serve ``decode(*args)`` requests until the parent closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    torch.set_num_threads(1)
+    while True:
+        try:
+            args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send(("ok", decode(*args)))
+        except Exception:  # noqa: BLE001 - every failure goes back to the parent with its traceback
+            conn.send(("error", traceback.format_exc()))
+
+
+def _close(conns: list, procs: list) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.close()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+
+
+class DecodePool:
+    """``workers - 1`` forked processes; :meth:`map` runs the first call here and the rest there.
+
+    ``decode(*args)`` must be a function of picklable arguments that returns a picklable result; it is
+    called in the workers with the objects they inherited at fork time (the model, whose parameters live
+    in shared memory).
+    """
+
+    def __init__(self, model: torch.nn.Module, decode: Callable, workers: int):
+        if workers < 2:
+            raise ValueError(f"a decode pool needs >= 2 workers, got {workers}")
+        if not fork_available():
+            raise RuntimeError("worker processes need the 'fork' start method (Linux)")
+        model.share_memory()
+        self.model, self.params = model, list(model.parameters())
+        ctx = mp.get_context("fork")
+        self.conns, self.procs = [], []
+        for _ in range(workers - 1):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(child, decode), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _close, self.conns, self.procs)
+
+    @property
+    def size(self) -> int:
+        return len(self.procs) + 1
+
+    def serves(self, model: torch.nn.Module) -> bool:
+        """True while the workers read ``model``'s current weights (same module, storage still shared)."""
+        params = list(model.parameters())
+        return (model is self.model and len(params) == len(self.params)
+                and all(a is b and a.is_shared() for a, b in zip(params, self.params, strict=True)))
+
+    def map(self, local: Callable, args_list: list[tuple]) -> list:
+        """``[local(*args_list[0]), decode(*args_list[1]) in worker 1, ...]``; at most ``size`` calls."""
+        if len(args_list) > self.size:
+            raise ValueError(f"{len(args_list)} shards for {self.size} decoders")
+        for conn, args in zip(self.conns, args_list[1:], strict=False):
+            conn.send(args)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)  # the workers hold the other cores
+        try:
+            first = local(*args_list[0])
+        finally:
+            torch.set_num_threads(saved)
+            replies = [conn.recv() for conn in self.conns[: len(args_list) - 1]]
+        out = [first]
+        for status, value in replies:
+            if status != "ok":
+                raise RuntimeError(f"decode worker failed:\n{value}")
+            out.append(value)
+        return out
+
+    def close(self) -> None:
+        self._finalizer()

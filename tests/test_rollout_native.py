@@ -1,0 +1,250 @@
+"""meshrl.rollout.native: the decode loop against transformers (logits, greedy output), sampling law,
+row-keyed noise, eos/compaction, worker processes, supported-model detection and the trainer's auto choice."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from meshrl.models import apply_lora, build_tiny, encode_prompt, load_model
+from meshrl.rollout import SamplingParams, make_backend, resolve_auto, unsupported_reason
+from meshrl.rollout import native as native_mod
+from meshrl.rollout.native import NativeDecodeBackend, RowNoise, distinct_prompts, sample_tokens
+
+
+@pytest.fixture(scope="module")
+def small():
+    return load_model("tiny:small", seed=0)
+
+
+def _prompts(tok, texts: list[str]) -> list[list[int]]:
+    return [encode_prompt(tok, t) for t in texts]
+
+
+def _family_model(kind: str):
+    """A randomly initialised 2-layer model of another Llama-family type, with the tiny tokenizer."""
+    _, tok = build_tiny("tiny")
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    if kind == "qwen2":  # q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    elif kind == "qwen3":  # per-head q/k RMSNorm, explicit head_dim
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, use_sliding_window=False))
+    else:  # llama with a non-default rope base and untied head
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=500.0, tie_word_embeddings=False))
+    for p in model.parameters():  # random biases/norm weights too, so that a dropped term would show
+        p.data.add_(0.05 * torch.randn_like(p))
+    return model.eval(), tok
+
+
+@pytest.mark.parametrize("kind", ["tiny:small", "qwen2", "qwen3", "llama-untied"])
+def test_decode_logits_equal_the_models_forward_and_greedy_equals_generate(kind, small):
+    model, tok = small if kind == "tiny:small" else _family_model(kind.split("-")[0])
+    prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
+    backend = make_backend("native", model, tok, workers=1)
+    assert backend.verify(prompts + prompts[:1], new_tokens=6) < 1e-4
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    ours = backend.generate(prompts, greedy, seed=0)
+    theirs = make_backend("hf", model, tok).generate(prompts, greedy, seed=0)
+    assert ours.response_ids == theirs.response_ids and ours.truncated == theirs.truncated
+
+
+def test_lora_model_runs_through_its_modules(small):
+    model, tok = load_model("tiny", seed=0)
+    peft = apply_lora(model, r=4, alpha=8)
+    for name, p in peft.named_parameters():  # a non-zero adapter, so that skipping it would change logits
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5)
+    backend = make_backend("native", peft, tok, workers=1)
+    assert backend.verify(_prompts(tok, ["1+2=", "abc"]), new_tokens=5) < 1e-4
+    assert not native_mod._packable(native_mod.decoder_of(peft))
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    prompts = _prompts(tok, ["hello", "7*8="])
+    assert (backend.generate(prompts, greedy, seed=0).response_ids
+            == make_backend("hf", peft, tok).generate(prompts, greedy, seed=0).response_ids)
+
+
+def test_verify_catches_a_decoder_that_disagrees(small, monkeypatch):
+    model, tok = small
+    backend = NativeDecodeBackend(model, tok, workers=1)
+    monkeypatch.setattr(native_mod, "_rotate", lambda x, cos, sin: x)  # "forget" RoPE
+    with pytest.raises(RuntimeError, match="disagrees with the model's forward"):
+        backend.verify(_prompts(tok, ["1+2=", "abc"]), new_tokens=4)
+
+
+def test_unsupported_models_are_refused_and_auto_falls_back_to_hf():
+    _, tok = build_tiny("tiny")
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    assert "gpt2" in unsupported_reason(gpt2)
+    assert resolve_auto(gpt2) == "hf"
+    assert make_backend("auto", gpt2, tok).name == "hf"
+    with pytest.raises(ValueError, match="cannot run this model: model_type 'gpt2'"):
+        make_backend("native", gpt2, tok)
+    windowed = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                            use_sliding_window=True, sliding_window=16, max_window_layers=0))
+    assert "sliding" in unsupported_reason(windowed) or "layer types" in unsupported_reason(windowed)
+    tiny, tok = build_tiny("tiny")
+    assert unsupported_reason(tiny) is None and resolve_auto(tiny) == "native"
+
+
+def test_sampling_law_matches_softmax_and_nucleus():
+    """The exponential race picks token v with probability p_v (chi-square over 40k draws), and top-p
+    keeps exactly the set transformers' TopPLogitsWarper keeps."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log().expand(40_000, 4)
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.empty(40_000, 4).exponential_(generator=gen)
+    counts = torch.bincount(sample_tokens(logits, SamplingParams(1), noise), minlength=4).float()
+    expected = probs * 40_000
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3  # 99.9% quantile of chi-square with 3 degrees of freedom
+    # Temperature: T=2 flattens to softmax(log p / 2).
+    hot = torch.bincount(sample_tokens(logits, SamplingParams(1, temperature=2.0), noise), minlength=4).float()
+    hot_p = torch.softmax(probs.log() / 2, -1)
+    assert float(((hot - hot_p * 40_000) ** 2 / (hot_p * 40_000)).sum()) < 16.3
+    # Nucleus: the kept set equals transformers' on random logits, for several top_p.
+    rand = torch.randn(200, 30, generator=gen)
+    for top_p in (0.3, 0.7, 0.95):
+        ref_kept = torch.isfinite(TopPLogitsWarper(top_p)(None, rand.clone()))
+        draws = torch.stack([sample_tokens(rand, SamplingParams(1, top_p=top_p),
+                                           torch.empty_like(rand).exponential_(generator=gen)) for _ in range(200)])
+        kept_seen = torch.zeros_like(ref_kept)
+        kept_seen.scatter_(1, draws.t(), True)
+        assert not (kept_seen & ~ref_kept).any(), "sampled a token outside the nucleus"
+        assert (kept_seen.sum(1) >= 1).all()
+    assert torch.equal(sample_tokens(rand, SamplingParams(1, temperature=0.0)), rand.argmax(-1))
+
+
+def test_row_noise_depends_only_on_seed_row_and_step():
+    a, b = RowNoise(3, 10, torch.device("cpu")), RowNoise(3, 10, torch.device("cpu"))
+    full = a(list(range(40)), step=5)
+    assert torch.equal(b([37, 2, 16], step=5), full[[37, 2, 16]])
+    assert not torch.equal(a([2], step=6), full[[2]]) and not torch.equal(RowNoise(4, 10, a.device)([2], 5), full[[2]])
+    assert (full > 0).all()
+
+
+def test_samples_do_not_depend_on_batching_or_workers(small):
+    model, tok = small
+    prompts = _prompts(tok, ["1+2=", "Repeat: 7", "abc", "x"])
+    params = SamplingParams(max_new_tokens=24, n=9, temperature=1.0)
+    outs = []
+    for workers, batch in [(1, None), (1, 10), (2, None), (3, 16)]:
+        backend = NativeDecodeBackend(model, tok, workers=workers, batch_size=batch)
+        outs.append(backend.generate(prompts, params, seed=11))
+        backend.close()
+    assert all(o.response_ids == outs[0].response_ids for o in outs[1:])
+    assert outs[0].prompt_index == [i for i in range(4) for _ in range(9)]
+    again = NativeDecodeBackend(model, tok, workers=1).generate(prompts, params, seed=12)
+    assert again.response_ids != outs[0].response_ids
+    # Same seed, same samples; the caller's RNG stream is not consumed.
+    state = torch.random.get_rng_state()
+    rerun = NativeDecodeBackend(model, tok, workers=1).generate(prompts, params, seed=11)
+    assert rerun.response_ids == outs[0].response_ids and torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_workers_read_the_updated_weights_and_report_errors(small):
+    model, tok = load_model("tiny:small", seed=1)
+    prompts = _prompts(tok, ["1+2=", "Repeat: 7", "abc"])
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0, n=8)
+    pooled, single = NativeDecodeBackend(model, tok, workers=2), NativeDecodeBackend(model, tok, workers=1)
+    before = pooled.generate(prompts, greedy, seed=0)
+    assert pooled._pool is not None and all(p.is_shared() for p in model.parameters())
+    with torch.no_grad():  # an in-place update, as the optimiser makes
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    after = pooled.generate(prompts, greedy, seed=0)
+    assert after.response_ids == single.generate(prompts, greedy, seed=0).response_ids
+    assert after.response_ids != before.response_ids
+    # A failure inside a worker comes back as an error with the worker's traceback.
+    bad = [*prompts[:2], [len(tok) + 50]]  # an out-of-vocabulary id: the 3rd prompt's rows go to the worker
+    with pytest.raises(RuntimeError, match="decode worker failed"):
+        pooled.generate(bad, greedy, seed=0)
+    pooled.close()
+    assert pooled._pool is None
+
+
+def _scripted(monkeypatch, sequences: list[list[int]]):
+    """Replace the sampler: row r emits ``sequences[r]`` then repeats its last token."""
+    counter = itertools.count()
+    state = {"step": -1, "rows": None}
+
+    def fake(logits, params, noise=None):
+        state["step"] = next(counter)
+        return torch.tensor([seq[min(state["step"], len(seq) - 1)] for seq in state["rows"]])
+
+    original = native_mod.NativeDecodeBackend._decode_batch
+
+    def run(self, prompts, params, **kw):
+        state["rows"] = list(sequences)
+        # Compaction removes finished rows: follow them by wrapping keep_rows.
+        keep_rows = native_mod._Decoder.keep_rows
+
+        def keep(dec, keep_idx):
+            state["rows"] = [state["rows"][i] for i in keep_idx.tolist()]
+            return keep_rows(dec, keep_idx)
+
+        monkeypatch.setattr(native_mod._Decoder, "keep_rows", keep)
+        try:
+            return original(self, prompts, params, **kw)
+        finally:
+            monkeypatch.setattr(native_mod._Decoder, "keep_rows", keep_rows)
+
+    monkeypatch.setattr(native_mod, "sample_tokens", fake)
+    monkeypatch.setattr(native_mod.NativeDecodeBackend, "_decode_batch", run)
+
+
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_eos_truncation_and_finished_rows_dropped(monkeypatch, pad_is_eos):
+    model, tok = build_tiny("tiny", seed=0, pad_is_eos=pad_is_eos)
+    eos = tok.eos_token_id
+    a, b, x = (tok.convert_tokens_to_ids(c) for c in "abx")
+    # 8 rows: row 0 stops after 1 token, rows 1-3 after "ab", rows 4-7 never stop (truncated).
+    seqs = [[eos], [a, b, eos], [a, b, eos], [a, b, eos], [x], [x], [x], [x]]
+    _scripted(monkeypatch, seqs)
+    backend = NativeDecodeBackend(model, tok, workers=1, verify=False)
+    out = backend.generate(_prompts(tok, ["q"] * 8), SamplingParams(5, temperature=1.0), seed=0)
+    assert out.response_ids[0] == [eos] and out.response_ids[1] == [a, b, eos]
+    assert out.response_ids[4] == [x] * 5
+    assert out.truncated == [False] * 4 + [True] * 4
+    assert out.texts[:2] == ["", "ab"] and out.texts[4] == "xxxxx"
+
+
+def test_distinct_prompts_and_compaction_keep_rows_in_order(small):
+    assert distinct_prompts([[1, 2], [3], [1, 2], [3], [4]]) == ([[1, 2], [3], [4]], [0, 1, 0, 1, 2])
+    model, tok = small
+    # Greedy rows of the same prompt are identical; prompt-major order survives compaction.
+    prompts = _prompts(tok, ["1+2=", "Repeat: hello", "abc"])
+    out = NativeDecodeBackend(model, tok, workers=1).generate(prompts, SamplingParams(16, temperature=0, n=3), seed=0)
+    for i in range(3):
+        assert len({tuple(r) for r in out.response_ids[3 * i : 3 * i + 3]}) == 1
+
+
+def test_trainer_picks_native_for_llama_models_and_hf_when_asked(tmp_path):
+    from meshrl.trainer import Trainer, load_config
+
+    base = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=2", "rollout.group_size=4",
+            "rollout.max_new_tokens=4", "log.progress=false"]
+    auto = Trainer(load_config(overrides=base), tmp_path / "a")
+    assert auto.backend.name == "native" and auto.backend.workers == torch.get_num_threads()
+    one = Trainer(load_config(overrides=[*base, "rollout.decode_workers=1"]), tmp_path / "c")
+    assert one.backend.workers == 1
+    hf = Trainer(load_config(overrides=[*base, "rollout.backend=hf"]), tmp_path / "b")
+    assert hf.backend.name == "hf"
+    with pytest.raises(ValueError, match="rollout.decode_workers"):
+        load_config(overrides=[*base, "rollout.decode_workers=-1"])
