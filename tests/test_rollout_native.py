@@ -19,7 +19,7 @@ from transformers import (
 )
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from meshrl.models import apply_lora, build_tiny, encode_prompt, load_model
+from meshrl.models import apply_lora, build_tiny, encode_prompt, llama_fast, load_model
 from meshrl.rollout import SamplingParams, make_backend, resolve_auto, unsupported_reason
 from meshrl.rollout import native as native_mod
 from meshrl.rollout.native import NativeDecodeBackend, RowNoise, distinct_prompts, sample_tokens
@@ -72,7 +72,7 @@ def test_lora_model_runs_through_its_modules(small):
             p.data.normal_(0, 0.5)
     backend = make_backend("native", peft, tok, workers=1)
     assert backend.verify(_prompts(tok, ["1+2=", "abc"]), new_tokens=5) < 1e-4
-    assert not native_mod._packable(native_mod.decoder_of(peft))
+    assert not llama_fast.packable(llama_fast.decoder_of(peft))
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     prompts = _prompts(tok, ["hello", "7*8="])
     assert (backend.generate(prompts, greedy, seed=0).response_ids
@@ -82,7 +82,7 @@ def test_lora_model_runs_through_its_modules(small):
 def test_verify_catches_a_decoder_that_disagrees(small, monkeypatch):
     model, tok = small
     backend = NativeDecodeBackend(model, tok, workers=1)
-    monkeypatch.setattr(native_mod, "_rotate", lambda x, cos, sin: x)  # "forget" RoPE
+    monkeypatch.setattr(llama_fast, "rotate", lambda x, cos, sin: x)  # "forget" RoPE
     with pytest.raises(RuntimeError, match="disagrees with the model's forward"):
         backend.verify(_prompts(tok, ["1+2=", "abc"]), new_tokens=4)
 

@@ -10,11 +10,11 @@ around small matmuls, and it keeps computing every row until the longest one end
   costs the rows still running, not the longest one;
 * samples from ``softmax(logits / T)`` with optional top-p, exactly the distribution the trainer scores.
 
-It calls the model's own modules (embedding, norms, projections, MLP, rotary embedding, head), so LoRA
-adapters (peft), autocast and any activation function work unchanged, and it checks itself once against
-the model's own forward (:meth:`NativeDecodeBackend.verify`). Supported: ``model_type`` in
-:data:`SUPPORTED_TYPES` with full attention everywhere and a static RoPE; anything else is refused with
-the reason (``rollout.backend=auto`` then falls back to ``hf``).
+The blocks run through :class:`meshrl.models.llama_fast.LlamaRunner` on the model's own parameters (fused
+weights for plain layers, the model's modules for peft LoRA layers), and the backend checks itself once
+against the model's own forward (:meth:`NativeDecodeBackend.verify`). Supported: ``model_type`` in
+:data:`meshrl.models.llama_fast.SUPPORTED_TYPES` with full attention everywhere and a static RoPE;
+anything else is refused with the reason (``rollout.backend=auto`` then falls back to ``hf``).
 """
 
 from __future__ import annotations
@@ -23,56 +23,17 @@ import logging
 import math
 
 import torch
-import torch.nn.functional as F
 
+from meshrl.models.llama_fast import LlamaRunner, decoder_of, unsupported_reason
 from meshrl.rollout.base import Rollouts, SamplingParams, register_backend
 from meshrl.rollout.decode_pool import DecodePool, fork_available
 from meshrl.rollout.hf import InProcessBackend, eval_mode, left_pad
 
 log = logging.getLogger("meshrl")
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Compact the KV cache once this fraction of the running rows has finished: a compaction copies the cache
 # (about two decode steps' worth of work on tiny models), each dropped row saves its remaining steps.
 COMPACT_FRACTION = 0.125
-LARGE_VOCAB = 8192
-
-
-def decoder_of(model):
-    """The ``*ForCausalLM`` module under a peft wrapper (its Linear layers carry the adapters)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def unsupported_reason(model) -> str | None:
-    """Why the native loop cannot run ``model`` (None when it can)."""
-    lm = decoder_of(model)
-    cfg = getattr(lm, "config", None)
-    mtype = getattr(cfg, "model_type", None)
-    if mtype not in SUPPORTED_TYPES:
-        return f"model_type {mtype!r} is not one of {SUPPORTED_TYPES}"
-    inner = getattr(lm, "model", None)
-    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if inner is None or any(not hasattr(inner, a) for a in needed) or not hasattr(lm, "lm_head"):
-        return f"{type(lm).__name__} lacks the Llama module layout (model.embed_tokens/layers/norm/rotary_emb, lm_head)"
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return f"layer types {sorted(set(layer_types))}: only full attention is implemented"
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    if mtype in ("mistral", "qwen2") and window:
-        return f"sliding-window attention (window {cfg.sliding_window}) is not implemented"
-    rope_type = getattr(inner.rotary_emb, "rope_type", "default")
-    if "dynamic" in str(rope_type):
-        return f"rope type {rope_type!r} changes with the sequence length; not implemented"
-    attn = inner.layers[0].self_attn
-    if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
-        return f"{type(attn).__name__} lacks q/k/v/o projections, head_dim or scaling"
-    return None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the rotate-half convention of Hugging Face Llama: ``x cos + rotate_half(x) sin``."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,166 +82,49 @@ class RowNoise:
         return torch.cat(parts)[index]
 
 
-def _rms_eps(norm) -> float | None:
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    return float(eps) if eps is not None else None
-
-
-def _packable(lm) -> bool:
-    """True when every block is plain ``nn.Linear`` / RMSNorm / SiLU-gated MLP, so that the decoder may run
-    fused weights (q|k|v and gate|up in one matmul each) instead of calling the modules one by one."""
-    if hasattr(lm, "get_base_model") or getattr(lm.config, "hidden_act", None) not in ("silu", "swish"):
-        return False
-    for layer in lm.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj] + [getattr(m, n, None) for n in ("gate_proj", "up_proj",
-                                                                                           "down_proj")]
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(a, n) for n in ("q_norm", "k_norm")
-                                                                          if hasattr(a, n)]
-        if any(type(x) is not torch.nn.Linear for x in linears) or any(_rms_eps(x) is None for x in norms):
-            return False
-    return _rms_eps(lm.model.norm) is not None
-
-
-class _Packed:
-    """Fused weights of one block (built per ``generate`` call from the current parameters)."""
-
-    def __init__(self, layer):
-        a, m = layer.self_attn, layer.mlp
-        self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-        self.qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
-        if self.qkv_b is None and any(b is not None for b in biases):
-            self.qkv_b = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
-                                    for b, w in zip(biases, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                                                    strict=True)])
-        self.o = a.o_proj
-        self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-        self.down = m.down_proj
-        self.norm1 = (layer.input_layernorm.weight, _rms_eps(layer.input_layernorm))
-        self.norm2 = (layer.post_attention_layernorm.weight, _rms_eps(layer.post_attention_layernorm))
-        self.q_norm = (a.q_norm.weight, _rms_eps(a.q_norm)) if hasattr(a, "q_norm") else None
-        self.k_norm = (a.k_norm.weight, _rms_eps(a.k_norm)) if hasattr(a, "k_norm") else None
-
-
-def _rms(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
-    weight, eps = weight_eps
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-class _Decoder:
-    """Holds the per-call state of one batch: modules (or their fused weights), preallocated KV cache."""
+class _Decoder(LlamaRunner):
+    """A :class:`LlamaRunner` plus the per-batch preallocated KV cache of the rows being decoded."""
 
     def __init__(self, model, total_len: int, device: torch.device):
-        lm = decoder_of(model)
-        self.inner, self.head = lm.model, lm.lm_head
-        self.layers = list(self.inner.layers)
-        attn = self.layers[0].self_attn
-        self.head_dim, self.scale = int(attn.head_dim), float(attn.scaling)
-        cfg = lm.config
-        self.n_heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        positions = torch.arange(total_len, device=device)[None]
-        probe = torch.zeros(1, device=device, dtype=next(lm.parameters()).dtype)
-        cos, sin = self.inner.rotary_emb(probe, positions)  # [1, S, head_dim]
-        self.cos, self.sin = cos[0], sin[0]
-        # Fewer, larger ops per step: a decode step on a small model costs its op count, not its FLOPs.
-        self.packed = [_Packed(layer) for layer in self.layers] if _packable(lm) else None
+        super().__init__(model, total_len, device)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
-
-    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[n, s, 1, d]`` for positions ``pos [n, s]`` (shared by every block of a forward)."""
-        return self.cos[pos][:, :, None], self.sin[pos][:, :, None]
-
-    def _qkv(self, li: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """Rotated q ``[n, H, s, d]`` and k, v ``[n, KV, s, d]`` of block ``li`` for its input ``x [n, s, D]``."""
-        n, s, _ = x.shape
-        d, heads, kv = self.head_dim, self.n_heads, self.kv_heads
-        if self.packed is not None and self.packed[li].q_norm is None:
-            pk = self.packed[li]
-            qkv = F.linear(_rms(x, pk.norm1), pk.qkv_w, pk.qkv_b).view(n, s, heads + 2 * kv, d)
-            qk = _rotate(qkv[:, :, : heads + kv], *rope)  # q and k heads rotated in one pass
-            q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv :]
-        elif self.packed is not None:  # qwen3: per-head RMSNorm on q and k before RoPE
-            pk = self.packed[li]
-            qkv = F.linear(_rms(x, pk.norm1), pk.qkv_w, pk.qkv_b).view(n, s, heads + 2 * kv, d)
-            q, k, v = qkv.split([heads, kv, kv], dim=2)
-            q, k = _rotate(_rms(q, pk.q_norm), *rope), _rotate(_rms(k, pk.k_norm), *rope)
-        else:
-            layer = self.layers[li]
-            attn, h = layer.self_attn, layer.input_layernorm(x)
-            q, k, v = (proj(h).view(n, s, -1, d) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-    def _block_tail(self, li: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        n, s = x.shape[:2]
-        layer = self.layers[li]
-        x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(n, s, -1))
-        if self.packed is None:
-            return x + layer.mlp(layer.post_attention_layernorm(x))
-        pk = self.packed[li]
-        gate, up = F.linear(_rms(x, pk.norm2), pk.gate_up_w).chunk(2, dim=-1)
-        return x + pk.down(F.silu(gate) * up)
-
-    def _final(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inner.norm(x)
-        w = self.head.weight
-        if self.packed is not None and self.head.bias is None and w.shape[0] >= LARGE_VOCAB and h.shape[0] <= 64:
-            # A few rows against a large vocabulary: BLAS threads W @ h^T over the vocabulary but not h @ W^T
-            # over the rows (SmolLM2's 49k-token head: 7.8 ms instead of 17.7 ms for 8 rows, 2 threads).
-            return torch.mm(w, h.t()).t().contiguous()
-        return self.head(h)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, total_len: int) -> torch.Tensor:
         """Run the distinct prompts ``ids [U, P]`` (left-padded, ``mask`` 1 on real tokens), store their keys
         and values for the sampled rows (``rows[i]`` = prompt of row i) and return next-token logits ``[U, V]``."""
-        u, p = ids.shape
+        p, n = ids.shape[1], rows.shape[0]
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
-        # Padding queries see only themselves: a fully masked row would give NaN that later layers carry.
-        allowed = (causal[None] & mask.bool()[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)
-        allowed = allowed[:, None]
-        group = self.n_heads // self.kv_heads
-        x = self.inner.embed_tokens(ids)
-        n = rows.shape[0]
-        rope = self._rope(pos)
-        for li in range(len(self.layers)):
-            q, k, v = self._qkv(li, x, rope)
+        h, kvs = self.forward(ids, mask, pos)
+        for k, v in kvs:
             kc = k.new_zeros(n, self.kv_heads, total_len, self.head_dim)
             vc = v.new_zeros(n, self.kv_heads, total_len, self.head_dim)
             kc[:, :, :p], vc[:, :, :p] = k[rows], v[rows]
             self.k_cache.append(kc)
             self.v_cache.append(vc)
-            out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                                 attn_mask=allowed, scale=self.scale)
-            x = self._block_tail(li, x, out)
-        return self._final(x[:, -1])
+        return self.logits(h[:, -1])
 
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, col: int, key_mask: torch.Tensor) -> torch.Tensor:
         """One step for the running rows: ``tokens [n]`` at positions ``pos [n]`` written to cache column
         ``col``; ``key_mask [n, col+1]`` marks real keys. Returns next-token logits ``[n, V]``."""
         n, kv, d = tokens.shape[0], self.kv_heads, self.head_dim
         x = self.inner.embed_tokens(tokens)[:, None]
-        rope = self._rope(pos[:, None])
+        rope = self.rope(pos[:, None])
         # GQA without repeating the cache: the query heads of one kv head form a [group, d] block, and the
         # (row, kv head) pairs are the batch of one baddbmm that also adds the -inf padding bias.
         bias = torch.zeros(key_mask.shape, dtype=self.cos.dtype, device=tokens.device)
         bias = bias.masked_fill_(~key_mask, -math.inf)
         bias = bias[:, None, None, :].expand(n, kv, 1, col + 1).reshape(n * kv, 1, col + 1)
         for li in range(len(self.layers)):
-            q, k, v = self._qkv(li, x, rope)
+            q, k, v = self.qkv(li, x, rope)
             self.k_cache[li][:, :, col] = k[:, :, 0]
             self.v_cache[li][:, :, col] = v[:, :, 0]
             keys = self.k_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
             values = self.v_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
             scores = torch.baddbmm(bias.to(q.dtype), q.reshape(n * kv, -1, d), keys.transpose(1, 2), alpha=self.scale)
             out = torch.bmm(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)
-            x = self._block_tail(li, x, out.view(n, self.n_heads, 1, d))
-        return self._final(x[:, 0])
+            x = self.block_tail(li, x, out.view(n, self.n_heads, 1, d))
+        return self.logits(self.inner.norm(x[:, 0]))
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         self.k_cache = [c[keep] for c in self.k_cache]
