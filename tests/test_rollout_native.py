@@ -248,3 +248,36 @@ def test_trainer_picks_native_for_llama_models_and_hf_when_asked(tmp_path):
     assert hf.backend.name == "hf"
     with pytest.raises(ValueError, match="rollout.decode_workers"):
         load_config(overrides=[*base, "rollout.decode_workers=-1"])
+
+
+def test_a_dead_worker_is_reported_then_replaced(small):
+    model, tok = load_model("tiny:small", seed=2)
+    prompts = _prompts(tok, ["1+2=", "Repeat: 7"])
+    params = SamplingParams(max_new_tokens=8, n=16)
+    backend = NativeDecodeBackend(model, tok, workers=2)
+    first = backend.generate(prompts, params, seed=0)
+    backend._pool.procs[0].kill()
+    backend._pool.procs[0].join()
+    with pytest.raises(RuntimeError, match="decode worker process died"):
+        backend.generate(prompts, params, seed=0)
+    again = backend.generate(prompts, params, seed=0)  # a fresh pool
+    assert again.response_ids == first.response_ids
+    backend.close()
+
+
+def test_no_room_in_shared_memory_means_one_decoder(monkeypatch, caplog):
+    from collections import namedtuple
+
+    from meshrl.rollout import decode_pool
+
+    model, tok = load_model("tiny", seed=4)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(decode_pool.shutil, "disk_usage", lambda path: usage(64 << 20, 64 << 20, 1 << 10))
+    backend = NativeDecodeBackend(model, tok, workers=2)
+    prompts = _prompts(tok, ["a", "b"])
+    with caplog.at_level("WARNING", logger="meshrl"):
+        out = backend.generate(prompts, SamplingParams(max_new_tokens=6, n=16), seed=1)
+    assert backend.workers == 1 and backend._pool is None and "shared memory" in caplog.text
+    assert not any(p.is_shared() for p in model.parameters())
+    assert out.response_ids == NativeDecodeBackend(model, tok, workers=1).generate(
+        prompts, SamplingParams(max_new_tokens=6, n=16), seed=1).response_ids

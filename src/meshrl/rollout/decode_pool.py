@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import shutil
 import signal
+import sys
 import traceback
 import weakref
 from collections.abc import Callable
@@ -27,7 +29,21 @@ log = logging.getLogger("meshrl")
 
 
 def fork_available() -> bool:
-    return "fork" in mp.get_all_start_methods()
+    """Worker processes are forked, which is safe for torch on Linux only (macOS forbids it for some
+    system frameworks; Windows has no fork)."""
+    return sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()
+
+
+def shared_memory_room(model: torch.nn.Module) -> tuple[int, int]:
+    """``(bytes the parameters and buffers need, bytes free in /dev/shm)``. Shared storage lives in /dev/shm;
+    running out there kills the process with SIGBUS at the first write instead of raising, so check first
+    (containers often give it 64 MB)."""
+    need = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if not t.is_shared())
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        free = 0
+    return need, free
 
 
 def _worker_main(conn, decode: Callable) -> None:
@@ -67,7 +83,11 @@ class DecodePool:
         if workers < 2:
             raise ValueError(f"a decode pool needs >= 2 workers, got {workers}")
         if not fork_available():
-            raise RuntimeError("worker processes need the 'fork' start method (Linux)")
+            raise RuntimeError("worker processes need the 'fork' start method on Linux")
+        need, free = shared_memory_room(model)
+        if need and need * 2 > free:
+            raise RuntimeError(f"the policy needs {need / 2**20:.0f} MB of shared memory, /dev/shm has "
+                               f"{free / 2**20:.0f} MB free")
         model.share_memory()
         self.model, self.params = model, list(model.parameters())
         ctx = mp.get_context("fork")
@@ -96,14 +116,17 @@ class DecodePool:
         if len(args_list) > self.size:
             raise ValueError(f"{len(args_list)} shards for {self.size} decoders")
         for conn, args in zip(self.conns, args_list[1:], strict=False):
-            conn.send(args)
+            try:
+                conn.send(args)
+            except OSError as err:  # BrokenPipeError: the worker is gone
+                self._died(err)
         saved = torch.get_num_threads()
         torch.set_num_threads(1)  # the workers hold the other cores
         try:
             first = local(*args_list[0])
         finally:
             torch.set_num_threads(saved)
-            replies = [conn.recv() for conn in self.conns[: len(args_list) - 1]]
+            replies = self._replies(len(args_list) - 1)
         out = [first]
         for status, value in replies:
             if status != "ok":
@@ -111,5 +134,24 @@ class DecodePool:
             out.append(value)
         return out
 
+    def _replies(self, count: int) -> list:
+        """One reply per busy worker (always collected, even when the local shard failed, so that the pipes
+        stay in step); a worker that died makes the pool unusable and raises."""
+        replies = []
+        for conn in self.conns[:count]:
+            try:
+                replies.append(conn.recv())
+            except (EOFError, OSError) as err:
+                self._died(err)
+        return replies
+
+    def _died(self, err: Exception) -> None:
+        self.close()
+        raise RuntimeError(f"a decode worker process died ({err!r}); it is restarted at the next call") from err
+
     def close(self) -> None:
         self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive

@@ -254,7 +254,7 @@ class NativeDecodeBackend(InProcessBackend):
         """The pool for ``n_shards`` shards (started or restarted on demand), or None to decode here."""
         if n_shards < 2:
             return None
-        if self._pool is not None and not self._pool.serves(self.model):
+        if self._pool is not None and (self._pool.closed or not self._pool.serves(self.model)):
             self.close()
         if self._pool is None:
             try:
