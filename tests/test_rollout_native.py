@@ -133,9 +133,10 @@ def test_sampling_law_matches_softmax_and_nucleus():
 
 def test_row_noise_depends_only_on_seed_row_and_step():
     a, b = RowNoise(3, 10, torch.device("cpu")), RowNoise(3, 10, torch.device("cpu"))
-    full = a(list(range(40)), step=5)
-    assert torch.equal(b([37, 2, 16], step=5), full[[37, 2, 16]])
-    assert not torch.equal(a([2], step=6), full[[2]]) and not torch.equal(RowNoise(4, 10, a.device)([2], 5), full[[2]])
+    full = a(torch.arange(40), step=5)
+    assert torch.equal(b(torch.tensor([37, 2, 16]), step=5), full[[37, 2, 16]])
+    two = torch.tensor([2])
+    assert not torch.equal(a(two, step=6), full[[2]]) and not torch.equal(RowNoise(4, 10, a.device)(two, 5), full[[2]])
     assert (full > 0).all()
 
 

@@ -135,3 +135,25 @@ def test_models_without_a_cache_argument_use_one_pass():
     mb = _groups(tok)
     with torch.no_grad():
         torch.testing.assert_close(response_logits(NoCache(), mb), response_logits(model, mb, share_prompts=False))
+
+
+def test_length_bucket_cuts_minimise_padding_like_brute_force():
+    import itertools
+    import random
+
+    from meshrl.trainer.batch import length_bucket_cuts
+
+    def padded(lengths, cuts):
+        return sum((b - a) * lengths[b - 1] for a, b in zip(cuts, cuts[1:], strict=False))
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n, k = rng.randint(1, 8), rng.randint(1, 4)
+        lengths = sorted(rng.randint(0, 20) for _ in range(n))
+        cuts = length_bucket_cuts(lengths, k)
+        assert cuts[0] == 0 and cuts[-1] == n and len(cuts) - 1 <= k and cuts == sorted(set(cuts))
+        best = min(padded(lengths, [0, *c, n]) for m in range(k) for c in itertools.combinations(range(1, n), m))
+        assert padded(lengths, cuts) == best
+    assert length_bucket_cuts([], 3) == [0]
+    # A third of the rows at the cap: 2 buckets put exactly those together.
+    assert length_bucket_cuts([5, 6, 7, 8, 64, 64], 2) == [0, 4, 6]

