@@ -12,7 +12,10 @@
 3. MFU: model FLOPs with the usual dense estimates, N = trainable parameters (tied embeddings once),
    attention-score FLOPs ignored:
 
-   - update: ``6 N x trained tokens`` (prompt + response tokens of every row, padding excluded);
+   - update: ``6 N x trained tokens`` (prompt + response tokens of every row, padding excluded). This is
+     the work of a trainer that runs every row's prompt; meshrl's update runs each distinct prompt once
+     (``train.share_prompts``), so its update "MFU" is an effective figure and can exceed what the
+     hardware did (with G rows per prompt it does ``prompt/G + response`` tokens per row);
    - rollout: ``2 N x generated tokens`` (the prompt prefill, ``2 N x prompt tokens``, is printed apart and
      not counted, as in the usual definition).
 

@@ -29,6 +29,9 @@ no gradient checkpointing               ``gradient_checkpointing=False`` (TRL de
                                         ``dataloader_num_workers=0``, ``disable_tqdm=True``
 =====================================  ======================================================
 
+meshrl keeps its defaults for *how* it computes (native decoder with one forked process per torch thread,
+shared-prompt update in 2 length buckets); what is computed is the same as TRL's.
+
 A step is one generation of P*G completions, their rewards and advantages, one forward/backward over
 them and one optimiser step. The first ``--warmup`` steps of each side are not timed; then ``--steps``
 steps are. ``tokens/s`` counts prompt + completion tokens of the step (meshrl's

@@ -60,13 +60,14 @@ def test_multi_epoch_updates_clip(tmp_path):
 @pytest.mark.slow
 def test_reward_rises_on_repeat_task(tmp_path):
     cfg = load_config(overrides=[
-        "model=tiny", "task=tiny:repeat", "steps=20", "seed=0", "optim.lr=1e-2",
+        "model=tiny", "task=tiny:repeat", "steps=30", "seed=0", "optim.lr=1e-2",
         "rollout.prompts_per_step=8", "rollout.group_size=16", "rollout.max_new_tokens=4",
         "train.micro_batch_size=128", "log.progress=false", "checkpoint.every=100",
     ])
     hist = train(cfg, tmp_path / "learn")
-    # From random init the policy first learns to emit the task's symbols (reward ~0.01 -> ~0.1 by
-    # step 20; measured: first-5 mean 0.020, last-5 mean ~0.08); entropy falls from log(100) as it does.
+    # From random init the policy first learns to emit the task's symbols; entropy falls from log(100) as it
+    # does. Measured (native sampler, seeds 0-2): first-5 mean reward 0.010-0.017, steps 26-30 0.054-0.058
+    # (transformers generate: 0.011-0.019 -> 0.047-0.060).
     first = sum(m["reward/mean"] for m in hist[:5]) / 5
     last = sum(m["reward/mean"] for m in hist[-5:]) / 5
     assert last > 2.5 * first and last > first + 0.03, (first, last)
