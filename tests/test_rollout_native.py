@@ -307,3 +307,18 @@ def test_native_and_generate_sample_the_same_sequence_law():
     seen = (f1 + f2) > 10
     chi2 = float(((f1 - f2) ** 2 / (f1 + f2))[seen].sum())
     assert chi2 < 3 * max(1, int(seen.sum()) - 1) + 10
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16-weights"])
+def test_low_precision_decode_passes_its_check(mode, small):
+    model, tok = small
+    prompts = _prompts(tok, ["1+2=", "Repeat: hello there"])
+    if mode == "autocast":
+        backend = NativeDecodeBackend(model, tok, workers=1, autocast="bfloat16")
+    else:
+        model, tok = load_model("tiny:small", seed=0, dtype="bfloat16")
+        backend = NativeDecodeBackend(model, tok, workers=1)
+    diff = backend.verify(prompts, new_tokens=6)
+    assert 0 < diff < 0.5
+    out = backend.generate(prompts, SamplingParams(max_new_tokens=8, n=3), seed=0)
+    assert len(out) == 6 and all(len(r) >= 1 for r in out.response_ids)
