@@ -250,12 +250,13 @@ class NativeDecodeBackend(InProcessBackend):
         return [(a, min(b, stop)) for a, b in zip(cuts, cuts[1:], strict=False) if a < min(b, stop)]
 
     def _decode_shard(self, prompts: list[list[int]], params: SamplingParams, seed: int, first_row: int,
-                      vocab: int) -> torch.Tensor:
-        """Tokens of one shard; runs here or in a pool worker (hence eval mode and the thread-local contexts)."""
+                      vocab: int) -> list[list[int]]:
+        """Token rows of one shard; runs here or in a pool worker (hence eval mode and the thread-local
+        contexts, and plain lists, which cross the pipe without shared-memory tensor handles)."""
         self.model.eval()
         with torch.inference_mode(), self._autocast():
             noise = RowNoise(seed, vocab, self.device)
-            return self._decode_batch(prompts, params, noise=noise, first_row=first_row)[0]
+            return self._decode_batch(prompts, params, noise=noise, first_row=first_row)[0].tolist()
 
     def _decoders(self, n_shards: int):
         """The pool for ``n_shards`` shards (started or restarted on demand), or None to decode here."""
@@ -294,5 +295,5 @@ class NativeDecodeBackend(InProcessBackend):
                 pool = self._decoders(len(shards))
                 outputs = (pool.map(self._decode_shard, shards) if pool is not None
                            else [self._decode_shard(*args) for args in shards])
-                self._append(result, jobs[start:stop], [row for tokens in outputs for row in tokens.tolist()])
+                self._append(result, jobs[start:stop], [row for rows in outputs for row in rows])
         return self._finish(result)
