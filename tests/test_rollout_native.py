@@ -45,6 +45,8 @@ def _family_model(kind: str):
         model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
     elif kind == "qwen3":  # per-head q/k RMSNorm, explicit head_dim
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, use_sliding_window=False))
+    elif kind == "llama+bias":  # biases everywhere: q/k/v/o (attention_bias) and gate/up/down (mlp_bias)
+        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True))
     else:  # llama with a non-default rope base and untied head
         model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=500.0, tie_word_embeddings=False))
     for p in model.parameters():  # random biases/norm weights too, so that a dropped term would show
@@ -52,7 +54,7 @@ def _family_model(kind: str):
     return model.eval(), tok
 
 
-@pytest.mark.parametrize("kind", ["tiny:small", "qwen2", "qwen3", "llama-untied"])
+@pytest.mark.parametrize("kind", ["tiny:small", "qwen2", "qwen3", "llama-untied", "llama+bias-"])
 def test_decode_logits_equal_the_models_forward_and_greedy_equals_generate(kind, small):
     model, tok = small if kind == "tiny:small" else _family_model(kind.split("-")[0])
     prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
@@ -322,3 +324,56 @@ def test_low_precision_decode_passes_its_check(mode, small):
     assert 0 < diff < 0.5
     out = backend.generate(prompts, SamplingParams(max_new_tokens=8, n=3), seed=0)
     assert len(out) == 6 and all(len(r) >= 1 for r in out.response_ids)
+
+
+def test_length_dependent_rope_is_refused():
+    _, tok = build_tiny("tiny")
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [8.0] * 8,
+            "original_max_position_embeddings": 32}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, rope_parameters=rope))
+    assert "longrope" in unsupported_reason(model)
+    assert make_backend("auto", model, tok).name == "hf"
+
+
+def test_auto_falls_back_to_generate_when_the_check_fails(small, monkeypatch, caplog):
+    model, tok = small
+    monkeypatch.setattr(llama_fast, "rotate", lambda x, cos, sin: x)
+    with caplog.at_level("WARNING", logger="meshrl"):
+        backend = make_backend("auto", model, tok, workers=2, batch_size=8)
+    assert backend.name == "hf" and backend.batch_size == 8 and "disagrees" in caplog.text
+    monkeypatch.undo()
+    assert make_backend("auto", model, tok, workers=1).name == "native"
+
+
+def test_zero_uniform_draws_give_finite_noise(monkeypatch):
+    monkeypatch.setattr(native_mod.torch, "rand", lambda *a, **k: torch.zeros(*a[:2]))
+    noise = RowNoise(0, 5, torch.device("cpu"))(torch.arange(3), 0)
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+    logits = torch.tensor([[0.0, -1e4, -1e4, -1e4, 5.0]]).expand(3, 5)
+    assert sample_tokens(logits, SamplingParams(1, top_p=0.5), noise).tolist() == [4, 4, 4]
+
+
+def _tagged(tag):
+    if tag == "fail":
+        raise ValueError("worker-side failure")
+    return f"done {tag}"
+
+
+def test_pool_errors_keep_or_close_it_as_the_pipes_require():
+    from meshrl.rollout.decode_pool import DecodePool, DecodeWorkerError
+
+    model, _ = load_model("tiny", seed=5)
+    pool = DecodePool(model, _tagged, workers=2)
+    assert pool.map(_tagged, [("a",), ("b",)]) == ["done a", "done b"]
+    with pytest.raises(DecodeWorkerError, match="worker-side failure"):
+        pool.map(_tagged, [("a",), ("fail",)])
+    assert not pool.closed and pool.map(_tagged, [("c",), ("d",)]) == ["done c", "done d"]
+
+    def interrupted(tag):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pool.map(interrupted, [("e",), ("f",)])
+    assert pool.closed  # a late reply must not be read by the next call as its own

@@ -157,3 +157,30 @@ def test_length_bucket_cuts_minimise_padding_like_brute_force():
     assert length_bucket_cuts([], 3) == [0]
     # A third of the rows at the cap: 2 buckets put exactly those together.
     assert length_bucket_cuts([5, 6, 7, 8, 64, 64], 2) == [0, 4, 6]
+
+
+def test_prompts_equal_up_to_padding_are_not_merged():
+    """With pad == eos, [eos, a, b] and [a, b] left-pad to the same ids; only the mask tells them apart."""
+    from meshrl.models import build_tiny
+
+    model, tok = build_tiny("tiny", seed=2, pad_is_eos=True)
+    eos, a, b = tok.eos_token_id, 10, 11
+    mb = collate([[eos, a, b], [a, b]], [[12, 13, 14], [12, 13, 14]], tok.pad_token_id)
+    assert mb.input_ids[0].tolist() == mb.input_ids[1].tolist()
+    with torch.no_grad():
+        one = token_logprobs(response_logits(model, mb, share_prompts=False), mb.response_ids)
+        shared = token_logprobs(response_logits(model, mb), mb.response_ids)
+    torch.testing.assert_close(shared, one, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_checkpointing_in_training_mode_uses_one_pass():
+    from meshrl.models import load_model
+
+    model, tok = load_model("tiny", seed=0)
+    model.gradient_checkpointing_enable()
+    model.train()
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    mb = _groups(tok)
+    response_logits(model, mb)
+    assert len(calls) == 1

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies independent of the sequence length
 # Few rows against a vocabulary at least this large: compute the head as W @ h^T (see LlamaRunner.logits).
 LARGE_VOCAB = 8192
 
@@ -44,8 +45,10 @@ def unsupported_reason(model) -> str | None:
     if mtype in ("mistral", "qwen2") and window:
         return f"sliding-window attention (window {cfg.sliding_window}) is not implemented"
     rope_type = getattr(inner.rotary_emb, "rope_type", "default")
-    if "dynamic" in str(rope_type):
-        return f"rope type {rope_type!r} changes with the sequence length; not implemented"
+    if rope_type not in STATIC_ROPE:
+        # dynamic / longrope pick their frequencies from the longest position in use: one table per batch
+        # would not be the table the trainer's forward uses.
+        return f"rope type {rope_type!r} is not one of the static types {STATIC_ROPE}"
     attn = inner.layers[0].self_attn
     if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
         return f"{type(attn).__name__} lacks q/k/v/o projections, head_dim or scaling"
@@ -80,20 +83,25 @@ def packable(lm) -> bool:
     return rms_eps(lm.model.norm) is not None
 
 
+def _cat_bias(linears) -> torch.Tensor | None:
+    """The biases of ``linears`` concatenated as their weights are (zeros for a layer without one), or None
+    when none has a bias."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
+                      for lin in linears])
+
+
 class PackedBlock:
     """Fused weights of one block, taken from the current parameters (gradients flow back to them)."""
 
     def __init__(self, layer):
         a, m = layer.self_attn, layer.mlp
         self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-        self.qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
-        if self.qkv_b is None and any(b is not None for b in biases):
-            self.qkv_b = torch.cat([b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
-                                    for b, w in zip(biases, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                                                    strict=True)])
+        self.qkv_b = _cat_bias([a.q_proj, a.k_proj, a.v_proj])  # qwen2: q/k/v biases
         self.o = a.o_proj
         self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+        self.gate_up_b = _cat_bias([m.gate_proj, m.up_proj])  # llama with mlp_bias=True
         self.down = m.down_proj
         self.norm1 = (layer.input_layernorm.weight, rms_eps(layer.input_layernorm))
         self.norm2 = (layer.post_attention_layernorm.weight, rms_eps(layer.post_attention_layernorm))
@@ -162,7 +170,7 @@ class LlamaRunner:
         if self.packed is None:
             return x + layer.mlp(layer.post_attention_layernorm(x))
         pk = self.packed[li]
-        gate, up = F.linear(rms(x, pk.norm2), pk.gate_up_w).chunk(2, dim=-1)
+        gate, up = F.linear(rms(x, pk.norm2), pk.gate_up_w, pk.gate_up_b).chunk(2, dim=-1)
         return x + pk.down(F.silu(gate) * up)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

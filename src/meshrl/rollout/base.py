@@ -84,24 +84,25 @@ def register_backend(name: str) -> Callable:
 def make_backend(name: str, model, tokenizer, **kwargs) -> RolloutBackend:
     """Construct the backend registered as ``name`` (``hf``, ``native``, ``vllm``) for ``model``/``tokenizer``.
 
-    ``auto`` picks ``native`` when that backend can run the model (Llama-family decoders) and ``hf``
-    otherwise, and logs which and why.
+    ``auto`` builds ``native`` when that backend can run the model (Llama-family decoders) and its logits
+    match the model's own forward on a probe prompt, else ``hf`` (``workers`` is then dropped), and logs
+    which and why.
     """
     if name == "auto":
-        name = resolve_auto(model)
+        from meshrl.rollout.native import auto_backend
+
+        return auto_backend(model, tokenizer, **kwargs)
     if name not in BACKENDS:
         raise ValueError(f"unknown rollout backend {name!r}; known: {sorted([*BACKENDS, 'auto'])}")
     return BACKENDS[name](model, tokenizer, **kwargs)
 
 
 def resolve_auto(model) -> str:
-    """``native`` if registered and able to run ``model``, else ``hf`` (the reason is logged)."""
+    """``native`` if registered and able to run ``model`` (by its layout; ``make_backend("auto")`` also
+    checks its logits), else ``hf``."""
     native = BACKENDS.get("native")
     reason = native.unsupported(model) if native is not None else "not registered"
-    if reason is None:
-        return "native"
-    log.info("rollout backend auto -> hf (native: %s)", reason)
-    return "hf"
+    return "native" if reason is None else "hf"
 
 
 def eos_ids(model, tokenizer) -> list[int]:

@@ -46,9 +46,14 @@ def shared_memory_room(model: torch.nn.Module) -> tuple[int, int]:
     return need, free
 
 
+class DecodeWorkerError(RuntimeError):
+    """A worker's decode raised; the message holds the worker's traceback."""
+
+
 def _worker_main(conn, decode: Callable) -> None:
     """Serve ``decode(*args)`` requests until the parent closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's SIGTERM-as-Ctrl-C handler
     torch.set_num_threads(1)
     while True:
         try:
@@ -112,9 +117,23 @@ class DecodePool:
                 and all(a is b and a.is_shared() for a, b in zip(params, self.params, strict=True)))
 
     def map(self, local: Callable, args_list: list[tuple]) -> list:
-        """``[local(*args_list[0]), decode(*args_list[1]) in worker 1, ...]``; at most ``size`` calls."""
+        """``[local(*args_list[0]), decode(*args_list[1]) in worker 1, ...]``; at most ``size`` calls.
+
+        A failure reported by a worker raises :class:`DecodeWorkerError` with the pool still usable; any
+        other exception on the way (Ctrl-C while waiting, a dead worker, an error in ``local``) closes the
+        pool first, since replies might then be left in a pipe for the next call to read as its own.
+        """
         if len(args_list) > self.size:
             raise ValueError(f"{len(args_list)} shards for {self.size} decoders")
+        try:
+            return self._map(local, args_list)
+        except DecodeWorkerError:
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, local: Callable, args_list: list[tuple]) -> list:
         for conn, args in zip(self.conns, args_list[1:], strict=False):
             try:
                 conn.send(args)
@@ -130,7 +149,7 @@ class DecodePool:
         out = [first]
         for status, value in replies:
             if status != "ok":
-                raise RuntimeError(f"decode worker failed:\n{value}")
+                raise DecodeWorkerError(f"decode worker failed:\n{value}")
             out.append(value)
         return out
 

@@ -27,7 +27,7 @@ import torch
 from meshrl.models.llama_fast import LlamaRunner, decoder_of, unsupported_reason
 from meshrl.rollout.base import Rollouts, SamplingParams, register_backend
 from meshrl.rollout.decode_pool import DecodePool, fork_available
-from meshrl.rollout.hf import InProcessBackend, eval_mode, left_pad
+from meshrl.rollout.hf import HFGenerateBackend, InProcessBackend, eval_mode, left_pad
 
 log = logging.getLogger("meshrl")
 
@@ -54,7 +54,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, noise: torch.Ten
         sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     if noise is None:
-        noise = torch.rand_like(probs).log_().neg_()
+        noise = torch.rand_like(probs).clamp_min_(2.0**-25).log_().neg_()
     return (probs / noise).argmax(-1)
 
 
@@ -79,7 +79,7 @@ class RowNoise:
             # -log U with U ~ U[0, 1) on a 2^-24 grid is Exp(1) truncated at 16.6 (mass 6e-8 lost); it costs a
             # fifth of Tensor.exponential_ (2.7 vs 14.9 ms for 16 rows x 49k tokens).
             u = torch.rand(self.block, self.vocab, generator=self.gen, device=self.device)
-            parts.append(u.log_().neg_())
+            parts.append(u.clamp_min_(2.0**-25).log_().neg_())  # U = 0 would give E = inf, p/E = 0 everywhere
         noise = parts[0] if len(parts) == 1 else torch.cat(parts)
         return noise[inverse * self.block + rows % self.block]
 
@@ -149,7 +149,8 @@ class NativeDecodeBackend(InProcessBackend):
     own forward on the first batch and raises if they differ beyond float tolerance. On a CPU the rows are
     decoded in ``workers`` shards at once, the first here and the others in forked processes (default: one
     per torch thread; :mod:`meshrl.rollout.decode_pool`). Samples depend on the seed and the row only
-    (:class:`RowNoise`), not on ``batch_size`` or ``workers``.
+    (:class:`RowNoise`), not on ``batch_size`` or ``workers``, up to float rounding of the logits (other
+    batch shapes round differently, which can flip a near-tie).
     """
 
     name = "native"
@@ -297,3 +298,28 @@ class NativeDecodeBackend(InProcessBackend):
                            else [self._decode_shard(*args) for args in shards])
                 self._append(result, jobs[start:stop], [row for rows in outputs for row in rows])
         return self._finish(result)
+
+
+def probe_prompts(tokenizer) -> list[list[int]]:
+    """Two prompts of different lengths (so that left padding is exercised) for :meth:`verify`."""
+    ids = tokenizer.encode("Hello! What is 12 + 30? Answer:", add_special_tokens=False) or [0, 1, 2, 3]
+    return [ids, ids[: max(1, len(ids) // 2)]]
+
+
+def auto_backend(model, tokenizer, *, batch_size: int | None = None, workers: int | None = None,
+                 **kwargs) -> InProcessBackend:
+    """``native`` when it can run ``model`` and agrees with the model's own forward on :func:`probe_prompts`;
+    otherwise ``hf`` (transformers ``generate``), with the reason logged."""
+    reason = unsupported_reason(model)
+    if reason is None:
+        backend = NativeDecodeBackend(model, tokenizer, batch_size=batch_size, workers=workers, **kwargs)
+        try:
+            backend.verify(probe_prompts(tokenizer))
+            backend._verified = True
+            return backend
+        except RuntimeError as err:
+            reason = str(err)
+            log.warning("rollout backend auto -> hf: %s", reason)
+    else:
+        log.info("rollout backend auto -> hf (native: %s)", reason)
+    return HFGenerateBackend(model, tokenizer, batch_size=batch_size, **kwargs)

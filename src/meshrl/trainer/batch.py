@@ -73,7 +73,7 @@ def response_logits(
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
     with ctx:
-        if share_prompts and _cache_kwarg(model) is not None:
+        if share_prompts and _cache_kwarg(model) is not None and not _checkpointing(model):
             logits = _shared_prompt_logits(_HFPasses(model), mb, device, max(1, length_buckets))
             if logits is not None:
                 return logits.float()
@@ -100,6 +100,12 @@ def _cache_kwarg(model: torch.nn.Module) -> str | None:
     forward = getattr(model, "get_base_model", lambda: model)().forward
     params = inspect.signature(forward).parameters
     return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """Gradient checkpointing in training mode: Hugging Face models then ignore ``use_cache``, so there is no
+    prompt cache to share."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -181,7 +187,8 @@ def _shared_prompt_logits(passes, mb: MicroBatch, device: torch.device, buckets:
     """Logits ``[n, T, V]`` from one pass over the distinct prompts and one per length bucket of responses;
     None when the prompt pass returns no reusable cache."""
     p, t = mb.prompt_len, mb.response_ids.shape[1]
-    first, inverse = _distinct_rows(mb.input_ids[:, :p])
+    # Same ids AND same padding: with pad == eos/bos, [pad, a, b] and [a, b] pad to the same ids.
+    first, inverse = _distinct_rows(torch.cat([mb.input_ids[:, :p], mb.attention_mask[:, :p]], dim=1))
     head_logits, prompt_kv = passes.prompt(mb.input_ids[first, :p].to(device),
                                            mb.attention_mask[first, :p].to(device),
                                            mb.position_ids[first, :p].to(device))

@@ -45,7 +45,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         from meshrl.models import encode_prompt, load_model
         from meshrl.rewards import RewardRunner
-        from meshrl.rollout import make_backend, resolve_auto
+        from meshrl.rollout import make_backend
         from meshrl.tasks import load_task
 
         self.cfg, self.run_dir = cfg, run_dir
@@ -72,9 +72,9 @@ class Trainer:
         # fused=True: on CPU the default per-tensor loop was 8x slower per step on 135M parameters (benchmarks/).
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay, fused=True)
-        backend = resolve_auto(self.model) if cfg.rollout.backend == "auto" else cfg.rollout.backend
-        extra = {"workers": cfg.rollout.decode_workers or None} if backend == "native" else {}
-        self.backend = make_backend(backend, self.model, self.tokenizer, batch_size=cfg.rollout.batch_size, **extra)
+        name = cfg.rollout.backend
+        extra = {"workers": cfg.rollout.decode_workers or None} if name in ("auto", "native") else {}
+        self.backend = make_backend(name, self.model, self.tokenizer, batch_size=cfg.rollout.batch_size, **extra)
         log.info("rollout backend: %s (rollout.backend=%s)", self.backend.name, cfg.rollout.backend)
         runner = RewardRunner(self.task.score, timeout_s=cfg.reward.timeout_s, strict=cfg.reward.strict)
         prefixes = prepare_prefixes(cfg, self.task, self.problems, run_dir) if cfg.mesh_enabled else None
