@@ -195,18 +195,19 @@ def _scripted(monkeypatch, sequences: list[list[int]]):
 
     def run(self, prompts, params, **kw):
         state["rows"] = list(sequences)
-        # Compaction removes finished rows: follow them by wrapping keep_rows.
-        keep_rows = native_mod._Decoder.keep_rows
+        # Compaction moves and drops rows: follow them by wrapping it.
+        compact = native_mod._Decoder.compact
 
-        def keep(dec, keep_idx):
-            state["rows"] = [state["rows"][i] for i in keep_idx.tolist()]
-            return keep_rows(dec, keep_idx)
+        def follow(dec, running):
+            order = compact(dec, running)
+            state["rows"] = [state["rows"][i] for i in order.tolist()]
+            return order
 
-        monkeypatch.setattr(native_mod._Decoder, "keep_rows", keep)
+        monkeypatch.setattr(native_mod._Decoder, "compact", follow)
         try:
             return original(self, prompts, params, **kw)
         finally:
-            monkeypatch.setattr(native_mod._Decoder, "keep_rows", keep_rows)
+            monkeypatch.setattr(native_mod._Decoder, "compact", compact)
 
     monkeypatch.setattr(native_mod, "sample_tokens", fake)
     monkeypatch.setattr(native_mod.NativeDecodeBackend, "_decode_batch", run)
