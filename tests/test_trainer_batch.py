@@ -83,22 +83,24 @@ def _logp_and_grads(model, mb, **kw):
     return lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-@pytest.mark.parametrize("buckets", [1, 2, 3, 12])
-def test_shared_prompt_forward_equals_one_pass_logprobs_and_gradients(buckets):
+@pytest.mark.parametrize("pack, buckets", [(True, 2), (False, 1), (False, 2), (False, 3), (False, 12)])
+def test_shared_prompt_forward_equals_one_pass_logprobs_and_gradients(pack, buckets):
     from meshrl.models import load_model
 
     model, tok = load_model("tiny:small", seed=3)
     mb = _groups(tok)
     ref_lp, ref_grads = _logp_and_grads(model, mb, share_prompts=False)
-    lp, grads = _logp_and_grads(model, mb, share_prompts=True, length_buckets=buckets)
+    lp, grads = _logp_and_grads(model, mb, share_prompts=True, pack=pack, length_buckets=buckets)
     torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=1e-5)
     assert len(grads) == len(ref_grads)
     for g, r in zip(grads, ref_grads, strict=True):  # fp32 sums in another order: ~1e-5 of the largest entry
         torch.testing.assert_close(g, r, atol=1e-4 * float(r.abs().max()), rtol=1e-3)
     # Positions past the longest response of a length bucket are never computed (zeros); finite everywhere.
-    logits = response_logits(model, mb, length_buckets=buckets)
+    logits = response_logits(model, mb, pack=pack, length_buckets=buckets)
     assert torch.isfinite(logits).all()
-    if buckets == 1:
+    if pack:  # packed outputs land on response positions only (position 0 always holds the prompt's logits)
+        assert torch.count_nonzero(logits[:, 1:][mb.response_mask[:, 1:] == 0]) == 0
+    elif buckets == 1:
         assert torch.count_nonzero(logits[:, mb.response_mask.sum(-1).long().max():]) == 0
 
 
@@ -112,7 +114,7 @@ def test_shared_prompt_forward_with_lora_and_pad_equal_to_eos():
             p.data.normal_(0, 0.3)
     mb = _groups(tok, seed=1)
     ref_lp, ref_grads = _logp_and_grads(peft, mb, share_prompts=False)
-    lp, grads = _logp_and_grads(peft, mb)
+    lp, grads = _logp_and_grads(peft, mb)  # packed: the peft wrapper passes the 4-D mask through
     torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=1e-5)
     for g, r in zip(grads, ref_grads, strict=True):  # fp32 sums in another order: ~1e-5 of the largest entry
         torch.testing.assert_close(g, r, atol=1e-4 * float(r.abs().max()), rtol=1e-3)
@@ -141,7 +143,7 @@ def test_length_bucket_cuts_minimise_padding_like_brute_force():
     import itertools
     import random
 
-    from meshrl.trainer.batch import length_bucket_cuts
+    from meshrl.trainer.shared_prompts import length_bucket_cuts
 
     def padded(lengths, cuts):
         return sum((b - a) * lengths[b - 1] for a, b in zip(cuts, cuts[1:], strict=False))
@@ -184,3 +186,20 @@ def test_gradient_checkpointing_in_training_mode_uses_one_pass():
     mb = _groups(tok)
     response_logits(model, mb)
     assert len(calls) == 1
+
+
+def test_pack_responses_first_fit_decreasing_within_each_prompt():
+    from meshrl.trainer.shared_prompts import pack_responses
+
+    prompt_of = [0, 0, 0, 0, 1, 1, 1]
+    widths = [9, 2, 5, 4, 0, 3, 6]
+    bins, cap = pack_responses(prompt_of, widths)
+    assert cap == 9
+    placed = sorted(row for b in bins for row, _ in b)
+    assert placed == [0, 1, 2, 3, 5, 6]  # width 0 (a one-token response) needs no slot
+    for b in bins:
+        assert len({prompt_of[row] for row, _ in b}) == 1
+        spans = sorted((off, off + widths[row]) for row, off in b)
+        assert spans[-1][1] <= cap and all(a[1] <= c[0] for a, c in zip(spans, spans[1:], strict=False))
+    # 9 | 5+4 | 2 for prompt 0; 6+3 for prompt 1: 4 rows of 9 instead of 6.
+    assert len(bins) == 4

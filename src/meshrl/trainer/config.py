@@ -46,7 +46,8 @@ class TrainConfig:
     dtype: str = "float32"  # model weights
     autocast_bf16: bool = False  # bf16 autocast for forward passes on CPU/GPU
     share_prompts: bool = True  # run each distinct prompt once per micro-batch and reuse its KV cache
-    length_buckets: int = 2  # response-length groups per micro-batch, each padded to its own longest
+    pack_responses: bool = True  # Llama-family: responses of one prompt packed into rows (block-diagonal mask)
+    length_buckets: int = 2  # otherwise: response-length groups per micro-batch, each padded to its longest
     lora_r: int = 0  # > 0 enables LoRA (peft) with this rank
     lora_alpha: int = 16
 

@@ -210,7 +210,7 @@ class Trainer:
         """Response logits ``[n, T, V]`` of ``model`` with the configured autocast and prompt sharing."""
         tc = self.cfg.train
         return response_logits(model, mb, tc.autocast_bf16, share_prompts=tc.share_prompts,
-                               length_buckets=tc.length_buckets)
+                               pack=tc.pack_responses, length_buckets=tc.length_buckets)
 
     def _reference_forward(self, mb) -> torch.Tensor:
         if self.ref_model is not None:
