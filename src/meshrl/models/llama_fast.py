@@ -100,9 +100,11 @@ class PackedBlock:
         self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
         self.qkv_b = _cat_bias([a.q_proj, a.k_proj, a.v_proj])  # qwen2: q/k/v biases
         self.o = a.o_proj
+        self.o_w, self.o_b = a.o_proj.weight, a.o_proj.bias
         self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
         self.gate_up_b = _cat_bias([m.gate_proj, m.up_proj])  # llama with mlp_bias=True
         self.down = m.down_proj
+        self.down_w, self.down_b = m.down_proj.weight, m.down_proj.bias
         self.norm1 = (layer.input_layernorm.weight, rms_eps(layer.input_layernorm))
         self.norm2 = (layer.post_attention_layernorm.weight, rms_eps(layer.post_attention_layernorm))
         self.q_norm = (a.q_norm.weight, rms_eps(a.q_norm)) if hasattr(a, "q_norm") else None
@@ -132,6 +134,10 @@ class LlamaRunner:
         probe = torch.zeros(1, device=device, dtype=next(lm.parameters()).dtype)
         cos, sin = self.inner.rotary_emb(probe, positions)  # [1, S, head_dim]
         self.cos, self.sin = cos[0], sin[0]
+        # rotate_half(x) = roll(x, d/2) * [-1 (first half), +1 (second half)]: fold the sign into sin.
+        half = self.head_dim // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.sin)
+        self.sin_signed = self.sin * sign
         # Fewer, larger ops per step: a decode step on a small model costs its op count more than its FLOPs.
         self.packed = [PackedBlock(layer) for layer in self.layers] if packable(lm) else None
 

@@ -23,8 +23,9 @@ import logging
 import math
 
 import torch
+import torch.nn.functional as F
 
-from meshrl.models.llama_fast import LlamaRunner, decoder_of, unsupported_reason
+from meshrl.models.llama_fast import LlamaRunner, decoder_of, rms, unsupported_reason
 from meshrl.rollout.base import Rollouts, SamplingParams, register_backend
 from meshrl.rollout.decode_pool import DecodePool, fork_available
 from meshrl.rollout.hf import HFGenerateBackend, InProcessBackend, eval_mode, left_pad
@@ -90,6 +91,8 @@ class _Decoder(LlamaRunner):
 
     def __init__(self, model, total_len: int, device: torch.device):
         super().__init__(model, total_len, device)
+        self.fast_step = (self.packed is not None and self.packed[0].q_norm is None
+                          and type(self.inner.embed_tokens) is torch.nn.Embedding)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
 
@@ -110,14 +113,46 @@ class _Decoder(LlamaRunner):
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, col: int, key_mask: torch.Tensor) -> torch.Tensor:
         """One step for the running rows: ``tokens [n]`` at positions ``pos [n]`` written to cache column
         ``col``; ``key_mask [n, col+1]`` marks real keys. Returns next-token logits ``[n, V]``."""
-        n, kv, d = tokens.shape[0], self.kv_heads, self.head_dim
-        x = self.inner.embed_tokens(tokens)[:, None]
-        rope = self.rope(pos[:, None])
+        n, kv = tokens.shape[0], self.kv_heads
         # GQA without repeating the cache: the query heads of one kv head form a [group, d] block, and the
         # (row, kv head) pairs are the batch of one baddbmm that also adds the -inf padding bias.
         bias = torch.zeros(key_mask.shape, dtype=self.cos.dtype, device=tokens.device)
         bias = bias.masked_fill_(~key_mask, -math.inf)
         bias = bias[:, None, None, :].expand(n, kv, 1, col + 1).reshape(n * kv, 1, col + 1)
+        if self.fast_step:
+            return self._decode_packed(tokens, pos, col, bias)
+        return self._decode_modules(tokens, pos, col, bias)
+
+    def _decode_packed(self, tokens: torch.Tensor, pos: torch.Tensor, col: int, bias: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` for plain blocks, in the one-token layout ``[n, heads, d]``: no transposes or
+        selects, RoPE as ``x cos + roll(x, d/2) sin_signed``, raw weights instead of module calls. A decode
+        step of a small model costs its op count (~35 ops a block here) more than its FLOPs."""
+        n, kv, d, heads = tokens.shape[0], self.kv_heads, self.head_dim, self.n_heads
+        x = F.embedding(tokens, self.inner.embed_tokens.weight)
+        cos, sin = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # [n, 1, d]
+        low = self.k_cache[0].dtype != torch.float32
+        for li, pk in enumerate(self.packed):
+            qkv = F.linear(rms(x, pk.norm1), pk.qkv_w, pk.qkv_b).view(n, heads + 2 * kv, d)
+            qk = qkv[:, : heads + kv]
+            qk = qk * cos + qk.roll(d // 2, -1) * sin
+            self.k_cache[li][:, :, col] = qk[:, heads:]
+            self.v_cache[li][:, :, col] = qkv[:, heads + kv :]
+            keys = self.k_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
+            values = self.v_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
+            scores = torch.baddbmm(bias.to(qk.dtype) if low else bias, qk[:, :heads].reshape(n * kv, -1, d),
+                                   keys.transpose(1, 2), alpha=self.scale)
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            attn = torch.bmm(weights.to(values.dtype) if low else weights, values).view(n, heads * d)
+            x = x + F.linear(attn, pk.o_w, pk.o_b)
+            gate, up = F.linear(rms(x, pk.norm2), pk.gate_up_w, pk.gate_up_b).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, pk.down_w, pk.down_b)
+        return self.logits(self.inner.norm(x))
+
+    def _decode_modules(self, tokens: torch.Tensor, pos: torch.Tensor, col: int, bias: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` through :meth:`LlamaRunner.qkv` / :meth:`LlamaRunner.block_tail` (LoRA, qwen3)."""
+        n, kv, d = tokens.shape[0], self.kv_heads, self.head_dim
+        x = self.inner.embed_tokens(tokens)[:, None]
+        rope = self.rope(pos[:, None])
         for li in range(len(self.layers)):
             q, k, v = self.qkv(li, x, rope)
             self.k_cache[li][:, :, col] = k[:, :, 0]
