@@ -245,7 +245,7 @@ def test_trainer_picks_native_for_llama_models_and_hf_when_asked(tmp_path):
     base = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=2", "rollout.group_size=4",
             "rollout.max_new_tokens=4", "log.progress=false"]
     auto = Trainer(load_config(overrides=base), tmp_path / "a")
-    assert auto.backend.name == "native" and auto.backend.workers == torch.get_num_threads()
+    assert auto.backend.name == "native" and auto.backend.workers == min(torch.get_num_threads(), 8)
     one = Trainer(load_config(overrides=[*base, "rollout.decode_workers=1"]), tmp_path / "c")
     assert one.backend.workers == 1
     hf = Trainer(load_config(overrides=[*base, "rollout.backend=hf"]), tmp_path / "b")
@@ -378,3 +378,14 @@ def test_pool_errors_keep_or_close_it_as_the_pipes_require():
     with pytest.raises(KeyboardInterrupt):
         pool.map(interrupted, [("e",), ("f",)])
     assert pool.closed  # a late reply must not be read by the next call as its own
+
+
+def test_pool_has_as_many_processes_as_shards_and_grows_on_demand(small):
+    model, tok = load_model("tiny:small", seed=6)
+    backend = NativeDecodeBackend(model, tok, workers=3)
+    prompts = _prompts(tok, ["1+2=", "Repeat: 7"])
+    backend.generate(prompts, SamplingParams(max_new_tokens=4, n=16), seed=0)  # 32 rows: 2 shards of 16
+    assert backend._pool.size == 2
+    backend.generate(prompts, SamplingParams(max_new_tokens=4, n=24), seed=0)  # 48 rows: 3 shards
+    assert backend._pool.size == 3
+    backend.close()

@@ -36,6 +36,7 @@ log = logging.getLogger("meshrl")
 # rows it moves (_Decoder.compact) plus a few small ops; each dropped row saves its remaining steps. On
 # tiny:small (32 rows, 64 steps) 1/16 to 1/4 measured within 3% of each other.
 COMPACT_FRACTION = 0.0625
+MAX_DEFAULT_WORKERS = 8  # decoders started by default (each shard is >= 16 rows, so more rarely pay)
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -215,7 +216,7 @@ class NativeDecodeBackend(InProcessBackend):
             raise ValueError(f"workers must be >= 1 or None, got {workers}")
         # One decoder per torch thread on a CPU (forked processes, see decode_pool); a GPU runs the batch as one.
         cpu = next(model.parameters()).device.type == "cpu"
-        default = torch.get_num_threads() if fork_available() else 1
+        default = min(torch.get_num_threads(), MAX_DEFAULT_WORKERS) if fork_available() else 1
         self.workers = (workers or default) if cpu else 1
         self._pool: DecodePool | None = None
 
@@ -310,11 +311,12 @@ class NativeDecodeBackend(InProcessBackend):
         """The pool for ``n_shards`` shards (started or restarted on demand), or None to decode here."""
         if n_shards < 2:
             return None
-        if self._pool is not None and (self._pool.closed or not self._pool.serves(self.model)):
+        if self._pool is not None and (self._pool.closed or not self._pool.serves(self.model)
+                                       or self._pool.size < n_shards):
             self.close()
         if self._pool is None:
-            try:
-                self._pool = DecodePool(self.model, self._decode_shard, self.workers)
+            try:  # as many processes as this call has shards (a 64-row step on a 64-core box needs 4)
+                self._pool = DecodePool(self.model, self._decode_shard, n_shards)
             except (OSError, RuntimeError) as err:  # no fork, no shared memory (e.g. a tiny /dev/shm)
                 log.warning("native decode: no worker processes (%s); decoding on one core", err)
                 self.workers = 1
