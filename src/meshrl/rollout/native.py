@@ -9,6 +9,8 @@ around small matmuls, and it keeps computing every row until the longest one end
 * drops finished rows from the batch (compacting the cache once enough rows have ended), so a step
   costs the rows still running, not the longest one;
 * samples from ``softmax(logits / T)`` with optional top-p, exactly the distribution the trainer scores.
+* on a CPU, splits the rows over forked decoders (:mod:`meshrl.rollout.decode_pool`): small decode
+  matmuls use one BLAS thread however many torch has, so separate processes are what uses the other cores.
 
 The blocks run through :class:`meshrl.models.llama_fast.LlamaRunner` on the model's own parameters (fused
 weights for plain layers, the model's modules for peft LoRA layers), and the backend checks itself once
