@@ -19,8 +19,8 @@ from transformers import (
 )
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from meshrl.models import apply_lora, build_tiny, encode_prompt, llama_fast, load_model
-from meshrl.rollout import SamplingParams, make_backend, resolve_auto, unsupported_reason
+from meshrl.models import apply_lora, base_model, build_tiny, encode_prompt, llama_fast, load_model
+from meshrl.rollout import SamplingParams, make_backend, unsupported_reason
 from meshrl.rollout import native as native_mod
 from meshrl.rollout.native import NativeDecodeBackend, RowNoise, distinct_prompts, sample_tokens
 
@@ -74,7 +74,7 @@ def test_lora_model_runs_through_its_modules(small):
             p.data.normal_(0, 0.5)
     backend = make_backend("native", peft, tok, workers=1)
     assert backend.verify(_prompts(tok, ["1+2=", "abc"]), new_tokens=5) < 1e-4
-    assert not llama_fast.packable(llama_fast.decoder_of(peft))
+    assert not llama_fast.packable(base_model(peft))
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     prompts = _prompts(tok, ["hello", "7*8="])
     assert (backend.generate(prompts, greedy, seed=0).response_ids
@@ -93,7 +93,6 @@ def test_unsupported_models_are_refused_and_auto_falls_back_to_hf():
     _, tok = build_tiny("tiny")
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64))
     assert "gpt2" in unsupported_reason(gpt2)
-    assert resolve_auto(gpt2) == "hf"
     assert make_backend("auto", gpt2, tok).name == "hf"
     with pytest.raises(ValueError, match="cannot run this model: model_type 'gpt2'"):
         make_backend("native", gpt2, tok)
@@ -102,7 +101,7 @@ def test_unsupported_models_are_refused_and_auto_falls_back_to_hf():
                                             use_sliding_window=True, sliding_window=16, max_window_layers=0))
     assert "sliding" in unsupported_reason(windowed) or "layer types" in unsupported_reason(windowed)
     tiny, tok = build_tiny("tiny")
-    assert unsupported_reason(tiny) is None and resolve_auto(tiny) == "native"
+    assert unsupported_reason(tiny) is None and make_backend("auto", tiny, tok, workers=1).name == "native"
 
 
 def test_sampling_law_matches_softmax_and_nucleus():

@@ -5,7 +5,7 @@ prompts; ``apply_lora`` / ``reference_mode`` for LoRA training against the froze
 """
 
 from meshrl.models.loading import DTYPES, known_models, load_model, resolve_dtype
-from meshrl.models.lora import apply_lora, has_lora, merged_state_dict, reference_mode
+from meshrl.models.lora import apply_lora, base_model, has_lora, merged_state_dict, reference_mode
 from meshrl.models.prompts import encode_prompt
 from meshrl.models.smollm import default_cache_root, ensure_smollm2, find_gguf
 from meshrl.models.tiny import TINY_PRESETS, build_char_tokenizer, build_tiny
@@ -14,6 +14,7 @@ __all__ = [
     "DTYPES",
     "TINY_PRESETS",
     "apply_lora",
+    "base_model",
     "build_char_tokenizer",
     "build_tiny",
     "default_cache_root",

@@ -16,20 +16,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from meshrl.models.lora import base_model
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies independent of the sequence length
 # Few rows against a vocabulary at least this large: compute the head as W @ h^T (see LlamaRunner.logits).
 LARGE_VOCAB = 8192
 
 
-def decoder_of(model):
-    """The ``*ForCausalLM`` module under a peft wrapper (its Linear layers carry the adapters)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def unsupported_reason(model) -> str | None:
     """Why meshrl cannot run ``model``'s blocks itself (None when it can)."""
-    lm = decoder_of(model)
+    lm = base_model(model)
     cfg = getattr(lm, "config", None)
     mtype = getattr(cfg, "model_type", None)
     if mtype not in SUPPORTED_TYPES:
@@ -56,7 +53,8 @@ def unsupported_reason(model) -> str | None:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the rotate-half convention of Hugging Face Llama: ``x cos + rotate_half(x) sin``."""
+    """RoPE (Su et al. 2021, RoFormer) in the rotate-half convention of Hugging Face Llama:
+    ``x cos + rotate_half(x) sin`` with ``rotate_half([a, b]) = [-b, a]`` over the two halves of ``d``."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -70,7 +68,7 @@ def rms_eps(norm) -> float | None:
 def packable(lm) -> bool:
     """True when every block is plain ``nn.Linear`` / RMSNorm / SiLU-gated MLP, so that the decoder may run
     fused weights (q|k|v and gate|up in one matmul each) instead of calling the modules one by one."""
-    if hasattr(lm, "get_base_model") or getattr(lm.config, "hidden_act", None) not in ("silu", "swish"):
+    if getattr(lm.config, "hidden_act", None) not in ("silu", "swish"):
         return False
     for layer in lm.model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -99,11 +97,9 @@ class PackedBlock:
         a, m = layer.self_attn, layer.mlp
         self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
         self.qkv_b = _cat_bias([a.q_proj, a.k_proj, a.v_proj])  # qwen2: q/k/v biases
-        self.o = a.o_proj
         self.o_w, self.o_b = a.o_proj.weight, a.o_proj.bias
         self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
         self.gate_up_b = _cat_bias([m.gate_proj, m.up_proj])  # llama with mlp_bias=True
-        self.down = m.down_proj
         self.down_w, self.down_b = m.down_proj.weight, m.down_proj.bias
         self.norm1 = (layer.input_layernorm.weight, rms_eps(layer.input_layernorm))
         self.norm2 = (layer.post_attention_layernorm.weight, rms_eps(layer.post_attention_layernorm))
@@ -122,7 +118,7 @@ class LlamaRunner:
     positions. Build one per batch: packed weights are taken from the parameters at construction."""
 
     def __init__(self, model, max_len: int, device: torch.device):
-        lm = decoder_of(model)
+        lm = base_model(model)
         self.inner, self.head = lm.model, lm.lm_head
         self.layers = list(self.inner.layers)
         attn = self.layers[0].self_attn
@@ -171,13 +167,19 @@ class LlamaRunner:
     def block_tail(self, li: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP of block ``li``; ``attn_out [n, H, s, d]``."""
         n, s = x.shape[:2]
-        layer = self.layers[li]
-        x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(n, s, -1))
+        attn_out = attn_out.transpose(1, 2).reshape(n, s, -1)
         if self.packed is None:
+            layer = self.layers[li]
+            x = x + layer.self_attn.o_proj(attn_out)
             return x + layer.mlp(layer.post_attention_layernorm(x))
-        pk = self.packed[li]
+        return self.packed_tail(self.packed[li], x, attn_out)
+
+    @staticmethod
+    def packed_tail(pk: PackedBlock, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """:meth:`block_tail` of a packed block, ``attn_out`` already ``[..., H*d]``."""
+        x = x + F.linear(attn_out, pk.o_w, pk.o_b)
         gate, up = F.linear(rms(x, pk.norm2), pk.gate_up_w, pk.gate_up_b).chunk(2, dim=-1)
-        return x + pk.down(F.silu(gate) * up)
+        return x + F.linear(F.silu(gate) * up, pk.down_w, pk.down_b)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Scaled dot-product attention of q ``[n, H, s, d]`` over k, v ``[n, KV, S, d]`` (kv heads shared

@@ -38,6 +38,11 @@ def apply_lora(
     return get_peft_model(model, config)
 
 
+def base_model(model):
+    """The ``*ForCausalLM`` module under a peft wrapper (its Linear layers carry the adapters), else ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def has_lora(model) -> bool:
     """True when ``model`` is a peft model whose adapter ``reference_mode`` can switch off."""
     return callable(getattr(model, "disable_adapter", None)) and hasattr(model, "peft_config")

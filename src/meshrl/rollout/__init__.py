@@ -15,7 +15,6 @@ from meshrl.rollout.base import (
     eos_ids,
     make_backend,
     register_backend,
-    resolve_auto,
 )
 from meshrl.rollout.hf import HFGenerateBackend, left_pad
 from meshrl.rollout.native import NativeDecodeBackend, unsupported_reason
@@ -34,7 +33,6 @@ __all__ = [
     "left_pad",
     "make_backend",
     "register_backend",
-    "resolve_auto",
     "save_policy",
     "unsupported_reason",
 ]

@@ -97,14 +97,6 @@ def make_backend(name: str, model, tokenizer, **kwargs) -> RolloutBackend:
     return BACKENDS[name](model, tokenizer, **kwargs)
 
 
-def resolve_auto(model) -> str:
-    """``native`` if registered and able to run ``model`` (by its layout; ``make_backend("auto")`` also
-    checks its logits), else ``hf``."""
-    native = BACKENDS.get("native")
-    reason = native.unsupported(model) if native is not None else "not registered"
-    return "native" if reason is None else "hf"
-
-
 def eos_ids(model, tokenizer) -> list[int]:
     """Every token id that ends a response: the tokenizer's eos plus the model's generation eos ids.
 

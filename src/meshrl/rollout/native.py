@@ -27,7 +27,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from meshrl.models.llama_fast import LlamaRunner, decoder_of, rms, unsupported_reason
+from meshrl.models.llama_fast import LlamaRunner, rms, unsupported_reason
+from meshrl.models.lora import base_model
 from meshrl.rollout.base import Rollouts, SamplingParams, register_backend
 from meshrl.rollout.decode_pool import DecodePool, fork_available
 from meshrl.rollout.hf import HFGenerateBackend, InProcessBackend, eval_mode, left_pad
@@ -117,8 +118,6 @@ class _Decoder(LlamaRunner):
         """One step for the running rows: ``tokens [n]`` at positions ``pos [n]`` written to cache column
         ``col``; ``key_mask [n, col+1]`` marks real keys. Returns next-token logits ``[n, V]``."""
         n, kv = tokens.shape[0], self.kv_heads
-        # GQA without repeating the cache: the query heads of one kv head form a [group, d] block, and the
-        # (row, kv head) pairs are the batch of one baddbmm that also adds the -inf padding bias.
         bias = torch.zeros(key_mask.shape, dtype=self.cos.dtype, device=tokens.device)
         bias = bias.masked_fill_(~key_mask, -math.inf)
         bias = bias[:, None, None, :].expand(n, kv, 1, col + 1).reshape(n * kv, 1, col + 1)
@@ -133,39 +132,41 @@ class _Decoder(LlamaRunner):
         n, kv, d, heads = tokens.shape[0], self.kv_heads, self.head_dim, self.n_heads
         x = F.embedding(tokens, self.inner.embed_tokens.weight)
         cos, sin = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # [n, 1, d]
-        low = self.k_cache[0].dtype != torch.float32
         for li, pk in enumerate(self.packed):
             qkv = F.linear(rms(x, pk.norm1), pk.qkv_w, pk.qkv_b).view(n, heads + 2 * kv, d)
             qk = qkv[:, : heads + kv]
             qk = qk * cos + qk.roll(d // 2, -1) * sin
-            self.k_cache[li][:, :, col] = qk[:, heads:]
-            self.v_cache[li][:, :, col] = qkv[:, heads + kv :]
-            keys = self.k_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
-            values = self.v_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
-            scores = torch.baddbmm(bias.to(qk.dtype) if low else bias, qk[:, :heads].reshape(n * kv, -1, d),
-                                   keys.transpose(1, 2), alpha=self.scale)
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
-            attn = torch.bmm(weights.to(values.dtype) if low else weights, values).view(n, heads * d)
-            x = x + F.linear(attn, pk.o_w, pk.o_b)
-            gate, up = F.linear(rms(x, pk.norm2), pk.gate_up_w, pk.gate_up_b).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, pk.down_w, pk.down_b)
+            attn = self._attend_cached(li, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :], col, bias)
+            x = self.packed_tail(pk, x, attn.view(n, heads * d))
         return self.logits(self.inner.norm(x))
 
     def _decode_modules(self, tokens: torch.Tensor, pos: torch.Tensor, col: int, bias: torch.Tensor) -> torch.Tensor:
         """:meth:`decode` through :meth:`LlamaRunner.qkv` / :meth:`LlamaRunner.block_tail` (LoRA, qwen3)."""
-        n, kv, d = tokens.shape[0], self.kv_heads, self.head_dim
+        n, d = tokens.shape[0], self.head_dim
         x = self.inner.embed_tokens(tokens)[:, None]
         rope = self.rope(pos[:, None])
         for li in range(len(self.layers)):
             q, k, v = self.qkv(li, x, rope)
-            self.k_cache[li][:, :, col] = k[:, :, 0]
-            self.v_cache[li][:, :, col] = v[:, :, 0]
-            keys = self.k_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
-            values = self.v_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
-            scores = torch.baddbmm(bias.to(q.dtype), q.reshape(n * kv, -1, d), keys.transpose(1, 2), alpha=self.scale)
-            out = torch.bmm(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)
-            x = self.block_tail(li, x, out.view(n, self.n_heads, 1, d))
+            attn = self._attend_cached(li, q[:, :, 0], k[:, :, 0], v[:, :, 0], col, bias)
+            x = self.block_tail(li, x, attn.view(n, self.n_heads, 1, d))
         return self.logits(self.inner.norm(x[:, 0]))
+
+    def _attend_cached(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, col: int,
+                       bias: torch.Tensor) -> torch.Tensor:
+        """Write this step's ``k, v [n, KV, d]`` to cache column ``col`` of block ``li`` and attend with
+        ``q [n, H, d]`` over columns ``0..col``; returns ``[n * KV, H / KV, d]``. GQA without repeating the
+        cache: the query heads of one kv head form a ``[group, d]`` block, and the (row, kv head) pairs are
+        the batch of one ``baddbmm`` that also adds the ``-inf`` padding ``bias [n * KV, 1, col + 1]``."""
+        n, kv, d = q.shape[0], self.kv_heads, self.head_dim
+        self.k_cache[li][:, :, col] = k
+        self.v_cache[li][:, :, col] = v
+        keys = self.k_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
+        values = self.v_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
+        low = values.dtype != torch.float32  # bf16 weights or autocast: softmax in float32, back for the bmm
+        scores = torch.baddbmm(bias.to(q.dtype) if low else bias, q.reshape(n * kv, -1, d), keys.transpose(1, 2),
+                               alpha=self.scale)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        return torch.bmm(weights.to(values.dtype) if low else weights, values)
 
     def compact(self, running: torch.Tensor) -> torch.Tensor:
         """Drop the finished rows from the cache: running rows past the first ``m = running.sum()`` slots move
@@ -205,7 +206,6 @@ class NativeDecodeBackend(InProcessBackend):
     """
 
     name = "native"
-    unsupported = staticmethod(unsupported_reason)
 
     def __init__(self, model, tokenizer, *, batch_size: int | None = None, autocast: str | None = None,
                  verify: bool = True, workers: int | None = None):
@@ -245,6 +245,7 @@ class NativeDecodeBackend(InProcessBackend):
         if not diff <= atol:
             raise RuntimeError(f"native decode disagrees with the model's forward (max |logit diff| {diff:.3g} > "
                                f"{atol}); use rollout.backend=hf for this model")
+        self._verified = True
         return diff
 
     @torch.no_grad()
@@ -336,9 +337,8 @@ class NativeDecodeBackend(InProcessBackend):
         if not self._verified and jobs:
             distinct = distinct_prompts(list(prompt_ids))[0][:3]
             self.verify(distinct + distinct[:1])  # a repeated prompt exercises the shared prefill
-            self._verified = True
         step = self.batch_size or max(len(jobs), 1)
-        vocab = decoder_of(self.model).lm_head.out_features
+        vocab = base_model(self.model).lm_head.out_features
         result = Rollouts()
         with eval_mode(self.model):
             for start in range(0, len(jobs), step):
@@ -366,7 +366,6 @@ def auto_backend(model, tokenizer, *, batch_size: int | None = None, workers: in
         backend = NativeDecodeBackend(model, tokenizer, batch_size=batch_size, workers=workers, **kwargs)
         try:
             backend.verify(probe_prompts(tokenizer))
-            backend._verified = True
             return backend
         except RuntimeError as err:
             reason = str(err)

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from meshrl.models.lora import has_lora, merged_state_dict
+from meshrl.models.lora import base_model, merged_state_dict
 from meshrl.rollout.base import RolloutBackend, Rollouts, SamplingParams, cut_at_eos, eos_ids, register_backend
 
 # Attribute paths from the LLM object to the torch module inside its in-process worker, newest first.
@@ -38,8 +38,7 @@ def _resolve(obj, dotted: str):
 
 def save_policy(model, tokenizer, out_dir: Path) -> None:
     """Write the policy (LoRA merged) as a plain Hugging Face directory vLLM can load."""
-    base = model.get_base_model() if has_lora(model) else model
-    base.save_pretrained(out_dir, state_dict=merged_state_dict(model))
+    base_model(model).save_pretrained(out_dir, state_dict=merged_state_dict(model))
     tokenizer.save_pretrained(out_dir)
 
 

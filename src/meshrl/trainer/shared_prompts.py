@@ -18,12 +18,15 @@ packed (2 threads); on SmolLM2-135M (2 x 4 rollouts) packing and buckets are equ
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from meshrl.models.lora import base_model
 
 if TYPE_CHECKING:
     from meshrl.trainer.batch import MicroBatch
@@ -35,9 +38,10 @@ def shared_prompt_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.d
     model cannot hand a cache back (the caller then runs the one-pass forward)."""
     from meshrl.models.llama_fast import unsupported_reason
 
-    if _cache_kwarg(model) is None or _checkpointing(model):
+    key = _cache_kwarg(model)
+    if key is None or _checkpointing(model):
         return None
-    passes = HFPasses(model)
+    passes = HFPasses(model, key)
     if pack and unsupported_reason(model) is None:
         return _packed_logits(passes, mb, device)
     return _bucketed_logits(passes, mb, device, buckets)
@@ -46,8 +50,12 @@ def shared_prompt_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.d
 def _cache_kwarg(model: torch.nn.Module) -> str | None:
     """Name of the forward argument that takes a KV cache (``cache`` in transformers >= 5,
     ``past_key_values`` before), or None when the model takes neither."""
-    forward = getattr(model, "get_base_model", lambda: model)().forward
-    params = inspect.signature(forward).parameters
+    return _cache_kwarg_of(type(base_model(model)))
+
+
+@functools.cache
+def _cache_kwarg_of(cls: type) -> str | None:
+    params = inspect.signature(cls.forward).parameters  # once per class, not per micro-batch
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
@@ -77,8 +85,8 @@ def _distinct_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class HFPasses:
     """Prompt and response passes through the model's own forward, handing its KV cache back in."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.key = model, _cache_kwarg(model)
+    def __init__(self, model: torch.nn.Module, key: str):
+        self.model, self.key = model, key
 
     def prompt(self, ids, mask, pos):
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
@@ -150,7 +158,7 @@ def _bucketed_logits(passes, mb: MicroBatch, device: torch.device, buckets: int)
     """Logits from one pass over the distinct prompts and one per length bucket of responses; None when the
     prompt pass returns no reusable cache."""
     p, t = mb.prompt_len, mb.response_ids.shape[1]
-    first, inverse, head_logits, prompt_kv = _prompt_pass(passes, mb, device)
+    _, inverse, head_logits, prompt_kv = _prompt_pass(passes, mb, device)
     if prompt_kv is None:
         return None
     lengths = mb.response_mask.sum(-1).long()
@@ -172,7 +180,8 @@ def _bucketed_logits(passes, mb: MicroBatch, device: torch.device, buckets: int)
 
 
 def pack_responses(prompt_of: list[int], widths: list[int]) -> tuple[list[list[tuple[int, int]]], int]:
-    """First-fit-decreasing packing of response segments into rows that each continue ONE prompt.
+    """First-fit-decreasing packing (Johnson 1973; at most 11/9 OPT + 1 rows per prompt) of response segments
+    into rows that each continue ONE prompt.
 
     ``prompt_of[i]`` is row i's distinct prompt, ``widths[i]`` the tokens it feeds (response length - 1;
     0 needs no slot). Returns ``(bins, capacity)``: each bin a list of ``(row, offset)``, all rows of a bin
