@@ -271,11 +271,11 @@ def test_a_dead_worker_is_reported_then_replaced(small):
 def test_no_room_in_shared_memory_means_one_decoder(monkeypatch, caplog):
     from collections import namedtuple
 
-    from meshrl.rollout import decode_pool
+    from meshrl import forkpool
 
     model, tok = load_model("tiny", seed=4)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(decode_pool.shutil, "disk_usage", lambda path: usage(64 << 20, 64 << 20, 1 << 10))
+    monkeypatch.setattr(forkpool.shutil, "disk_usage", lambda path: usage(64 << 20, 64 << 20, 1 << 10))
     backend = NativeDecodeBackend(model, tok, workers=2)
     prompts = _prompts(tok, ["a", "b"])
     with caplog.at_level("WARNING", logger="meshrl"):
@@ -362,12 +362,12 @@ def _tagged(tag):
 
 
 def test_pool_errors_keep_or_close_it_as_the_pipes_require():
-    from meshrl.rollout.decode_pool import DecodePool, DecodeWorkerError
+    from meshrl.forkpool import ForkPool, WorkerError
 
     model, _ = load_model("tiny", seed=5)
-    pool = DecodePool(model, _tagged, workers=2)
+    pool = ForkPool(model, _tagged, workers=2)
     assert pool.map(_tagged, [("a",), ("b",)]) == ["done a", "done b"]
-    with pytest.raises(DecodeWorkerError, match="worker-side failure"):
+    with pytest.raises(WorkerError, match="worker-side failure"):
         pool.map(_tagged, [("a",), ("fail",)])
     assert not pool.closed and pool.map(_tagged, [("c",), ("d",)]) == ["done c", "done d"]
 

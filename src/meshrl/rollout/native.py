@@ -9,7 +9,7 @@ around small matmuls, and it keeps computing every row until the longest one end
 * drops finished rows from the batch (compacting the cache once enough rows have ended), so a step
   costs the rows still running, not the longest one;
 * samples from ``softmax(logits / T)`` with optional top-p, exactly the distribution the trainer scores.
-* on a CPU, splits the rows over forked decoders (:mod:`meshrl.rollout.decode_pool`): small decode
+* on a CPU, splits the rows over forked decoders (:mod:`meshrl.forkpool`): small decode
   matmuls use one BLAS thread however many torch has, so separate processes are what uses the other cores.
 
 The blocks run through :class:`meshrl.models.llama_fast.LlamaRunner` on the model's own parameters (fused
@@ -27,10 +27,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from meshrl.forkpool import ForkPool, fork_available
 from meshrl.models.llama_fast import LlamaRunner, rms, unsupported_reason
 from meshrl.models.lora import base_model
 from meshrl.rollout.base import Rollouts, SamplingParams, register_backend
-from meshrl.rollout.decode_pool import DecodePool, fork_available
 from meshrl.rollout.hf import HFGenerateBackend, InProcessBackend, eval_mode, left_pad
 
 log = logging.getLogger("meshrl")
@@ -200,7 +200,7 @@ class NativeDecodeBackend(InProcessBackend):
     the forward passes under ``torch.autocast``. ``verify=True`` compares the loop's logits with the model's
     own forward on the first batch and raises if they differ beyond float tolerance. On a CPU the rows are
     decoded in ``workers`` shards at once, the first here and the others in forked processes (default: one
-    per torch thread; :mod:`meshrl.rollout.decode_pool`). Samples depend on the seed and the row only
+    per torch thread; :mod:`meshrl.forkpool`). Samples depend on the seed and the row only
     (:class:`RowNoise`), not on ``batch_size`` or ``workers``, up to float rounding of the logits (other
     batch shapes round differently, which can flip a near-tie).
     """
@@ -216,11 +216,11 @@ class NativeDecodeBackend(InProcessBackend):
         self._verified = not verify
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1 or None, got {workers}")
-        # One decoder per torch thread on a CPU (forked processes, see decode_pool); a GPU runs the batch as one.
+        # One decoder per torch thread on a CPU (forked processes, see meshrl.forkpool); a GPU runs the batch as one.
         cpu = next(model.parameters()).device.type == "cpu"
         default = min(torch.get_num_threads(), MAX_DEFAULT_WORKERS) if fork_available() else 1
         self.workers = (workers or default) if cpu else 1
-        self._pool: DecodePool | None = None
+        self._pool: ForkPool | None = None
 
     def verify(self, prompts: list[list[int]], new_tokens: int = 4, atol: float | None = None) -> float:
         """Greedy-decode ``new_tokens`` with the loop, score the same sequences with the model's own forward
@@ -319,7 +319,7 @@ class NativeDecodeBackend(InProcessBackend):
             self.close()
         if self._pool is None:
             try:  # as many processes as this call has shards (a 64-row step on a 64-core box needs 4)
-                self._pool = DecodePool(self.model, self._decode_shard, n_shards)
+                self._pool = ForkPool(self.model, self._decode_shard, n_shards, name="decode")
             except (OSError, RuntimeError) as err:  # no fork, no shared memory (e.g. a tiny /dev/shm)
                 log.warning("native decode: no worker processes (%s); decoding on one core", err)
                 self.workers = 1

@@ -48,6 +48,7 @@ class TrainConfig:
     share_prompts: bool = True  # run each distinct prompt once per micro-batch and reuse its KV cache
     pack_responses: bool = True  # Llama-family: responses of one prompt packed into rows (block-diagonal mask)
     length_buckets: int = 2  # otherwise: response-length groups per micro-batch, each padded to its longest
+    update_workers: int = 0  # CPU: processes sharing each micro-batch's forward/backward (0 = one per thread)
     lora_r: int = 0  # > 0 enables LoRA (peft) with this rank
     lora_alpha: int = 16
 
@@ -193,6 +194,7 @@ class RunConfig:
             "train.micro_batch_size": self.train.micro_batch_size >= 1,
             "train.length_buckets": self.train.length_buckets >= 1,
             "rollout.decode_workers": self.rollout.decode_workers >= 0,
+            "train.update_workers": self.train.update_workers >= 0,
             "checkpoint.every": self.checkpoint.every >= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]

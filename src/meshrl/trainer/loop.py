@@ -30,6 +30,7 @@ from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_c
 from meshrl.trainer.config import RunConfig, save_config
 from meshrl.trainer.mei_monitor import MeiMonitor
 from meshrl.trainer.mesh_support import balance_row_weights, prepare_prefixes, support_backward, support_row_weights
+from meshrl.trainer.parallel_update import Shard, UpdateWorkers, split_rows, update_worker_count
 from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData, strategy_figures
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
@@ -92,6 +93,8 @@ class Trainer:
         self.last_data = StepData()
         self.balance_w: torch.Tensor | None = None  # per-row balancing weights of the current step
         self.support_w: torch.Tensor | None = None
+        self.update_workers = update_worker_count(cfg.train.update_workers, self.model)
+        self._workers: UpdateWorkers | None = None
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -282,21 +285,34 @@ class Trainer:
 
     def _mini_batch_update(self, rows, data, old_logps, ref_logps) -> tuple[bool, dict[str, float]]:
         """Accumulate gradients over micro-batches of ``rows``, then clip and step. False if non-finite."""
-        rec = self.recipe
-        masks = [len(data.response_ids[j]) for j in rows]
-        mini_tokens, mini_nonempty, mini_rows = sum(masks), sum(1 for x in masks if x > 0), len(rows)
+        lengths = [len(data.response_ids[j]) for j in rows]
+        totals = (sum(lengths), sum(1 for x in lengths if x > 0), len(rows))  # micro_weight's mini-batch sizes
         stats: dict[str, float] = defaultdict(float)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        balance_grads: list[torch.Tensor] | None = None
         self.optimizer.zero_grad(set_to_none=True)
+        workers = self._update_workers(params)
+        if workers is not None:
+            finite = self._parallel_backward(workers, rows, data, old_logps, ref_logps, totals, stats)
+        else:
+            finite = self._serial_backward(rows, data, old_logps, ref_logps, totals, stats, params)
+        if not finite:
+            return False, dict(stats)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
+        stats["grad/norm"] = float(grad_norm)
+        if not torch.isfinite(grad_norm):
+            return False, dict(stats)
+        self.optimizer.step()
+        return True, dict(stats)
+
+    def _serial_backward(self, rows, data, old_logps, ref_logps, totals, stats, params) -> bool:
+        """Micro-batches one after another in this process (with the balancing terms when they are on)."""
+        balance_grads: list[torch.Tensor] | None = None
         for idx, mb in self._micro_batches(rows, data):
             if mb.num_tokens == 0:
                 continue
-            w = micro_weight(rec.loss_agg, mb.response_mask, mini_tokens, mini_nonempty, mini_rows)
-            loss, mstats, seq_logp = self._micro_loss(idx, mb, data, old_logps, ref_logps)
-            if not torch.isfinite(loss):
-                return False, dict(stats)
-            (loss * w).backward(retain_graph=self.balance_w is not None)
+            finite, mstats, seq_logp = self._backward_micro(idx, mb, data, old_logps, ref_logps, totals)
+            if not finite:
+                return False
             if self.balance_w is not None:
                 balance_grads = self._balance_backward(idx, seq_logp, params, balance_grads)
             for k, v in mstats.items():  # metrics: row-weighted mean over micro-batches
@@ -305,12 +321,88 @@ class Trainer:
             balance_grads = support_backward(self, rows, data, params, balance_grads)
         if balance_grads is not None:
             stats.update(self._merge_balance_grads(params, balance_grads))
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.max_grad_norm)
-        stats["grad/norm"] = float(grad_norm)
-        if not torch.isfinite(grad_norm):
-            return False, dict(stats)
-        self.optimizer.step()
-        return True, dict(stats)
+        return True
+
+    def _parallel_backward(self, workers, rows, data, old_logps, ref_logps, totals, stats) -> bool:
+        """Each micro-batch split by prompt over this process and the update workers
+        (:mod:`meshrl.trainer.parallel_update`); every part is weighted as a micro-batch of its own."""
+        size = self.cfg.train.micro_batch_size
+        prompt_of = [tuple(p) for p in data.prompt_ids]
+        cost = [len(p) // max(1, self.cfg.rollout.group_size) + len(r)
+                for p, r in zip(data.prompt_ids, data.response_ids, strict=True)]
+        workers.begin()
+        for i in range(0, len(rows), size):
+            parts = split_rows(rows[i : i + size], prompt_of, cost, workers.size)
+            shards = [Shard([data.prompt_ids[j] for j in part], [data.response_ids[j] for j in part],
+                            data.advantages[part].tolist(),
+                            None if old_logps is None else [old_logps[j].tolist() for j in part],
+                            None if ref_logps is None else [ref_logps[j].tolist() for j in part], totals)
+                      for part in parts[1:]]
+            here = parts[0]
+            results = workers.map(lambda here=here: self._local_part(here, data, old_logps, ref_logps, totals),
+                                  shards)
+            for part, (finite, mstats) in zip(parts, results, strict=True):
+                if not finite:
+                    return False
+                for k, v in mstats.items():
+                    stats[k] += v * len(part) / len(rows)
+        workers.collect()
+        return True
+
+    def _local_part(self, idx, data, old_logps, ref_logps, totals) -> tuple[bool, dict[str, float]]:
+        prompts = [data.prompt_ids[j] for j in idx]
+        mb = collate(prompts, [data.response_ids[j] for j in idx], self.pad_id)
+        if mb.num_tokens == 0:
+            return True, {}
+        finite, mstats, _ = self._backward_micro(idx, mb, data, old_logps, ref_logps, totals)
+        return finite, mstats
+
+    def _remote_part(self, shard: Shard) -> tuple[bool, dict[str, float]]:
+        """An update worker's part (runs in the worker, on the trainer it inherited at fork time)."""
+        local = StepData(advantages=torch.tensor(shard.advantages, dtype=torch.float32))
+        old = None if shard.old_logps is None else [torch.tensor(x) for x in shard.old_logps]
+        ref = None if shard.ref_logps is None else [torch.tensor(x) for x in shard.ref_logps]
+        mb = collate(shard.prompts, shard.responses, self.pad_id)
+        if mb.num_tokens == 0:
+            return True, {}
+        finite, mstats, _ = self._backward_micro(list(range(len(shard.prompts))), mb, local, old, ref, shard.totals)
+        return finite, mstats
+
+    def _backward_micro(self, idx, mb, data, old_logps, ref_logps, totals):
+        """Loss of one micro-batch, backward with its :func:`micro_weight`; ``(finite, stats, seq_logp)``."""
+        w = micro_weight(self.recipe.loss_agg, mb.response_mask, *totals)
+        loss, mstats, seq_logp = self._micro_loss(idx, mb, data, old_logps, ref_logps)
+        if not torch.isfinite(loss):
+            return False, mstats, seq_logp
+        (loss * w).backward(retain_graph=self.balance_w is not None)
+        return True, mstats, seq_logp
+
+    def _update_workers(self, params) -> UpdateWorkers | None:
+        """The update's worker processes, or None when this mini-batch runs in one process: one worker
+        configured, a GPU, or a term that needs every row here (MEI collection, strategy balancing)."""
+        if (self.update_workers < 2 or self._mei_collect or self.balance_w is not None
+                or self.support_w is not None):
+            return None
+        if self._workers is not None and not self._workers.usable(self.model, params):
+            self._workers.close()
+            self._workers = None
+        if self._workers is None:
+            try:
+                self._workers = UpdateWorkers(self.model, params, self._remote_part, self.update_workers)
+            except (OSError, RuntimeError) as err:  # no fork, no shared memory (e.g. a tiny /dev/shm)
+                log.warning("update: no worker processes (%s); one process", err)
+                self.update_workers = 1
+                return None
+        return self._workers
+
+    def close(self) -> None:
+        """Stop the update and decode worker processes (also done at garbage collection and exit)."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     def _balance_backward(self, idx, seq_logp, params, acc: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """Gradient of the balancing surrogate ``sum_j w_j seq_logp_j`` kept apart from the policy term's,
@@ -420,6 +512,7 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[s
         writers["events"].write({"step": trainer.step_idx, "event": "nonfinite_abort", "checkpoint": str(path)})
         raise
     finally:
+        trainer.close()
         for w in writers.values():
             w.close()
         trackers.close()

@@ -1,14 +1,15 @@
-"""Worker processes that decode shards of a rollout batch on the other CPU cores.
+"""Forked worker processes that run shards of a computation on the other CPU cores, one torch thread each.
 
-A decode step of a small model is a chain of small matmuls that BLAS runs on one core, plus per-op
-overhead; Python threads do not help (every op hands the GIL over). Forked worker processes do: each
-decodes its own rows with one torch thread while the parent decodes the first shard.
+Used for the rollout decode (:mod:`meshrl.rollout.native`) and the update's forward/backward
+(:mod:`meshrl.trainer.parallel_update`). Small models on a CPU are op-overhead bound: BLAS runs their
+small matmuls on one core and elementwise ops below torch's parallel grain run on one thread, so two
+threads in one process measured 1.47x one thread on a tiny:small update where two processes gave 2.0x.
+Python threads do not help (every op hands the GIL over).
 
 Weights are not copied per call: the policy's parameters and buffers are moved to shared memory once
 (``Module.share_memory``), so the optimiser's in-place updates are what the workers read at the next
-call. A worker is told nothing but the prompts, the sampling parameters, the seed and where its rows
-start; sampling noise depends on ``(seed, row, step)`` only, so the samples are the same whatever the
-number of workers.
+call. A worker is sent only the arguments of its shard, as plain Python values (tensors would cross the
+pipe through one shared-memory segment each).
 """
 
 from __future__ import annotations
@@ -46,12 +47,20 @@ def shared_memory_room(model: torch.nn.Module) -> tuple[int, int]:
     return need, free
 
 
-class DecodeWorkerError(RuntimeError):
-    """A worker's decode raised; the message holds the worker's traceback."""
+class WorkerError(RuntimeError):
+    """A worker's call raised; the message holds the worker's traceback."""
 
 
-def _worker_main(conn, decode: Callable) -> None:
-    """Serve ``decode(*args)`` requests until the parent closes the pipe."""
+# Parent-side pipe ends of every pool of this process: a forked worker closes its copies, or a pool whose
+# pipe another process still holds open would never see its workers end (no EOF) when it closes.
+_PARENT_ENDS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _worker_main(conn, fn: Callable) -> None:
+    """Serve ``fn(*args)`` requests until the parent closes the pipe."""
+    for inherited in list(_PARENT_ENDS):
+        with contextlib.suppress(OSError):
+            inherited.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's SIGTERM-as-Ctrl-C handler
     torch.set_num_threads(1)
@@ -61,7 +70,7 @@ def _worker_main(conn, decode: Callable) -> None:
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", decode(*args)))
+            conn.send(("ok", fn(*args)))
         except Exception:  # noqa: BLE001 - every failure goes back to the parent with its traceback
             conn.send(("error", traceback.format_exc()))
 
@@ -76,30 +85,34 @@ def _close(conns: list, procs: list) -> None:
             proc.kill()
 
 
-class DecodePool:
+class ForkPool:
     """``workers - 1`` forked processes; :meth:`map` runs the first call here and the rest there.
 
-    ``decode(*args)`` must be a function of picklable arguments that returns a picklable result; it is
+    ``fn(*args)`` must be a function of picklable arguments that returns a picklable result; it is
     called in the workers with the objects they inherited at fork time (the model, whose parameters live
-    in shared memory).
+    in shared memory, and whatever ``fn`` is bound to). ``extra_shared`` counts bytes of shared memory the
+    caller has allocated besides the model's, for the room check; ``name`` is what errors call the workers.
     """
 
-    def __init__(self, model: torch.nn.Module, decode: Callable, workers: int):
+    def __init__(self, model: torch.nn.Module, fn: Callable, workers: int, extra_shared: int = 0,
+                 name: str = "worker"):
         if workers < 2:
-            raise ValueError(f"a decode pool needs >= 2 workers, got {workers}")
+            raise ValueError(f"a worker pool needs >= 2 workers, got {workers}")
         if not fork_available():
             raise RuntimeError("worker processes need the 'fork' start method on Linux")
         need, free = shared_memory_room(model)
+        need += extra_shared
         if need and need * 2 > free:
             raise RuntimeError(f"the policy needs {need / 2**20:.0f} MB of shared memory, /dev/shm has "
                                f"{free / 2**20:.0f} MB free")
         model.share_memory()
-        self.model, self.params = model, list(model.parameters())
+        self.model, self.params, self.name = model, list(model.parameters()), name
         ctx = mp.get_context("fork")
         self.conns, self.procs = [], []
         for _ in range(workers - 1):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, decode), daemon=True)
+            _PARENT_ENDS.add(parent)  # this worker closes its own copy too (EOF when the parent dies)
+            proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -117,17 +130,17 @@ class DecodePool:
                 and all(a is b and a.is_shared() for a, b in zip(params, self.params, strict=True)))
 
     def map(self, local: Callable, args_list: list[tuple]) -> list:
-        """``[local(*args_list[0]), decode(*args_list[1]) in worker 1, ...]``; at most ``size`` calls.
+        """``[local(*args_list[0]), fn(*args_list[1]) in worker 1, ...]``; at most ``size`` calls.
 
-        A failure reported by a worker raises :class:`DecodeWorkerError` with the pool still usable; any
+        A failure reported by a worker raises :class:`WorkerError` with the pool still usable; any
         other exception on the way (Ctrl-C while waiting, a dead worker, an error in ``local``) closes the
         pool first, since replies might then be left in a pipe for the next call to read as its own.
         """
         if len(args_list) > self.size:
-            raise ValueError(f"{len(args_list)} shards for {self.size} decoders")
+            raise ValueError(f"{len(args_list)} shards for {self.size} processes")
         try:
             return self._map(local, args_list)
-        except DecodeWorkerError:
+        except WorkerError:
             raise
         except BaseException:
             self.close()
@@ -149,7 +162,7 @@ class DecodePool:
         out = [first]
         for status, value in replies:
             if status != "ok":
-                raise DecodeWorkerError(f"decode worker failed:\n{value}")
+                raise WorkerError(f"{self.name} worker failed:\n{value}")
             out.append(value)
         return out
 
@@ -166,7 +179,7 @@ class DecodePool:
 
     def _died(self, err: Exception) -> None:
         self.close()
-        raise RuntimeError(f"a decode worker process died ({err!r}); it is restarted at the next call") from err
+        raise RuntimeError(f"a {self.name} worker process died ({err!r}); it is restarted at the next call") from err
 
     def close(self) -> None:
         self._finalizer()

@@ -1,0 +1,160 @@
+"""The update split over forked worker processes equals the one-process update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshrl.forkpool import WorkerError, fork_available
+from meshrl.trainer import Trainer, load_config
+from meshrl.trainer.parallel_update import Shard, UpdateWorkers, split_rows, update_worker_count
+
+needs_fork = pytest.mark.skipif(not fork_available(), reason="worker processes need fork (Linux)")
+
+
+def test_split_rows_keeps_prompt_groups_whole_and_balances_cost():
+    prompt_of = [(0,)] * 4 + [(1,)] * 4 + [(2,)] * 4 + [(3,)] * 4
+    cost = [10] * 4 + [1] * 4 + [6] * 4 + [5] * 4  # group costs 40, 4, 24, 20
+    rows = list(range(16))
+    parts = split_rows(rows, prompt_of, cost, 2)
+    assert sorted(r for p in parts for r in p) == rows
+    for p in parts:
+        assert all(prompt_of[r] in {prompt_of[q] for q in p} for r in p)
+        assert len({prompt_of[r] for r in p}) * 4 == len(p)  # whole groups only
+    loads = sorted(sum(cost[r] for r in p) for p in parts)
+    assert loads == [44, 44]  # LPT: 40 | 24 -> 24+20 | 40+4
+
+
+def test_split_rows_deals_single_rows_when_prompts_are_fewer_than_parts():
+    prompt_of = [(7,)] * 5
+    parts = split_rows([0, 1, 2, 3, 4], prompt_of, [5, 4, 3, 2, 1], 3)
+    assert sorted(r for p in parts for r in p) == [0, 1, 2, 3, 4]
+    assert len(parts) == 3 and all(p == sorted(p) for p in parts)
+    assert split_rows([3], [(0,)] * 4, [1] * 4, 4) == [[3]]  # empty shards dropped
+
+
+def test_update_worker_count():
+    model = torch.nn.Linear(2, 2)
+    assert update_worker_count(1, model) == 1
+    if fork_available():
+        assert update_worker_count(3, model) == 3
+        assert update_worker_count(0, model) == min(torch.get_num_threads(), 8)
+    with pytest.raises(ValueError, match="train.update_workers"):
+        load_config(overrides=["train.update_workers=-1"])
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(3))
+        self.b = torch.nn.Parameter(torch.randn(3))
+        self.unused = torch.nn.Parameter(torch.randn(3))
+
+
+def _toy_loss(model: _Toy, shard: Shard) -> torch.Tensor:
+    x = torch.tensor(shard.advantages)
+    if shard.prompts == [[666]]:
+        raise ValueError("worker-side failure")
+    loss = (model.a * x.sum()).pow(2).sum()
+    return loss + (model.b * x[0]).sum() if shard.prompts == [[1]] else loss
+
+
+@needs_fork
+def test_workers_sum_gradients_and_leave_unreached_parameters_without_one():
+    model = _Toy()
+    params = list(model.parameters())
+
+    def run(shard: Shard):
+        _toy_loss(model, shard).backward()
+        return True, {"n": float(len(shard.advantages))}
+
+    workers = UpdateWorkers(model, params, run, workers=3)
+    try:
+        shards = [Shard([[1]], [[2]], [0.5, 2.0], None, None, (1, 1, 1)), Shard([[3]], [[4]], [-1.0], None, None,
+                                                                                  (1, 1, 1))]
+        here = Shard([[5]], [[6]], [3.0], None, None, (1, 1, 1))
+        for _ in range(2):  # the buffers are zeroed between mini-batches
+            model.zero_grad(set_to_none=True)
+            workers.begin()
+            out = workers.map(lambda: run(here), shards)
+            workers.collect()
+            assert [s["n"] for _, s in out] == [1.0, 2.0, 1.0]
+        expected = _Toy()
+        for shard in (here, *shards):
+            _toy_loss(expected, shard).backward()
+        torch.testing.assert_close(model.a.grad, expected.a.grad)
+        torch.testing.assert_close(model.b.grad, expected.b.grad)
+        assert model.unused.grad is None
+        with pytest.raises(WorkerError, match="worker-side failure"):
+            workers.map(lambda: run(here), [shards[0], Shard([[666]], [[0]], [1.0], None, None, (1, 1, 1))])
+        assert not workers.pool.closed
+        model.zero_grad(set_to_none=True)
+        workers.begin()  # after a failure every buffer is cleared, whatever the failed worker had added
+        workers.map(lambda: (True, {}), [Shard([[3]], [[4]], [1.0], None, None, (1, 1, 1))])
+        workers.collect()
+        expected = _Toy()
+        _toy_loss(expected, Shard([[3]], [[4]], [1.0], None, None, (1, 1, 1))).backward()
+        torch.testing.assert_close(model.a.grad, expected.a.grad)
+        assert model.b.grad is None
+    finally:
+        workers.close()
+
+
+TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=8", "log.progress=false", "optim.lr=1e-4"]
+
+
+def _trainer(tmp_path, name: str, *extra: str) -> Trainer:
+    return Trainer(load_config(overrides=[*TINY, *extra]), tmp_path / name)
+
+
+@needs_fork
+@pytest.mark.parametrize("extra", [
+    ["recipe=grpo", "train.micro_batch_size=16"],
+    # reference log-probs and old log-probs travel to the workers; several micro- and mini-batches
+    ["recipe=grpo_kl", "train.ppo_epochs=2", "train.mini_batches=2", "train.micro_batch_size=3"],
+    ["recipe=gspo", "train.micro_batch_size=8"],
+    ["recipe=grpo_js", "algo.js_mode=exact", "train.micro_batch_size=16"],
+])
+def test_parallel_update_equals_the_one_process_update(tmp_path, extra):
+    one = _trainer(tmp_path, "one", *extra, "train.update_workers=1")
+    many = _trainer(tmp_path, "many", *extra, "train.update_workers=3")
+    try:
+        data, _ = one.sampler.run(0, 0)
+        # every row gets a gradient (the tiny model's first rollouts score 0 in most groups)
+        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(0))
+        m_one, m_many = one.update(data), many.update(data)
+        assert many._workers is not None and one._workers is None
+        scale = max(float(p.grad.abs().max()) for p in one.model.parameters())
+        for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
+            # the last mini-batch's (clipped) gradients: equal up to the order of summation
+            torch.testing.assert_close(q.grad, p.grad, atol=1e-5 * scale, rtol=1e-4)
+            torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
+        for key in ("loss/policy", "loss/total", "grad/norm", "entropy/mean"):
+            assert m_many[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
+        # the next update reads the new weights in the workers too
+        data2, _ = one.sampler.run(1, 4)
+        data2.advantages = torch.randn(len(data2), generator=torch.Generator().manual_seed(1))
+        one.update(data2)
+        many.update(data2)
+        for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
+            torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4)
+    finally:
+        one.close()
+        many.close()
+
+
+@needs_fork
+def test_mei_steps_and_balancing_run_in_one_process(tmp_path):
+    t = _trainer(tmp_path, "mei", "train.update_workers=2", "diag.mei.every=1")
+    try:
+        params = [p for p in t.model.parameters() if p.requires_grad]
+        t._mei_collect = True
+        assert t._update_workers(params) is None
+        t._mei_collect = False
+        assert t._update_workers(params) is not None
+        t.balance_w = torch.ones(3)
+        assert t._update_workers(params) is None
+    finally:
+        t.close()
