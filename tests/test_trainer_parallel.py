@@ -162,3 +162,160 @@ def test_mei_steps_and_balancing_run_in_one_process(tmp_path):
         assert t._update_workers(params) is None
     finally:
         t.close()
+
+
+def _vary_lengths(data, seed: int) -> None:
+    """Random response lengths (some empty) and advantages, so that token- and row-weighted metrics differ."""
+    g = torch.Generator().manual_seed(seed)
+    for j, r in enumerate(data.response_ids):
+        data.response_ids[j] = r[: int(torch.randint(0, len(r) + 1, (1,), generator=g))]
+    data.response_ids[1] = []
+    data.advantages = torch.randn(len(data), generator=g)
+
+
+@needs_fork
+@pytest.mark.parametrize("extra", [
+    ["recipe=dapo"],  # token-mean
+    ["recipe=dr_grpo"],  # seq-mean-token-sum-norm
+    ["recipe=grpo", "algo.loss_agg=token-sum", "train.ppo_epochs=2"],
+    ["recipe=gspo"],  # sequence-level clip fractions
+])
+def test_metrics_do_not_depend_on_the_worker_count(tmp_path, extra):
+    one = _trainer(tmp_path, "one", *extra, "train.update_workers=1", "train.micro_batch_size=6")
+    many = _trainer(tmp_path, "many", *extra, "train.update_workers=3", "train.micro_batch_size=6")
+    try:
+        data, _ = one.sampler.run(0, 0)
+        _vary_lengths(data, 0)
+        m_one, m_many = one.update(data), many.update(data)
+        assert many._workers is not None
+        assert set(m_one) == set(m_many)
+        for key, value in m_one.items():
+            assert m_many[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    finally:
+        one.close()
+        many.close()
+
+
+@needs_fork
+def test_mei_epoch_then_workers_from_the_second_epoch(tmp_path):
+    extra = ["recipe=grpo", "train.ppo_epochs=2", "diag.mei.every=1"]
+    one = _trainer(tmp_path, "one", *extra, "train.update_workers=1")
+    many = _trainer(tmp_path, "many", *extra, "train.update_workers=2")
+    try:
+        data, _ = one.sampler.run(0, 0)
+        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(3))
+        one.mei.begin(len(data))
+        many.mei.begin(len(data))
+        for t in (one, many):
+            t._mei_collect = True
+        m_one, m_many = one.update(data), many.update(data)
+        assert many._workers is not None  # forked for the second epoch
+        for key in ("loss/policy", "entropy/mean", "grad/norm", "clip/frac_low"):
+            assert m_many[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
+        for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
+            torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
+    finally:
+        one.close()
+        many.close()
+
+
+@needs_fork
+def test_a_dead_update_worker_means_this_mini_batch_runs_here(tmp_path, caplog):
+    one = _trainer(tmp_path, "one", "train.update_workers=1", "train.micro_batch_size=16")
+    many = _trainer(tmp_path, "many", "train.update_workers=2", "train.micro_batch_size=16")
+    try:
+        data, _ = one.sampler.run(0, 0)
+        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(4))
+        one.update(data)
+        many.update(data)
+        many._workers.pool.procs[0].kill()
+        many._workers.pool.procs[0].join()
+        with caplog.at_level("WARNING", logger="meshrl"):
+            m_one, m_many = one.update(data), many.update(data)
+        assert "update worker process died" in caplog.text and many.update_workers == 1
+        assert m_many["loss/policy"] == pytest.approx(m_one["loss/policy"], rel=1e-5)
+        for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
+            torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
+    finally:
+        one.close()
+        many.close()
+
+
+@needs_fork
+def test_a_non_finite_worker_part_skips_the_step_and_leaves_no_gradient_behind(tmp_path, monkeypatch):
+    import os
+
+    from meshrl.trainer import loop
+
+    real, parent, poison = loop.aggregate, os.getpid(), tmp_path / "poison"
+
+    def poisoned(*args, **kwargs):  # NaN loss in the workers while the flag file exists
+        out = real(*args, **kwargs)
+        return out * float("nan") if os.getpid() != parent and poison.exists() else out
+
+    monkeypatch.setattr(loop, "aggregate", poisoned)
+    one = _trainer(tmp_path, "one", "train.update_workers=1", "train.micro_batch_size=16")
+    many = _trainer(tmp_path, "many", "train.update_workers=2", "train.micro_batch_size=16")
+    try:
+        data, _ = one.sampler.run(0, 0)
+        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(5))
+        poison.touch()
+        assert many.update(data).get("skipped/nonfinite") == 1.0  # the parent's part was finite
+        poison.unlink()
+        m_one, m_many = one.update(data), many.update(data)  # `one` never saw the skipped step
+        assert "skipped/nonfinite" not in m_many
+        assert m_many["grad/norm"] == pytest.approx(m_one["grad/norm"], rel=1e-5)
+        for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
+            torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
+    finally:
+        one.close()
+        many.close()
+
+
+@needs_fork
+def test_no_room_in_shared_memory_means_one_process(tmp_path, monkeypatch, caplog):
+    from collections import namedtuple
+
+    from meshrl import forkpool
+
+    t = _trainer(tmp_path, "t", "train.update_workers=2")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(forkpool.shutil, "disk_usage", lambda path: usage(1 << 20, 1 << 20, 1 << 10))
+    allocated = []
+    monkeypatch.setattr(torch.Tensor, "share_memory_", lambda self: allocated.append(self) or self)
+    try:
+        data, _ = t.sampler.run(0, 0)
+        with caplog.at_level("WARNING", logger="meshrl"):
+            metrics = t.update(data)
+        assert "no worker processes" in caplog.text and t.update_workers == 1 and t._workers is None
+        assert not allocated  # refused before any buffer was written to shared memory
+        assert "loss/policy" in metrics
+    finally:
+        t.close()
+
+
+@needs_fork
+def test_close_leaves_no_worker_processes(tmp_path):
+    import multiprocessing as mp
+
+    t = _trainer(tmp_path, "t", "train.update_workers=2", "rollout.decode_workers=2", "rollout.prompts_per_step=8")
+    data, _ = t.sampler.run(0, 0)
+    t.update(data)
+    procs = [*t._workers.pool.procs, *t.backend._pool.procs]
+    assert procs and all(p.is_alive() for p in procs)
+    t.close()
+    assert not any(p.is_alive() for p in procs)
+    assert not set(procs) & set(mp.active_children())
+
+
+@needs_fork
+def test_bf16_weights_train_with_workers(tmp_path):
+    t = _trainer(tmp_path, "bf16", "train.update_workers=2", "train.dtype=bfloat16")
+    try:
+        data, _ = t.sampler.run(0, 0)
+        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(7))
+        metrics = t.update(data)
+        assert t._workers is not None and torch.isfinite(torch.tensor(metrics["grad/norm"]))
+        assert all(p.grad is None or p.grad.dtype == torch.bfloat16 for p in t.model.parameters())
+    finally:
+        t.close()

@@ -47,8 +47,22 @@ def shared_memory_room(model: torch.nn.Module) -> tuple[int, int]:
     return need, free
 
 
+def check_shared_memory(model: torch.nn.Module, extra: int = 0) -> None:
+    """Raise ``RuntimeError`` unless /dev/shm has twice the room for ``model``'s tensors that are not yet shared
+    plus ``extra`` bytes (see :func:`shared_memory_room`)."""
+    need, free = shared_memory_room(model)
+    need += extra
+    if need and need * 2 > free:
+        raise RuntimeError(f"worker processes need {need / 2**20:.0f} MB of shared memory, /dev/shm has "
+                           f"{free / 2**20:.0f} MB free")
+
+
 class WorkerError(RuntimeError):
-    """A worker's call raised; the message holds the worker's traceback."""
+    """A worker's call raised; the message holds the worker's traceback. The pool stays usable."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended (killed, crashed); the pool is closed and a new one starts at the next use."""
 
 
 # Parent-side pipe ends of every pool of this process: a forked worker closes its copies, or a pool whose
@@ -70,9 +84,13 @@ def _worker_main(conn, fn: Callable) -> None:
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", fn(*args)))
+            reply = ("ok", fn(*args))
         except Exception:  # noqa: BLE001 - every failure goes back to the parent with its traceback
-            conn.send(("error", traceback.format_exc()))
+            reply = ("error", traceback.format_exc())
+        try:
+            conn.send(reply)
+        except OSError:  # the parent closed the pipe (interrupted while this worker ran): nothing to report to
+            return
 
 
 def _close(conns: list, procs: list) -> None:
@@ -100,11 +118,7 @@ class ForkPool:
             raise ValueError(f"a worker pool needs >= 2 workers, got {workers}")
         if not fork_available():
             raise RuntimeError("worker processes need the 'fork' start method on Linux")
-        need, free = shared_memory_room(model)
-        need += extra_shared
-        if need and need * 2 > free:
-            raise RuntimeError(f"the policy needs {need / 2**20:.0f} MB of shared memory, /dev/shm has "
-                               f"{free / 2**20:.0f} MB free")
+        check_shared_memory(model, extra_shared)
         model.share_memory()
         self.model, self.params, self.name = model, list(model.parameters()), name
         ctx = mp.get_context("fork")
@@ -179,7 +193,7 @@ class ForkPool:
 
     def _died(self, err: Exception) -> None:
         self.close()
-        raise RuntimeError(f"a {self.name} worker process died ({err!r}); it is restarted at the next call") from err
+        raise WorkerDied(f"a {self.name} worker process died ({err!r}); a new one starts at the next call") from err
 
     def close(self) -> None:
         self._finalizer()

@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from meshrl.forkpool import ForkPool, fork_available
+from meshrl.forkpool import ForkPool, WorkerDied, fork_available
 from meshrl.models.llama_fast import LlamaRunner, rms, unsupported_reason
 from meshrl.models.lora import base_model
 from meshrl.rollout.base import Rollouts, SamplingParams, register_backend
@@ -203,7 +203,11 @@ class _Decoder(LlamaRunner):
 
 
 def _add_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x + a @ weight^T (+ bias)`` as one GEMM that accumulates into ``x`` (a residual connection)."""
+    """``x + a @ weight^T (+ bias)`` as one GEMM that accumulates into ``x`` (a residual connection). Under
+    autocast ``addmm`` would return the residual stream in the low dtype, which the model's own forward keeps
+    in its weights' dtype, so the sum is then taken apart."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x + F.linear(a, weight, bias)
     return torch.addmm(x if bias is None else x + bias, a, weight.t())
 
 
@@ -364,8 +368,14 @@ class NativeDecodeBackend(InProcessBackend):
                 stop = min(start + step, len(jobs))
                 shards = [([p for _, p in jobs[a:b]], params, seed, a, vocab) for a, b in self._shards(start, stop)]
                 pool = self._decoders(len(shards))
-                outputs = (pool.map(self._decode_shard, shards) if pool is not None
-                           else [self._decode_shard(*args) for args in shards])
+                outputs = None
+                if pool is not None:
+                    try:
+                        outputs = pool.map(self._decode_shard, shards)
+                    except WorkerDied as err:  # killed (e.g. out of memory): decode this batch here instead
+                        log.warning("native decode: %s; decoding this batch in one process", err)
+                if outputs is None:
+                    outputs = [self._decode_shard(*args) for args in shards]
                 self._append(result, jobs[start:stop], [row for rows in outputs for row in rows])
         return self._finish(result)
 

@@ -7,6 +7,7 @@ Read top to bottom: :func:`train` builds everything, :meth:`Trainer.step` does o
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import signal
 import time
@@ -24,13 +25,14 @@ from meshrl.algos import (
     masked_mean,
     policy_loss,
 )
+from meshrl.forkpool import WorkerDied
 from meshrl.progress import progress_bar
 from meshrl.trainer.batch import collate, micro_weight, response_logits, token_entropy, token_logprobs
 from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from meshrl.trainer.config import RunConfig, save_config
 from meshrl.trainer.mei_monitor import MeiMonitor
 from meshrl.trainer.mesh_support import balance_row_weights, prepare_prefixes, support_backward, support_row_weights
-from meshrl.trainer.parallel_update import Shard, UpdateWorkers, split_rows, update_worker_count
+from meshrl.trainer.parallel_update import UpdateWorkers, parallel_backward, remote_part, update_worker_count
 from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData, strategy_figures
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
@@ -291,9 +293,16 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer.zero_grad(set_to_none=True)
         workers = self._update_workers(params)
+        finite = None
         if workers is not None:
-            finite = self._parallel_backward(workers, rows, data, old_logps, ref_logps, totals, stats)
-        else:
+            try:
+                finite = parallel_backward(self, workers, rows, data, old_logps, ref_logps, totals, stats)
+            except WorkerDied as err:  # e.g. the OOM killer took one: redo this mini-batch here, go on in one process
+                log.warning("update: %s; continuing in one process", err)
+                self.update_workers = 1
+                self.optimizer.zero_grad(set_to_none=True)
+                stats.clear()
+        if finite is None:
             finite = self._serial_backward(rows, data, old_logps, ref_logps, totals, stats, params)
         if not finite:
             return False, dict(stats)
@@ -310,7 +319,7 @@ class Trainer:
         for idx, mb in self._micro_batches(rows, data):
             if mb.num_tokens == 0:
                 continue
-            finite, mstats, seq_logp = self._backward_micro(idx, mb, data, old_logps, ref_logps, totals)
+            finite, mstats, seq_logp, _ = self._backward_micro(idx, mb, data, old_logps, ref_logps, totals)
             if not finite:
                 return False
             if self.balance_w is not None:
@@ -323,59 +332,15 @@ class Trainer:
             stats.update(self._merge_balance_grads(params, balance_grads))
         return True
 
-    def _parallel_backward(self, workers, rows, data, old_logps, ref_logps, totals, stats) -> bool:
-        """Each micro-batch split by prompt over this process and the update workers
-        (:mod:`meshrl.trainer.parallel_update`); every part is weighted as a micro-batch of its own."""
-        size = self.cfg.train.micro_batch_size
-        prompt_of = [tuple(p) for p in data.prompt_ids]
-        cost = [len(p) // max(1, self.cfg.rollout.group_size) + len(r)
-                for p, r in zip(data.prompt_ids, data.response_ids, strict=True)]
-        workers.begin()
-        for i in range(0, len(rows), size):
-            parts = split_rows(rows[i : i + size], prompt_of, cost, workers.size)
-            shards = [Shard([data.prompt_ids[j] for j in part], [data.response_ids[j] for j in part],
-                            data.advantages[part].tolist(),
-                            None if old_logps is None else [old_logps[j].tolist() for j in part],
-                            None if ref_logps is None else [ref_logps[j].tolist() for j in part], totals)
-                      for part in parts[1:]]
-            here = parts[0]
-            results = workers.map(lambda here=here: self._local_part(here, data, old_logps, ref_logps, totals),
-                                  shards)
-            for part, (finite, mstats) in zip(parts, results, strict=True):
-                if not finite:
-                    return False
-                for k, v in mstats.items():
-                    stats[k] += v * len(part) / len(rows)
-        workers.collect()
-        return True
-
-    def _local_part(self, idx, data, old_logps, ref_logps, totals) -> tuple[bool, dict[str, float]]:
-        prompts = [data.prompt_ids[j] for j in idx]
-        mb = collate(prompts, [data.response_ids[j] for j in idx], self.pad_id)
-        if mb.num_tokens == 0:
-            return True, {}
-        finite, mstats, _ = self._backward_micro(idx, mb, data, old_logps, ref_logps, totals)
-        return finite, mstats
-
-    def _remote_part(self, shard: Shard) -> tuple[bool, dict[str, float]]:
-        """An update worker's part (runs in the worker, on the trainer it inherited at fork time)."""
-        local = StepData(advantages=torch.tensor(shard.advantages, dtype=torch.float32))
-        old = None if shard.old_logps is None else [torch.tensor(x) for x in shard.old_logps]
-        ref = None if shard.ref_logps is None else [torch.tensor(x) for x in shard.ref_logps]
-        mb = collate(shard.prompts, shard.responses, self.pad_id)
-        if mb.num_tokens == 0:
-            return True, {}
-        finite, mstats, _ = self._backward_micro(list(range(len(shard.prompts))), mb, local, old, ref, shard.totals)
-        return finite, mstats
-
     def _backward_micro(self, idx, mb, data, old_logps, ref_logps, totals):
-        """Loss of one micro-batch, backward with its :func:`micro_weight`; ``(finite, stats, seq_logp)``."""
+        """Loss of one micro-batch, backward with its :func:`micro_weight`; ``(finite, stats, seq_logp,
+        detached per-token (logp, entropy, js or None))``."""
         w = micro_weight(self.recipe.loss_agg, mb.response_mask, *totals)
-        loss, mstats, seq_logp = self._micro_loss(idx, mb, data, old_logps, ref_logps)
+        loss, mstats, seq_logp, terms = self._micro_loss(idx, mb, data, old_logps, ref_logps)
         if not torch.isfinite(loss):
-            return False, mstats, seq_logp
+            return False, mstats, seq_logp, terms
         (loss * w).backward(retain_graph=self.balance_w is not None)
-        return True, mstats, seq_logp
+        return True, mstats, seq_logp, terms
 
     def _update_workers(self, params) -> UpdateWorkers | None:
         """The update's worker processes, or None when this mini-batch runs in one process: one worker
@@ -388,7 +353,8 @@ class Trainer:
             self._workers = None
         if self._workers is None:
             try:
-                self._workers = UpdateWorkers(self.model, params, self._remote_part, self.update_workers)
+                self._workers = UpdateWorkers(self.model, params, functools.partial(remote_part, self),
+                                              self.update_workers)
             except (OSError, RuntimeError) as err:  # no fork, no shared memory (e.g. a tiny /dev/shm)
                 log.warning("update: no worker processes (%s); one process", err)
                 self.update_workers = 1
@@ -421,13 +387,30 @@ class Trainer:
         return {"mesh/grad_ratio": float(balance_norm / policy_norm.clamp(min=1e-30)),
                 "mesh/balance_grad_norm": float(balance_norm)}
 
-    def _micro_loss(self, idx, mb, data, old_logps, ref_logps) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    def _micro_loss(self, idx, mb, data, old_logps, ref_logps):
+        """``(total loss, metrics, per-row sum of response log-probs, detached per-token terms)`` of one
+        micro-batch; the terms ``(logp, entropy, js or None)`` ``[n, T]`` let a parent process recompute the
+        metrics of a micro-batch whose parts ran elsewhere."""
         rec, temp = self.recipe, self.cfg.rollout.temperature
         logits = self.logits_of(self.model, mb)
         logp = token_logprobs(logits, mb.response_ids, temp)
         mask = mb.response_mask
         if self._mei_collect:
             self.mei.add(idx, logits.detach(), mb.response_ids, mask, temp)
+        entropy = token_entropy(logits.detach(), temp)
+        js_mat = None
+        if rec.js_coef > 0 and rec.js_mode == "exact":
+            with torch.no_grad():
+                ref_logits = self._reference_forward(mb)
+            t = temp if temp > 0 else 1.0
+            js_mat = js_divergence(logits / t, ref_logits / t)
+        total, stats = self._loss_and_stats(idx, mask, data, logp, entropy, js_mat, old_logps, ref_logps)
+        terms = (logp.detach(), entropy, None if js_mat is None else js_mat.detach())
+        return total, stats, (logp * mask).sum(-1), terms
+
+    def _loss_and_stats(self, idx, mask, data, logp, entropy, js_mat, old_logps, ref_logps):
+        """The recipe's loss and its metrics from per-token ``logp``, ``entropy`` and (exact JS) ``js_mat``."""
+        rec = self.recipe
         old = logp.detach() if old_logps is None else _pad_rows([old_logps[j] for j in idx], logp)
         adv = data.advantages[idx].to(logp.device)
         cfg = {"clip_low": rec.clip_low, "clip_high": rec.clip_high}
@@ -438,25 +421,20 @@ class Trainer:
         pg = aggregate(pg_mat, mask, rec.loss_agg, norm_len=norm)
         total = pg
         stats = {"loss/policy": float(pg.detach()), **{k: float(v) for k, v in pg_stats.items()}}
-        stats["entropy/mean"] = float(masked_mean(token_entropy(logits.detach(), temp), mask))
+        stats["entropy/mean"] = float(masked_mean(entropy, mask))
         if rec.kl_coef > 0:
             ref = _pad_rows([ref_logps[j] for j in idx], logp)
             kl = aggregate(kl_penalty(logp, ref, rec.kl_kind), mask, rec.loss_agg, norm_len=norm)
             total = total + rec.kl_coef * kl
             stats["kl/mean"] = float(kl.detach())
         if rec.js_coef > 0:
-            if rec.js_mode == "exact":
-                with torch.no_grad():
-                    ref_logits = self._reference_forward(mb)
-                js_mat = js_divergence(logits / (temp if temp > 0 else 1.0),
-                                       ref_logits / (temp if temp > 0 else 1.0))
-            else:
+            if js_mat is None:
                 js_mat = js_sampled(logp, _pad_rows([ref_logps[j] for j in idx], logp))
             js = aggregate(js_mat, mask, rec.loss_agg, norm_len=norm)
             total = total + rec.js_coef * js
             stats["js/mean"] = float(js.detach())
         stats["loss/total"] = float(total.detach())
-        return total, stats, (logp * mask).sum(-1)
+        return total, stats
 
 
 def _pad_rows(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,13 @@ import heapq
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from meshrl.forkpool import ForkPool, fork_available
+from meshrl.forkpool import ForkPool, check_shared_memory, fork_available
+from meshrl.trainer.batch import collate
+from meshrl.trainer.rollout_step import StepData
 
 log = logging.getLogger("meshrl")
 
@@ -31,8 +34,10 @@ MAX_DEFAULT_WORKERS = 8
 
 def update_worker_count(setting: int, model: torch.nn.Module) -> int:
     """Processes for the update: ``setting`` (``train.update_workers``) when >= 1, else (0 = auto) one per
-    torch thread, at most :data:`MAX_DEFAULT_WORKERS`. Always 1 off the CPU or without ``fork``."""
-    if setting == 1 or next(model.parameters()).device.type != "cpu" or not fork_available():
+    torch thread, at most :data:`MAX_DEFAULT_WORKERS`. Always 1 off the CPU or without ``fork``, and when
+    CUDA is available (torch refuses a backward in a process forked after its CUDA autograd threads started)."""
+    if (setting == 1 or next(model.parameters()).device.type != "cpu" or not fork_available()
+            or torch.cuda.is_available()):
         return 1
     return setting if setting >= 2 else min(torch.get_num_threads(), MAX_DEFAULT_WORKERS)
 
@@ -74,18 +79,20 @@ def split_rows(rows: list[int], prompt_of: list[tuple[int, ...]], cost: list[int
 class UpdateWorkers:
     """``workers - 1`` forked processes that run :class:`Shard` backward passes into shared gradient buffers.
 
-    ``run(shard) -> (finite, stats)`` is called in a worker with the trainer it inherited at fork time; it
-    must leave its gradients in the parameters' ``.grad`` (``params``, shared-memory storage).
+    ``run(shard) -> (finite, result)`` is called in a worker with the trainer it inherited at fork time; it
+    must leave its gradients in the parameters' ``.grad`` (``params``, shared-memory storage). ``result``
+    (picklable) goes back to the parent.
     """
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
-                 run: Callable[[Shard], tuple[bool, dict[str, float]]], workers: int):
+                 run: Callable[[Shard], tuple[bool, Any]], workers: int):
         self.model, self.params, self.run = model, params, run
         self.grads: list[list[torch.Tensor]] = []  # per worker, one view per parameter
         by_dtype: dict[torch.dtype, int] = {}
         for p in params:
             by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
         extra = sum(n * torch.empty(0, dtype=d).element_size() for d, n in by_dtype.items()) * (workers - 1)
+        check_shared_memory(model, extra)  # before writing the buffers: a full /dev/shm is a SIGBUS, not an error
         for _ in range(workers - 1):
             flats = {d: torch.zeros(n, dtype=d).share_memory_() for d, n in by_dtype.items()}
             offsets = dict.fromkeys(by_dtype, 0)
@@ -107,16 +114,19 @@ class UpdateWorkers:
         return (not self.pool.closed and self.pool.serves(model) and len(params) == len(self.params)
                 and all(a is b for a, b in zip(params, self.params, strict=True)))
 
-    def _remote(self, slot: int, shard: Shard) -> tuple[bool, dict[str, float], list[int]]:
+    def _remote(self, slot: int, shard: Shard) -> tuple[bool, Any, list[int]]:
         """In worker ``slot``: run the shard, move its gradients into the shared buffer, say which it touched."""
-        finite, stats = self.run(shard)
-        touched = []
-        for i, (p, buf) in enumerate(zip(self.params, self.grads[slot], strict=True)):
-            if p.grad is not None:
-                buf.add_(p.grad)
+        try:
+            finite, result = self.run(shard)
+            touched = []
+            for i, (p, buf) in enumerate(zip(self.params, self.grads[slot], strict=True)):
+                if p.grad is not None:
+                    buf.add_(p.grad)
+                    touched.append(i)
+            return finite, result, touched
+        finally:  # also after a failure: a gradient left here would join a later mini-batch
+            for p in self.params:
                 p.grad = None
-                touched.append(i)
-        return finite, stats, touched
 
     def begin(self) -> None:
         """Zero the buffers before a mini-batch (the workers are idle between calls)."""
@@ -125,8 +135,7 @@ class UpdateWorkers:
                 views[i].zero_()
             touched.clear()
 
-    def map(self, local: Callable[[], tuple[bool, dict[str, float]]],
-            shards: list[Shard]) -> list[tuple[bool, dict[str, float]]]:
+    def map(self, local: Callable[[], tuple[bool, Any]], shards: list[Shard]) -> list[tuple[bool, Any]]:
         """``[local(), run(shards[0]) in worker 1, ...]``: the first part runs here, with one thread."""
         try:
             replies = self.pool.map(local, [(), *[(k, s) for k, s in enumerate(shards)]])
@@ -135,9 +144,9 @@ class UpdateWorkers:
                 touched.update(range(len(self.params)))
             raise
         out = [replies[0]]
-        for k, (finite, stats, touched) in enumerate(replies[1:]):
+        for k, (finite, result, touched) in enumerate(replies[1:]):
             self.touched[k].update(touched)
-            out.append((finite, stats))
+            out.append((finite, result))
         return out
 
     def collect(self) -> None:
@@ -149,3 +158,81 @@ class UpdateWorkers:
 
     def close(self) -> None:
         self.pool.close()
+
+
+# ---------------------------------------------------------------------------------- the trainer's side
+def parallel_backward(trainer, workers, rows, data, old_logps, ref_logps, totals, stats) -> bool:
+    """The backward of a mini-batch with each micro-batch split by prompt over this process and ``workers``;
+    every part is weighted as a micro-batch of its own (see the module docstring). The
+    parts send back their per-token log-probs, entropies (and JS terms), from which the micro-batch's
+    metrics are computed here as the one-process path computes them."""
+    size = trainer.cfg.train.micro_batch_size
+    prompt_of = [tuple(p) for p in data.prompt_ids]
+    cost = [len(p) // max(1, trainer.cfg.rollout.group_size) + len(r)
+            for p, r in zip(data.prompt_ids, data.response_ids, strict=True)]
+    workers.begin()
+    for i in range(0, len(rows), size):
+        idx = rows[i : i + size]
+        parts = split_rows(idx, prompt_of, cost, workers.size)
+        shards = [Shard([data.prompt_ids[j] for j in part], [data.response_ids[j] for j in part],
+                        data.advantages[part].tolist(),
+                        None if old_logps is None else [old_logps[j].tolist() for j in part],
+                        None if ref_logps is None else [ref_logps[j].tolist() for j in part], totals)
+                  for part in parts[1:]]
+        here = parts[0]
+        results = workers.map(lambda here=here: local_part(trainer, here, data, old_logps, ref_logps, totals),
+                              shards)
+        if not all(finite for finite, _ in results):
+            return False
+        terms = {j: t for part, (_, part_terms) in zip(parts, results, strict=True)
+                 for j, t in zip(part, part_terms, strict=True)}
+        if not any(len(data.response_ids[j]) for j in idx):
+            continue
+        for k, v in micro_stats(trainer, idx, data, terms, old_logps, ref_logps).items():
+            stats[k] += v * len(idx) / len(rows)
+    workers.collect()
+    return True
+
+
+def micro_stats(trainer, idx, data, terms, old_logps, ref_logps) -> dict[str, float]:
+    """Metrics of micro-batch ``idx`` from its rows' per-token ``(logp, entropy, js)`` lists."""
+    lengths = [len(data.response_ids[j]) for j in idx]
+    width = max(1, *lengths)
+    mask = torch.zeros(len(idx), width)
+    cols = [torch.zeros(len(idx), width) for _ in range(3)]
+    has_js = any(terms[j][2] is not None for j in idx)
+    for k, (j, n) in enumerate(zip(idx, lengths, strict=True)):
+        mask[k, :n] = 1.0
+        for c, values in zip(cols, terms[j], strict=False):
+            if values is not None and n:
+                c[k, :n] = torch.tensor(values)
+    with torch.no_grad():
+        _, mstats = trainer._loss_and_stats(idx, mask, data, cols[0], cols[1], cols[2] if has_js else None,
+                                         old_logps, ref_logps)
+    return mstats
+
+
+def local_part(trainer, idx, data, old_logps, ref_logps, totals):
+    """This process's part of a micro-batch: ``(finite, per-row (logp, entropy, js) lists)``."""
+    mb = collate([data.prompt_ids[j] for j in idx], [data.response_ids[j] for j in idx], trainer.pad_id)
+    return part_backward(trainer, idx, mb, data, old_logps, ref_logps, totals)
+
+
+def remote_part(trainer, shard: Shard):
+    """An update worker's part (runs in the worker, on the trainer it inherited at fork time)."""
+    local = StepData(advantages=torch.tensor(shard.advantages, dtype=torch.float32))
+    old = None if shard.old_logps is None else [torch.tensor(x) for x in shard.old_logps]
+    ref = None if shard.ref_logps is None else [torch.tensor(x) for x in shard.ref_logps]
+    mb = collate(shard.prompts, shard.responses, trainer.pad_id)
+    return part_backward(trainer, list(range(len(shard.prompts))), mb, local, old, ref, shard.totals)
+
+
+def part_backward(trainer, idx, mb, data, old_logps, ref_logps, totals):
+    """Backward of one part; ``(finite, per-row (logp, entropy, js or None) lists)`` for :func:`micro_stats`."""
+    lengths = mb.response_mask.sum(-1).long().tolist()
+    if mb.num_tokens == 0:
+        return True, [([], [], None)] * len(idx)
+    finite, _, _, (logp, entropy, js) = trainer._backward_micro(idx, mb, data, old_logps, ref_logps, totals)
+    rows = [(logp[k, :n].tolist(), entropy[k, :n].tolist(), None if js is None else js[k, :n].tolist())
+            for k, n in enumerate(lengths)]
+    return finite, rows
