@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -109,6 +111,28 @@ def _trainer(tmp_path, name: str, *extra: str) -> Trainer:
     return Trainer(load_config(overrides=[*TINY, *extra]), tmp_path / name)
 
 
+@contextlib.contextmanager
+def _one_and_many(tmp_path, *extra: str, workers: int = 2):
+    """Two trainers with the same seed and settings: one in one process, one with ``workers`` processes."""
+    one = _trainer(tmp_path, "one", *extra, "train.update_workers=1")
+    many = _trainer(tmp_path, "many", *extra, f"train.update_workers={workers}")
+    try:
+        yield one, many
+    finally:
+        one.close()
+        many.close()
+
+
+def _random_advantages(data, seed: int) -> None:
+    """Every row gets a gradient (the tiny model's first rollouts score 0 in most groups)."""
+    data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_same_weights(one: Trainer, many: Trainer, atol: float = 1e-6, rtol: float = 1e-5) -> None:
+    for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, atol=atol, rtol=rtol)
+
+
 @needs_fork
 @pytest.mark.parametrize("extra", [
     ["recipe=grpo", "train.micro_batch_size=16"],
@@ -120,12 +144,9 @@ def _trainer(tmp_path, name: str, *extra: str) -> Trainer:
     ["recipe=grpo_kl", "train.lora_r=4", "train.micro_batch_size=16"],
 ])
 def test_parallel_update_equals_the_one_process_update(tmp_path, extra):
-    one = _trainer(tmp_path, "one", *extra, "train.update_workers=1")
-    many = _trainer(tmp_path, "many", *extra, "train.update_workers=3")
-    try:
+    with _one_and_many(tmp_path, *extra, workers=3) as (one, many):
         data, _ = one.sampler.run(0, 0)
-        # every row gets a gradient (the tiny model's first rollouts score 0 in most groups)
-        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(0))
+        _random_advantages(data, 0)
         m_one, m_many = one.update(data), many.update(data)
         assert many._workers is not None and one._workers is None
         scale = max(float(p.grad.abs().max()) for p in one.model.parameters() if p.grad is not None)
@@ -139,14 +160,10 @@ def test_parallel_update_equals_the_one_process_update(tmp_path, extra):
             assert m_many[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
         # the next update reads the new weights in the workers too
         data2, _ = one.sampler.run(1, 4)
-        data2.advantages = torch.randn(len(data2), generator=torch.Generator().manual_seed(1))
+        _random_advantages(data2, 1)
         one.update(data2)
         many.update(data2)
-        for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
-            torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4)
-    finally:
-        one.close()
-        many.close()
+        _assert_same_weights(one, many, atol=1e-5, rtol=1e-4)
 
 
 @needs_fork
@@ -181,9 +198,7 @@ def _vary_lengths(data, seed: int) -> None:
     ["recipe=gspo"],  # sequence-level clip fractions
 ])
 def test_metrics_do_not_depend_on_the_worker_count(tmp_path, extra):
-    one = _trainer(tmp_path, "one", *extra, "train.update_workers=1", "train.micro_batch_size=6")
-    many = _trainer(tmp_path, "many", *extra, "train.update_workers=3", "train.micro_batch_size=6")
-    try:
+    with _one_and_many(tmp_path, *extra, "train.micro_batch_size=6", workers=3) as (one, many):
         data, _ = one.sampler.run(0, 0)
         _vary_lengths(data, 0)
         m_one, m_many = one.update(data), many.update(data)
@@ -191,19 +206,14 @@ def test_metrics_do_not_depend_on_the_worker_count(tmp_path, extra):
         assert set(m_one) == set(m_many)
         for key, value in m_one.items():
             assert m_many[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
-    finally:
-        one.close()
-        many.close()
 
 
 @needs_fork
 def test_mei_epoch_then_workers_from_the_second_epoch(tmp_path):
     extra = ["recipe=grpo", "train.ppo_epochs=2", "diag.mei.every=1"]
-    one = _trainer(tmp_path, "one", *extra, "train.update_workers=1")
-    many = _trainer(tmp_path, "many", *extra, "train.update_workers=2")
-    try:
+    with _one_and_many(tmp_path, *extra, workers=2) as (one, many):
         data, _ = one.sampler.run(0, 0)
-        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(3))
+        _random_advantages(data, 3)
         one.mei.begin(len(data))
         many.mei.begin(len(data))
         for t in (one, many):
@@ -212,20 +222,14 @@ def test_mei_epoch_then_workers_from_the_second_epoch(tmp_path):
         assert many._workers is not None  # forked for the second epoch
         for key in ("loss/policy", "entropy/mean", "grad/norm", "clip/frac_low"):
             assert m_many[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
-        for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
-            torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
-    finally:
-        one.close()
-        many.close()
+        _assert_same_weights(one, many)
 
 
 @needs_fork
 def test_a_dead_update_worker_means_this_mini_batch_runs_here(tmp_path, caplog):
-    one = _trainer(tmp_path, "one", "train.update_workers=1", "train.micro_batch_size=16")
-    many = _trainer(tmp_path, "many", "train.update_workers=2", "train.micro_batch_size=16")
-    try:
+    with _one_and_many(tmp_path, "train.micro_batch_size=16", workers=2) as (one, many):
         data, _ = one.sampler.run(0, 0)
-        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(4))
+        _random_advantages(data, 4)
         one.update(data)
         many.update(data)
         many._workers.pool.procs[0].kill()
@@ -234,11 +238,7 @@ def test_a_dead_update_worker_means_this_mini_batch_runs_here(tmp_path, caplog):
             m_one, m_many = one.update(data), many.update(data)
         assert "update worker process died" in caplog.text and many.update_workers == 1
         assert m_many["loss/policy"] == pytest.approx(m_one["loss/policy"], rel=1e-5)
-        for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
-            torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
-    finally:
-        one.close()
-        many.close()
+        _assert_same_weights(one, many)
 
 
 @needs_fork
@@ -254,22 +254,16 @@ def test_a_non_finite_worker_part_skips_the_step_and_leaves_no_gradient_behind(t
         return out * float("nan") if os.getpid() != parent and poison.exists() else out
 
     monkeypatch.setattr(loop, "aggregate", poisoned)
-    one = _trainer(tmp_path, "one", "train.update_workers=1", "train.micro_batch_size=16")
-    many = _trainer(tmp_path, "many", "train.update_workers=2", "train.micro_batch_size=16")
-    try:
+    with _one_and_many(tmp_path, "train.micro_batch_size=16", workers=2) as (one, many):
         data, _ = one.sampler.run(0, 0)
-        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(5))
+        _random_advantages(data, 5)
         poison.touch()
         assert many.update(data).get("skipped/nonfinite") == 1.0  # the parent's part was finite
         poison.unlink()
         m_one, m_many = one.update(data), many.update(data)  # `one` never saw the skipped step
         assert "skipped/nonfinite" not in m_many
         assert m_many["grad/norm"] == pytest.approx(m_one["grad/norm"], rel=1e-5)
-        for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True):
-            torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
-    finally:
-        one.close()
-        many.close()
+        _assert_same_weights(one, many)
 
 
 @needs_fork
@@ -313,7 +307,7 @@ def test_bf16_weights_train_with_workers(tmp_path):
     t = _trainer(tmp_path, "bf16", "train.update_workers=2", "train.dtype=bfloat16")
     try:
         data, _ = t.sampler.run(0, 0)
-        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(7))
+        _random_advantages(data, 7)
         metrics = t.update(data)
         assert t._workers is not None and torch.isfinite(torch.tensor(metrics["grad/norm"]))
         assert all(p.grad is None or p.grad.dtype == torch.bfloat16 for p in t.model.parameters())
