@@ -313,3 +313,76 @@ def test_bf16_weights_train_with_workers(tmp_path):
         assert all(p.grad is None or p.grad.dtype == torch.bfloat16 for p in t.model.parameters())
     finally:
         t.close()
+
+
+def _some_zero_advantages(data, seed: int, zero_groups=(0, 2), group: int = 4) -> None:
+    _random_advantages(data, seed)
+    for g in zero_groups:
+        data.advantages[g * group : (g + 1) * group] = 0.0
+
+
+def _count_backward_rows(trainer: Trainer) -> list[int]:
+    seen: list[int] = []
+    real = trainer._backward_micro
+
+    def counted(idx, *args, **kwargs):
+        seen.append(len(idx))
+        return real(idx, *args, **kwargs)
+
+    trainer._backward_micro = counted
+    return seen
+
+
+@pytest.mark.parametrize("extra", [
+    ["recipe=grpo", "train.micro_batch_size=16"],
+    ["recipe=dr_grpo", "train.micro_batch_size=6"],
+    ["recipe=gspo", "train.ppo_epochs=2", "train.mini_batches=2", "train.micro_batch_size=5"],
+])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_zero_advantage_rows_skip_their_backward_and_change_nothing(tmp_path, extra, workers):
+    if workers > 1 and not fork_available():
+        pytest.skip("worker processes need fork (Linux)")
+    plain = _trainer(tmp_path, "plain", *extra, "train.update_workers=1", "train.skip_zero_advantage=false")
+    skip = _trainer(tmp_path, "skip", *extra, f"train.update_workers={workers}")
+    try:
+        backward_rows = _count_backward_rows(skip)
+        data, _ = plain.sampler.run(0, 0)
+        _vary_lengths(data, 1)
+        _some_zero_advantages(data, 1)
+        m_plain, m_skip = plain.update(data), skip.update(data)
+        if workers == 1:  # the parent's own count (workers count in their own processes)
+            assert 0 < sum(backward_rows) < len(data) * int(skip.cfg.train.ppo_epochs)
+        assert set(m_plain) == set(m_skip)
+        for key, value in m_plain.items():
+            assert m_skip[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        _assert_same_weights(plain, skip)
+        # a step where every advantage is 0: zero gradients, and AdamW's momentum still moves the weights
+        data.advantages = torch.zeros(len(data))
+        before = [p.detach().clone() for p in skip.model.parameters()]
+        m_plain, m_skip = plain.update(data), skip.update(data)
+        assert m_skip["grad/norm"] == m_plain["grad/norm"] == 0.0
+        _assert_same_weights(plain, skip)
+        assert any(not torch.equal(b, p) for b, p in zip(before, skip.model.parameters(), strict=True))
+    finally:
+        plain.close()
+        skip.close()
+
+
+def test_first_all_zero_step_gives_zero_gradients_not_none(tmp_path):
+    t = _trainer(tmp_path, "t", "train.update_workers=1", "train.micro_batch_size=16")
+    rows = _count_backward_rows(t)
+    data, _ = t.sampler.run(0, 0)
+    data.advantages = torch.zeros(len(data))
+    t.update(data)
+    assert rows == [1]  # one row kept so that the parameters it reaches get their zero gradient
+    assert all(p.grad is not None and not p.grad.any() for p in t.model.parameters())
+
+
+def test_terms_beyond_the_policy_loss_need_every_row(tmp_path):
+    assert _trainer(tmp_path, "g", "recipe=grpo").skips_zero_advantage()
+    assert not _trainer(tmp_path, "k", "recipe=grpo_kl").skips_zero_advantage()
+    assert not _trainer(tmp_path, "j", "recipe=grpo_js").skips_zero_advantage()
+    assert not _trainer(tmp_path, "o", "recipe=grpo", "train.skip_zero_advantage=false").skips_zero_advantage()
+    t = _trainer(tmp_path, "m", "recipe=grpo")
+    t._mei_collect = True
+    assert not t.skips_zero_advantage()

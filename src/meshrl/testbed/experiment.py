@@ -74,7 +74,8 @@ def base_overrides(s: ExperimentSettings, model_path: Path, max_new_tokens: int)
         "log.progress=false", "log.samples_per_step=-1",
         # The documented results (docs/testbed.md, README's demo table) were sampled with transformers'
         # generate and scored in one pass in one process; pinned so that they reproduce sample for sample.
-        "rollout.backend=hf", "train.share_prompts=false", "train.update_workers=1", *s.extra,
+        "rollout.backend=hf", "train.share_prompts=false", "train.update_workers=1",
+        "train.skip_zero_advantage=false", *s.extra,
     ]
 
 

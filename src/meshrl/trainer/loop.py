@@ -294,7 +294,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         workers = self._update_workers(params)
         finite = None
-        if workers is not None:
+        if workers is None and self.skips_zero_advantage() and bool((data.advantages[rows] == 0).any()):
+            finite = parallel_backward(self, None, rows, data, old_logps, ref_logps, totals, stats)  # one part
+        elif workers is not None:
             try:
                 finite = parallel_backward(self, workers, rows, data, old_logps, ref_logps, totals, stats)
             except WorkerDied as err:  # e.g. the OOM killer took one: redo this mini-batch here, go on in one process
@@ -331,6 +333,20 @@ class Trainer:
         if balance_grads is not None:
             stats.update(self._merge_balance_grads(params, balance_grads))
         return True
+
+    def skips_zero_advantage(self) -> bool:
+        """Whether rows with advantage 0 may skip their backward (``train.skip_zero_advantage``): only when the
+        loss is the policy term alone and no per-step collector needs every row's logits."""
+        rec = self.recipe
+        return (self.cfg.train.skip_zero_advantage and rec.kl_coef == 0 and rec.js_coef == 0
+                and self.balance_w is None and self.support_w is None and not self._mei_collect)
+
+    @torch.no_grad()
+    def response_terms(self, mb) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies ``[n, T]`` of a micro-batch, without a graph."""
+        temp = self.cfg.rollout.temperature
+        logits = self.logits_of(self.model, mb)
+        return token_logprobs(logits, mb.response_ids, temp), token_entropy(logits, temp)
 
     def _backward_micro(self, idx, mb, data, old_logps, ref_logps, totals):
         """Loss of one micro-batch, backward with its :func:`micro_weight`; ``(finite, stats, seq_logp,

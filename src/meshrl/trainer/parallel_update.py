@@ -1,16 +1,22 @@
-"""The update's forward/backward split over forked CPU processes: data parallelism inside one machine.
+"""The update's forward/backward in parts: split over forked CPU processes (data parallelism inside one
+machine), and rows whose gradient is exactly zero left out of the backward.
 
-On a CPU, one process with ``k`` torch threads leaves most of ``k - 1`` cores idle for a small model:
-BLAS threads small matmuls poorly and elementwise ops below torch's parallel grain run on one thread. ``k``
-processes with one thread each, every one running a shard of each micro-batch, keep every core busy
-(tiny:small GRPO update, 64 rollouts, 2 cores: 262 ms with 2 threads, 190 ms as 2 processes).
+On a CPU, one process with ``k`` torch threads leaves much of ``k - 1`` cores idle for a small model: BLAS
+threads small matmuls poorly and elementwise ops below torch's parallel grain run on one thread. ``k``
+processes with one thread each, every one running a part of each micro-batch, keep every core busy
+(tiny:small GRPO update, 64 rollouts, 2 cores: 243-250 ms with 2 threads, 215-226 ms as 2 processes).
 
-A shard is a set of whole prompt groups, so the shared-prompt forward still runs each prompt once. Each
-shard is weighted as a micro-batch of its own (:func:`meshrl.trainer.batch.micro_weight`), so the sum of
-the shards' gradients is the micro-batch's gradient, up to float rounding of the summation order. A worker
-accumulates its gradients into a flat shared-memory buffer of its own; the parent adds the buffers into
-``.grad`` after the mini-batch, and only for parameters a worker gave a gradient (a parameter no row
-reached keeps ``grad=None``, as in one process).
+A part is a set of whole prompt groups, so the shared-prompt forward still runs each prompt once. Each part
+is weighted as a micro-batch of its own (:func:`meshrl.trainer.batch.micro_weight` with the mini-batch's
+totals), so the parts' gradients sum to the micro-batch's gradient, up to float rounding of the summation
+order. A worker accumulates its gradients into a flat shared-memory buffer of its own; the parent adds the
+buffers into ``.grad`` after the mini-batch, and only for parameters a worker gave a gradient (a parameter
+no row reached keeps ``grad=None``, as in one process).
+
+The same parts carry the zero-advantage shortcut (also in one process): when the loss is the policy term
+alone, a row with advantage 0 has an exactly zero gradient (``A`` times a function of the ratio), so it runs
+a no-grad forward for its metrics only. With binary rewards whole groups often score alike (a model that
+never closes its answer tag gets reward 0 everywhere, and then every row's backward is wasted work).
 """
 
 from __future__ import annotations
@@ -162,26 +168,32 @@ class UpdateWorkers:
 
 # ---------------------------------------------------------------------------------- the trainer's side
 def parallel_backward(trainer, workers, rows, data, old_logps, ref_logps, totals, stats) -> bool:
-    """The backward of a mini-batch with each micro-batch split by prompt over this process and ``workers``;
-    every part is weighted as a micro-batch of its own (see the module docstring). The
-    parts send back their per-token log-probs, entropies (and JS terms), from which the micro-batch's
-    metrics are computed here as the one-process path computes them."""
+    """The backward of a mini-batch in parts: each micro-batch split by prompt over this process and
+    ``workers`` (None: one part, here), every part weighted as a micro-batch of its own (see the module
+    docstring). Rows whose gradient is exactly zero only run forward (:func:`part_backward`). The parts send
+    back their per-token log-probs, entropies (and JS terms), from which the micro-batch's metrics are
+    computed here as the one-process path computes them."""
     size = trainer.cfg.train.micro_batch_size
     prompt_of = [tuple(p) for p in data.prompt_ids]
     cost = [len(p) // max(1, trainer.cfg.rollout.group_size) + len(r)
             for p, r in zip(data.prompt_ids, data.response_ids, strict=True)]
-    workers.begin()
+    if workers is not None:
+        workers.begin()
     for i in range(0, len(rows), size):
         idx = rows[i : i + size]
-        parts = split_rows(idx, prompt_of, cost, workers.size)
+        parts = split_rows(idx, prompt_of, cost, workers.size) if workers is not None else [idx]
         shards = [Shard([data.prompt_ids[j] for j in part], [data.response_ids[j] for j in part],
                         data.advantages[part].tolist(),
                         None if old_logps is None else [old_logps[j].tolist() for j in part],
                         None if ref_logps is None else [ref_logps[j].tolist() for j in part], totals)
                   for part in parts[1:]]
         here = parts[0]
-        results = workers.map(lambda here=here: local_part(trainer, here, data, old_logps, ref_logps, totals),
-                              shards)
+
+        def local(here=here):
+            return part_backward(trainer, here, [data.prompt_ids[j] for j in here],
+                                 [data.response_ids[j] for j in here], data, old_logps, ref_logps, totals)
+
+        results = workers.map(local, shards) if workers is not None else [local()]
         if not all(finite for finite, _ in results):
             return False
         terms = {j: t for part, (_, part_terms) in zip(parts, results, strict=True)
@@ -190,7 +202,8 @@ def parallel_backward(trainer, workers, rows, data, old_logps, ref_logps, totals
             continue
         for k, v in micro_stats(trainer, idx, data, terms, old_logps, ref_logps).items():
             stats[k] += v * len(idx) / len(rows)
-    workers.collect()
+    if workers is not None:
+        workers.collect()
     return True
 
 
@@ -212,27 +225,49 @@ def micro_stats(trainer, idx, data, terms, old_logps, ref_logps) -> dict[str, fl
     return mstats
 
 
-def local_part(trainer, idx, data, old_logps, ref_logps, totals):
-    """This process's part of a micro-batch: ``(finite, per-row (logp, entropy, js) lists)``."""
-    mb = collate([data.prompt_ids[j] for j in idx], [data.response_ids[j] for j in idx], trainer.pad_id)
-    return part_backward(trainer, idx, mb, data, old_logps, ref_logps, totals)
-
-
 def remote_part(trainer, shard: Shard):
     """An update worker's part (runs in the worker, on the trainer it inherited at fork time)."""
     local = StepData(advantages=torch.tensor(shard.advantages, dtype=torch.float32))
     old = None if shard.old_logps is None else [torch.tensor(x) for x in shard.old_logps]
     ref = None if shard.ref_logps is None else [torch.tensor(x) for x in shard.ref_logps]
-    mb = collate(shard.prompts, shard.responses, trainer.pad_id)
-    return part_backward(trainer, list(range(len(shard.prompts))), mb, local, old, ref, shard.totals)
+    return part_backward(trainer, list(range(len(shard.prompts))), shard.prompts, shard.responses, local, old, ref,
+                         shard.totals)
 
 
-def part_backward(trainer, idx, mb, data, old_logps, ref_logps, totals):
-    """Backward of one part; ``(finite, per-row (logp, entropy, js or None) lists)`` for :func:`micro_stats`."""
-    lengths = mb.response_mask.sum(-1).long().tolist()
-    if mb.num_tokens == 0:
-        return True, [([], [], None)] * len(idx)
-    finite, _, _, (logp, entropy, js) = trainer._backward_micro(idx, mb, data, old_logps, ref_logps, totals)
-    rows = [(logp[k, :n].tolist(), entropy[k, :n].tolist(), None if js is None else js[k, :n].tolist())
-            for k, n in enumerate(lengths)]
-    return finite, rows
+def zero_gradient_rows(trainer, idx, data, lengths) -> set[int]:
+    """Positions in ``idx`` of non-empty rows whose loss gradient is exactly zero: advantage 0 when the loss
+    has no other term (every registered policy loss is ``A`` times a function of the ratio; KL, JS, strategy
+    balancing and MEI need every row). One such row is kept for a part that has nothing else, so that the
+    parameters it reaches get their (zero) gradient and AdamW steps them as it would without skipping."""
+    if not trainer.skips_zero_advantage():
+        return set()
+    zero = {k for k, j in enumerate(idx) if lengths[k] > 0 and float(data.advantages[j]) == 0.0}
+    if zero and all(lengths[k] == 0 or k in zero for k in range(len(idx))):
+        zero.discard(min(zero, key=lambda k: (lengths[k], k)))
+    return zero
+
+
+def part_backward(trainer, idx, prompts, responses, data, old_logps, ref_logps, totals):
+    """Backward of one part; ``(finite, per-row (logp, entropy, js or None) lists)`` for :func:`micro_stats`.
+    Rows of :func:`zero_gradient_rows` only run a no-grad forward, for their metrics; a non-finite log-prob
+    there counts as a non-finite loss, as it would have made the whole loss non-finite."""
+    lengths = [len(r) for r in responses]
+    out: list[tuple] = [([], [], None)] * len(idx)
+    zero = zero_gradient_rows(trainer, idx, data, lengths)
+    finite = True
+    for grad in (True, False):
+        ks = [k for k in range(len(idx)) if lengths[k] > 0 and (k in zero) != grad]
+        if not ks:
+            continue
+        mb = collate([prompts[k] for k in ks], [responses[k] for k in ks], trainer.pad_id)
+        sub = [idx[k] for k in ks]
+        if grad:
+            ok, _, _, (logp, entropy, js) = trainer._backward_micro(sub, mb, data, old_logps, ref_logps, totals)
+        else:
+            logp, entropy = trainer.response_terms(mb)
+            ok, js = bool(torch.isfinite(logp[mb.response_mask > 0]).all()), None
+        finite = finite and ok
+        for pos, k in enumerate(ks):
+            n = lengths[k]
+            out[k] = (logp[pos, :n].tolist(), entropy[pos, :n].tolist(), None if js is None else js[pos, :n].tolist())
+    return finite, out
