@@ -30,7 +30,9 @@ no gradient checkpointing               ``gradient_checkpointing=False`` (TRL de
 =====================================  ======================================================
 
 meshrl keeps its defaults for *how* it computes (native decoder with one forked process per torch thread,
-shared-prompt update in 2 length buckets); what is computed is the same as TRL's.
+shared-prompt update with the responses of a prompt packed into rows, the update's micro-batches split over one
+forked process per torch thread, no backward for rows whose advantage is 0, whose gradient is exactly zero);
+what is computed is the same as TRL's.
 
 A step is one generation of P*G completions, their rewards and advantages, one forward/backward over
 them and one optimiser step. The first ``--warmup`` steps of each side are not timed; then ``--steps``
