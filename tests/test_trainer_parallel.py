@@ -9,7 +9,14 @@ import torch
 
 from meshrl.forkpool import WorkerError, fork_available
 from meshrl.trainer import Trainer, load_config
-from meshrl.trainer.parallel_update import Shard, UpdateWorkers, split_rows, update_worker_count
+from meshrl.trainer.parallel_update import (
+    Shard,
+    UpdateWorkers,
+    kept_row,
+    routed_experts,
+    split_rows,
+    update_worker_count,
+)
 
 needs_fork = pytest.mark.skipif(not fork_available(), reason="worker processes need fork (Linux)")
 
@@ -41,6 +48,10 @@ def test_update_worker_count():
     if fork_available():
         assert update_worker_count(3, model) == 3
         assert update_worker_count(0, model) == min(torch.get_num_threads(), 8)
+        big = torch.nn.Linear(4100, 4100)  # 16.8M trainable: the gradient hand-off would cost more than it gains
+        assert update_worker_count(0, big) == 1 and update_worker_count(2, big) == 2
+        big.requires_grad_(False)  # frozen (a LoRA base): only trainable parameters count
+        assert update_worker_count(0, torch.nn.Sequential(big, model)) == min(torch.get_num_threads(), 8)
     with pytest.raises(ValueError, match="train.update_workers"):
         load_config(overrides=["train.update_workers=-1"])
 
@@ -337,6 +348,11 @@ def _count_backward_rows(trainer: Trainer) -> list[int]:
     ["recipe=grpo", "train.micro_batch_size=16"],
     ["recipe=dr_grpo", "train.micro_batch_size=6"],
     ["recipe=gspo", "train.ppo_epochs=2", "train.mini_batches=2", "train.micro_batch_size=5"],
+    ["recipe=dapo", "train.micro_batch_size=16"],
+    ["recipe=grpo", "algo.policy_loss=cispo", "train.micro_batch_size=16"],
+    ["recipe=grpo", "algo.policy_loss=gspo_token", "train.micro_batch_size=16"],
+    ["recipe=grpo", "algo.clip_dual=3.0", "train.ppo_epochs=2", "train.micro_batch_size=16"],
+    ["recipe=grpo", "train.lora_r=4", "train.micro_batch_size=16"],
 ])
 @pytest.mark.parametrize("workers", [1, 2])
 def test_zero_advantage_rows_skip_their_backward_and_change_nothing(tmp_path, extra, workers):
@@ -385,4 +401,64 @@ def test_terms_beyond_the_policy_loss_need_every_row(tmp_path):
     assert not _trainer(tmp_path, "o", "recipe=grpo", "train.skip_zero_advantage=false").skips_zero_advantage()
     t = _trainer(tmp_path, "m", "recipe=grpo")
     t._mei_collect = True
+    assert not t.skips_zero_advantage()
+
+
+def test_a_non_finite_log_prob_raises_with_or_without_skipping(tmp_path, monkeypatch):
+    from meshrl.trainer import loop
+
+    real = loop.token_logprobs
+
+    def poisoned(logits, tokens, temperature=1.0):
+        out = real(logits, tokens, temperature)
+        return torch.cat([out[:1] * float("nan"), out[1:]])  # the first row of every batch
+
+    monkeypatch.setattr(loop, "token_logprobs", poisoned)
+    for flag in ("true", "false"):
+        t = _trainer(tmp_path, flag, "train.update_workers=1", "train.micro_batch_size=16",
+                     f"train.skip_zero_advantage={flag}")
+        data, _ = t.sampler.run(0, 0)
+        _some_zero_advantages(data, 2, zero_groups=(0,))  # rows 0-3 would run forward only
+        with pytest.raises(ValueError, match="logp has .* non-finite"):
+            t.update(data)
+
+
+def test_the_parent_decides_skipping_and_the_kept_row_for_the_workers(tmp_path, monkeypatch):
+    if not fork_available():
+        pytest.skip("worker processes need fork (Linux)")
+    t = _trainer(tmp_path, "t", "train.update_workers=2", "train.micro_batch_size=16")
+    sent = []
+    real = UpdateWorkers.map
+
+    def spy(self, local, shards):
+        sent.extend(shards)
+        return real(self, local, shards)
+
+    monkeypatch.setattr(UpdateWorkers, "map", spy)
+    try:
+        data, _ = t.sampler.run(0, 0)
+        _some_zero_advantages(data, 3)
+        t.update(data)
+        assert sent and all(s.skip_zero and s.keep == -1 for s in sent)  # other rows have gradients
+        sent.clear()
+        data.advantages = torch.zeros(len(data))
+        t.update(data)
+        kept = kept_row(list(range(len(data))), data)
+        shortest = min(len(r) for r in data.response_ids if r)
+        assert kept is not None and len(data.response_ids[kept]) == shortest
+        assert sum(s.keep >= 0 for s in sent) <= 1  # one kept row in the whole mini-batch, here or there
+    finally:
+        t.close()
+
+
+def test_mixture_of_experts_models_do_not_skip(tmp_path):
+    class Cfg:
+        num_local_experts = 8
+
+    class Moe(torch.nn.Linear):
+        config = Cfg()
+
+    assert routed_experts(Moe(2, 2)) and not routed_experts(torch.nn.Linear(2, 2))
+    t = _trainer(tmp_path, "t", "recipe=grpo")
+    t._routed = True
     assert not t.skips_zero_advantage()

@@ -48,7 +48,7 @@ class TrainConfig:
     share_prompts: bool = True  # run each distinct prompt once per micro-batch and reuse its KV cache
     pack_responses: bool = True  # Llama-family: responses of one prompt packed into rows (block-diagonal mask)
     length_buckets: int = 2  # otherwise: response-length groups per micro-batch, each padded to its longest
-    update_workers: int = 0  # CPU: processes sharing each micro-batch's forward/backward (0 = one per thread)
+    update_workers: int = 0  # CPU: processes sharing each micro-batch (0 = one per thread up to 16M trainable)
     skip_zero_advantage: bool = True  # rows with advantage 0 run forward only when their gradient is exactly 0
     lora_r: int = 0  # > 0 enables LoRA (peft) with this rank
     lora_alpha: int = 16

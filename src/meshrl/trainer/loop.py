@@ -32,7 +32,13 @@ from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_c
 from meshrl.trainer.config import RunConfig, save_config
 from meshrl.trainer.mei_monitor import MeiMonitor
 from meshrl.trainer.mesh_support import balance_row_weights, prepare_prefixes, support_backward, support_row_weights
-from meshrl.trainer.parallel_update import UpdateWorkers, parallel_backward, remote_part, update_worker_count
+from meshrl.trainer.parallel_update import (
+    UpdateWorkers,
+    parallel_backward,
+    remote_part,
+    routed_experts,
+    update_worker_count,
+)
 from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData, strategy_figures
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
@@ -96,6 +102,7 @@ class Trainer:
         self.balance_w: torch.Tensor | None = None  # per-row balancing weights of the current step
         self.support_w: torch.Tensor | None = None
         self.update_workers = update_worker_count(cfg.train.update_workers, self.model)
+        self._routed = routed_experts(self.model)
         self._workers: UpdateWorkers | None = None
 
     def _pad_id(self) -> int:
@@ -336,10 +343,12 @@ class Trainer:
 
     def skips_zero_advantage(self) -> bool:
         """Whether rows with advantage 0 may skip their backward (``train.skip_zero_advantage``): only when the
-        loss is the policy term alone and no per-step collector needs every row's logits."""
+        loss is the policy term alone, no per-step collector needs every row's logits, and every row reaches
+        every parameter (not so with routed experts: one kept row would not give them their zero gradient)."""
         rec = self.recipe
         return (self.cfg.train.skip_zero_advantage and rec.kl_coef == 0 and rec.js_coef == 0
-                and self.balance_w is None and self.support_w is None and not self._mei_collect)
+                and self.balance_w is None and self.support_w is None and not self._mei_collect
+                and not self._routed)
 
     @torch.no_grad()
     def response_terms(self, mb) -> tuple[torch.Tensor, torch.Tensor]:

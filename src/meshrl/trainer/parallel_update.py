@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from meshrl.algos._checks import check_tensor
 from meshrl.forkpool import ForkPool, check_shared_memory, fork_available
 from meshrl.trainer.batch import collate
 from meshrl.trainer.rollout_step import StepData
@@ -36,16 +37,25 @@ from meshrl.trainer.rollout_step import StepData
 log = logging.getLogger("meshrl")
 
 MAX_DEFAULT_WORKERS = 8
+# Auto uses workers only up to this many trainable parameters: every mini-batch hands each worker's gradients
+# over through memory (four passes over them), which outweighs the second process on a full fine-tune of
+# SmolLM2-135M (update of 8 rollouts: 2.31 s in one process with 2 threads, 2.72 s with 2 processes) but not
+# for tiny:small (1M: 243-250 -> 215-226 ms) or SmolLM2 with LoRA r=8 (2.4M trainable: 2.12 -> 1.54 s).
+AUTO_MAX_TRAINABLE = 16_000_000
 
 
 def update_worker_count(setting: int, model: torch.nn.Module) -> int:
     """Processes for the update: ``setting`` (``train.update_workers``) when >= 1, else (0 = auto) one per
-    torch thread, at most :data:`MAX_DEFAULT_WORKERS`. Always 1 off the CPU or without ``fork``, and when
-    CUDA is available (torch refuses a backward in a process forked after its CUDA autograd threads started)."""
+    torch thread, at most :data:`MAX_DEFAULT_WORKERS`, when the model has at most :data:`AUTO_MAX_TRAINABLE`
+    trainable parameters. Always 1 off the CPU or without ``fork``, and when CUDA is available (torch refuses
+    a backward in a process forked after its CUDA autograd threads started)."""
     if (setting == 1 or next(model.parameters()).device.type != "cpu" or not fork_available()
             or torch.cuda.is_available()):
         return 1
-    return setting if setting >= 2 else min(torch.get_num_threads(), MAX_DEFAULT_WORKERS)
+    if setting >= 2:
+        return setting
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return min(torch.get_num_threads(), MAX_DEFAULT_WORKERS) if trainable <= AUTO_MAX_TRAINABLE else 1
 
 
 @dataclass
@@ -58,6 +68,8 @@ class Shard:
     old_logps: list[list[float]] | None
     ref_logps: list[list[float]] | None
     totals: tuple[int, int, int]  # the mini-batch's (tokens, non-empty rows, rows), for micro_weight
+    skip_zero: bool = False  # rows with advantage 0 run forward only (decided by the parent)
+    keep: int = -1  # ... except this one (index in the shard), when nothing else in the mini-batch has a gradient
 
 
 def split_rows(rows: list[int], prompt_of: list[tuple[int, ...]], cost: list[int], parts: int) -> list[list[int]]:
@@ -174,9 +186,11 @@ def parallel_backward(trainer, workers, rows, data, old_logps, ref_logps, totals
     back their per-token log-probs, entropies (and JS terms), from which the micro-batch's metrics are
     computed here as the one-process path computes them."""
     size = trainer.cfg.train.micro_batch_size
+    skip = trainer.skips_zero_advantage()
+    keep = kept_row(rows, data) if skip else None
     prompt_of = [tuple(p) for p in data.prompt_ids]
-    cost = [len(p) // max(1, trainer.cfg.rollout.group_size) + len(r)
-            for p, r in zip(data.prompt_ids, data.response_ids, strict=True)]
+    cost = [(len(p) // max(1, trainer.cfg.rollout.group_size) + len(r)) / (3 if skip and a == 0 else 1)
+            for p, r, a in zip(data.prompt_ids, data.response_ids, data.advantages.tolist(), strict=True)]
     if workers is not None:
         workers.begin()
     for i in range(0, len(rows), size):
@@ -185,13 +199,15 @@ def parallel_backward(trainer, workers, rows, data, old_logps, ref_logps, totals
         shards = [Shard([data.prompt_ids[j] for j in part], [data.response_ids[j] for j in part],
                         data.advantages[part].tolist(),
                         None if old_logps is None else [old_logps[j].tolist() for j in part],
-                        None if ref_logps is None else [ref_logps[j].tolist() for j in part], totals)
+                        None if ref_logps is None else [ref_logps[j].tolist() for j in part], totals,
+                        skip, part.index(keep) if keep in part else -1)
                   for part in parts[1:]]
         here = parts[0]
 
         def local(here=here):
             return part_backward(trainer, here, [data.prompt_ids[j] for j in here],
-                                 [data.response_ids[j] for j in here], data, old_logps, ref_logps, totals)
+                                 [data.response_ids[j] for j in here], data, old_logps, ref_logps, totals,
+                                 skip, here.index(keep) if keep in here else -1)
 
         results = workers.map(local, shards) if workers is not None else [local()]
         if not all(finite for finite, _ in results):
@@ -205,6 +221,24 @@ def parallel_backward(trainer, workers, rows, data, old_logps, ref_logps, totals
     if workers is not None:
         workers.collect()
     return True
+
+
+def routed_experts(model: torch.nn.Module) -> bool:
+    """True for mixture-of-experts configs (a row reaches only the experts its tokens are routed to)."""
+    from meshrl.models import base_model
+
+    config = getattr(base_model(model), "config", None)
+    return any(getattr(config, k, 0) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def kept_row(rows: list[int], data) -> int | None:
+    """The row that keeps its backward when every non-empty row of the mini-batch has advantage 0 (the
+    shortest): its zero gradient reaches the parameters, so that AdamW steps them as it would without
+    skipping (a parameter with ``grad=None`` is not stepped at all). None when some row has a gradient."""
+    live = [j for j in rows if data.response_ids[j]]
+    if not live or any(float(data.advantages[j]) != 0.0 for j in live):
+        return None
+    return min(live, key=lambda j: (len(data.response_ids[j]), j))
 
 
 def micro_stats(trainer, idx, data, terms, old_logps, ref_logps) -> dict[str, float]:
@@ -231,29 +265,21 @@ def remote_part(trainer, shard: Shard):
     old = None if shard.old_logps is None else [torch.tensor(x) for x in shard.old_logps]
     ref = None if shard.ref_logps is None else [torch.tensor(x) for x in shard.ref_logps]
     return part_backward(trainer, list(range(len(shard.prompts))), shard.prompts, shard.responses, local, old, ref,
-                         shard.totals)
+                         shard.totals, shard.skip_zero, shard.keep)
 
 
-def zero_gradient_rows(trainer, idx, data, lengths) -> set[int]:
-    """Positions in ``idx`` of non-empty rows whose loss gradient is exactly zero: advantage 0 when the loss
-    has no other term (every registered policy loss is ``A`` times a function of the ratio; KL, JS, strategy
-    balancing and MEI need every row). One such row is kept for a part that has nothing else, so that the
-    parameters it reaches get their (zero) gradient and AdamW steps them as it would without skipping."""
-    if not trainer.skips_zero_advantage():
-        return set()
-    zero = {k for k, j in enumerate(idx) if lengths[k] > 0 and float(data.advantages[j]) == 0.0}
-    if zero and all(lengths[k] == 0 or k in zero for k in range(len(idx))):
-        zero.discard(min(zero, key=lambda k: (lengths[k], k)))
-    return zero
-
-
-def part_backward(trainer, idx, prompts, responses, data, old_logps, ref_logps, totals):
+def part_backward(trainer, idx, prompts, responses, data, old_logps, ref_logps, totals, skip_zero: bool = False,
+                  keep: int = -1):
     """Backward of one part; ``(finite, per-row (logp, entropy, js or None) lists)`` for :func:`micro_stats`.
-    Rows of :func:`zero_gradient_rows` only run a no-grad forward, for their metrics; a non-finite log-prob
-    there counts as a non-finite loss, as it would have made the whole loss non-finite."""
+
+    With ``skip_zero``, non-empty rows with advantage 0 (except position ``keep``) run a no-grad forward only,
+    for their metrics: when the loss is the policy term alone their gradient is exactly zero (every registered
+    policy loss is ``A`` times a function of the clamped ratio). Their log-probs are checked as the policy
+    loss checks its input (a non-finite one raises ``ValueError`` as it would have there)."""
     lengths = [len(r) for r in responses]
     out: list[tuple] = [([], [], None)] * len(idx)
-    zero = zero_gradient_rows(trainer, idx, data, lengths)
+    zero = ({k for k, j in enumerate(idx) if lengths[k] > 0 and k != keep and float(data.advantages[j]) == 0.0}
+            if skip_zero else set())
     finite = True
     for grad in (True, False):
         ks = [k for k in range(len(idx)) if lengths[k] > 0 and (k in zero) != grad]
@@ -263,10 +289,11 @@ def part_backward(trainer, idx, prompts, responses, data, old_logps, ref_logps, 
         sub = [idx[k] for k in ks]
         if grad:
             ok, _, _, (logp, entropy, js) = trainer._backward_micro(sub, mb, data, old_logps, ref_logps, totals)
+            finite = finite and ok
         else:
             logp, entropy = trainer.response_terms(mb)
-            ok, js = bool(torch.isfinite(logp[mb.response_mask > 0]).all()), None
-        finite = finite and ok
+            check_tensor("logp", logp)
+            js = None
         for pos, k in enumerate(ks):
             n = lengths[k]
             out[k] = (logp[pos, :n].tolist(), entropy[pos, :n].tolist(), None if js is None else js[pos, :n].tolist())
