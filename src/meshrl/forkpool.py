@@ -108,17 +108,15 @@ class ForkPool:
 
     ``fn(*args)`` must be a function of picklable arguments that returns a picklable result; it is
     called in the workers with the objects they inherited at fork time (the model, whose parameters live
-    in shared memory, and whatever ``fn`` is bound to). ``extra_shared`` counts bytes of shared memory the
-    caller has allocated besides the model's, for the room check; ``name`` is what errors call the workers.
+    in shared memory, and whatever ``fn`` is bound to). ``name`` is what errors call the workers.
     """
 
-    def __init__(self, model: torch.nn.Module, fn: Callable, workers: int, extra_shared: int = 0,
-                 name: str = "worker"):
+    def __init__(self, model: torch.nn.Module, fn: Callable, workers: int, name: str = "worker"):
         if workers < 2:
             raise ValueError(f"a worker pool needs >= 2 workers, got {workers}")
         if not fork_available():
             raise RuntimeError("worker processes need the 'fork' start method on Linux")
-        check_shared_memory(model, extra_shared)
+        check_shared_memory(model)
         model.share_memory()
         self.model, self.params, self.name = model, list(model.parameters()), name
         ctx = mp.get_context("fork")

@@ -301,10 +301,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         workers = self._update_workers(params)
         finite = None
-        if workers is None and self.skips_zero_advantage() and bool((data.advantages[rows] == 0).any()):
-            finite = parallel_backward(self, None, rows, data, old_logps, ref_logps, totals, stats)  # one part
-        elif workers is not None:
-            try:
+        if workers is not None or (self.skips_zero_advantage() and bool((data.advantages[rows] == 0).any())):
+            try:  # in parts (workers None: one part, here)
                 finite = parallel_backward(self, workers, rows, data, old_logps, ref_logps, totals, stats)
             except WorkerDied as err:  # e.g. the OOM killer took one: redo this mini-batch here, go on in one process
                 log.warning("update: %s; continuing in one process", err)
@@ -347,8 +345,11 @@ class Trainer:
         every parameter (not so with routed experts: one kept row would not give them their zero gradient)."""
         rec = self.recipe
         return (self.cfg.train.skip_zero_advantage and rec.kl_coef == 0 and rec.js_coef == 0
-                and self.balance_w is None and self.support_w is None and not self._mei_collect
-                and not self._routed)
+                and not self._needs_every_row_here() and not self._routed)
+
+    def _needs_every_row_here(self) -> bool:
+        """MEI collection and strategy balancing need every row's logits or graph in this process."""
+        return self._mei_collect or self.balance_w is not None or self.support_w is not None
 
     @torch.no_grad()
     def response_terms(self, mb) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,8 +371,7 @@ class Trainer:
     def _update_workers(self, params) -> UpdateWorkers | None:
         """The update's worker processes, or None when this mini-batch runs in one process: one worker
         configured, a GPU, or a term that needs every row here (MEI collection, strategy balancing)."""
-        if (self.update_workers < 2 or self._mei_collect or self.balance_w is not None
-                or self.support_w is not None):
+        if self.update_workers < 2 or self._needs_every_row_here():
             return None
         if self._workers is not None and not self._workers.usable(self.model, params):
             self._workers.close()

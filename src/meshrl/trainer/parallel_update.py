@@ -104,7 +104,7 @@ class UpdateWorkers:
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
                  run: Callable[[Shard], tuple[bool, Any]], workers: int):
-        self.model, self.params, self.run = model, params, run
+        self.params, self.run = params, run
         self.grads: list[list[torch.Tensor]] = []  # per worker, one view per parameter
         by_dtype: dict[torch.dtype, int] = {}
         for p in params:
@@ -121,7 +121,7 @@ class UpdateWorkers:
                 offsets[p.dtype] = o + p.numel()
             self.grads.append(views)
         self.touched: list[set[int]] = [set() for _ in self.grads]
-        self.pool = ForkPool(model, self._remote, workers, extra_shared=extra, name="update")
+        self.pool = ForkPool(model, self._remote, workers, name="update")
 
     @property
     def size(self) -> int:
@@ -242,7 +242,8 @@ def kept_row(rows: list[int], data) -> int | None:
 
 
 def micro_stats(trainer, idx, data, terms, old_logps, ref_logps) -> dict[str, float]:
-    """Metrics of micro-batch ``idx`` from its rows' per-token ``(logp, entropy, js)`` lists."""
+    """Metrics of micro-batch ``idx`` from its rows' per-token ``(logp, entropy, js)`` (tensors, or lists from a
+    worker)."""
     lengths = [len(data.response_ids[j]) for j in idx]
     width = max(1, *lengths)
     mask = torch.zeros(len(idx), width)
@@ -252,7 +253,7 @@ def micro_stats(trainer, idx, data, terms, old_logps, ref_logps) -> dict[str, fl
         mask[k, :n] = 1.0
         for c, values in zip(cols, terms[j], strict=False):
             if values is not None and n:
-                c[k, :n] = torch.tensor(values)
+                c[k, :n] = torch.as_tensor(values)
     with torch.no_grad():
         _, mstats = trainer._loss_and_stats(idx, mask, data, cols[0], cols[1], cols[2] if has_js else None,
                                          old_logps, ref_logps)
@@ -264,20 +265,21 @@ def remote_part(trainer, shard: Shard):
     local = StepData(advantages=torch.tensor(shard.advantages, dtype=torch.float32))
     old = None if shard.old_logps is None else [torch.tensor(x) for x in shard.old_logps]
     ref = None if shard.ref_logps is None else [torch.tensor(x) for x in shard.ref_logps]
-    return part_backward(trainer, list(range(len(shard.prompts))), shard.prompts, shard.responses, local, old, ref,
-                         shard.totals, shard.skip_zero, shard.keep)
+    finite, rows = part_backward(trainer, list(range(len(shard.prompts))), shard.prompts, shard.responses, local,
+                                 old, ref, shard.totals, shard.skip_zero, shard.keep)
+    return finite, [tuple(None if x is None else x.tolist() for x in row) for row in rows]  # plain values for the pipe
 
 
 def part_backward(trainer, idx, prompts, responses, data, old_logps, ref_logps, totals, skip_zero: bool = False,
                   keep: int = -1):
-    """Backward of one part; ``(finite, per-row (logp, entropy, js or None) lists)`` for :func:`micro_stats`.
+    """Backward of one part; ``(finite, per-row (logp, entropy, js or None) [len])`` for :func:`micro_stats`.
 
     With ``skip_zero``, non-empty rows with advantage 0 (except position ``keep``) run a no-grad forward only,
     for their metrics: when the loss is the policy term alone their gradient is exactly zero (every registered
     policy loss is ``A`` times a function of the clamped ratio). Their log-probs are checked as the policy
     loss checks its input (a non-finite one raises ``ValueError`` as it would have there)."""
     lengths = [len(r) for r in responses]
-    out: list[tuple] = [([], [], None)] * len(idx)
+    out: list[tuple] = [(torch.empty(0), torch.empty(0), None)] * len(idx)
     zero = ({k for k, j in enumerate(idx) if lengths[k] > 0 and k != keep and float(data.advantages[j]) == 0.0}
             if skip_zero else set())
     finite = True
@@ -296,5 +298,5 @@ def part_backward(trainer, idx, prompts, responses, data, old_logps, ref_logps, 
             js = None
         for pos, k in enumerate(ks):
             n = lengths[k]
-            out[k] = (logp[pos, :n].tolist(), entropy[pos, :n].tolist(), None if js is None else js[pos, :n].tolist())
+            out[k] = (logp[pos, :n], entropy[pos, :n], None if js is None else js[pos, :n])
     return finite, out
