@@ -107,7 +107,9 @@ def test_full_run_exports_a_directory_transformers_loads_and_decodes_identically
     # The run trained: the exported weights are not the seed init (else any export would decode "right").
     init, _ = build_tiny("tiny", seed=0)
     assert not torch.equal(model.model.embed_tokens.weight, init.model.embed_tokens.weight)
-    assert hf_greedy(model, ids) == meshrl_greedy(str(full_run), ids)
+    greedy = hf_greedy(model, ids)
+    assert greedy == meshrl_greedy(str(full_run), ids)
+    assert greedy != hf_greedy(init, ids)  # the comparison can tell the trained policy from its init
     assert info["step"] == 3 and info["selected_by"] == "final" and info["format"] == "full"
     on_disk = json.loads((out / "meshrl.json").read_text())
     assert on_disk == info and on_disk["recipe"] == "grpo" and on_disk["run"] == str(full_run.resolve())
@@ -166,7 +168,9 @@ def test_lora_run_exports_merged_weights_by_default(lora_run, tmp_path):
     init, _ = build_tiny("tiny", seed=0)  # the LoRA run's frozen base
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, init.model.layers[0].self_attn.q_proj.weight)
     ids = prompts(tok)
-    assert hf_greedy(model, ids) == meshrl_greedy(str(lora_run), ids)
+    greedy = hf_greedy(model, ids)
+    assert greedy == meshrl_greedy(str(lora_run), ids)
+    assert greedy != hf_greedy(init, ids)  # an export that forgot the merge would decode as the base does
 
 
 def test_lora_run_exports_a_peft_adapter(lora_run, tmp_path):
@@ -180,9 +184,13 @@ def test_lora_run_exports_a_peft_adapter(lora_run, tmp_path):
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
         (out / "base_model").resolve())
     model = AutoPeftModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
-    _, tok = load_exported(out / "base_model")
+    base, tok = load_exported(out / "base_model")
+    init, _ = build_tiny("tiny", seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), init.state_dict().values(), strict=True))
     ids = prompts(tok)
-    assert hf_greedy(model, ids) == meshrl_greedy(str(lora_run), ids)
+    greedy = hf_greedy(model, ids)
+    assert greedy == meshrl_greedy(str(lora_run), ids)
+    assert greedy != hf_greedy(base, ids)
 
 
 def test_cli_export_model(full_run, tmp_path, capsys):
