@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from meshrl import __version__
+from meshrl.models.loading import load_model
 from meshrl.models.lora import has_lora
 from meshrl.models.prompts import encode_prompt
 from meshrl.models.smollm import CACHE_NAME, ensure_smollm2
@@ -141,7 +142,10 @@ def held_out_figures(run_dir: Path, step: int) -> dict[str, Any] | None:
     """The held-out evaluation of ``step`` (its ``evals.jsonl`` row) and the run's checkpoint rule from
     ``summary.json``; None when the run has neither."""
     path = run_dir / "evals.jsonl"
-    rows = read_jsonl(path) if path.is_file() else []
+    try:
+        rows = read_jsonl(path) if path.is_file() else []
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} has a line that is not JSON: {e}") from e
     summary = read_summary(run_dir)
     if not rows and summary is None:
         return None
@@ -259,8 +263,6 @@ def _write_adapter(model, cfg: RunConfig, tokenizer, gen, tmp: Path, base_dir: P
 
 def _write_tiny_base(model, cfg: RunConfig, tokenizer, target: Path) -> None:
     """The frozen base weights under the adapter, as a model directory of their own."""
-    from meshrl.models.loading import load_model
-
     base, _ = load_model(cfg.model, dtype=cfg.train.dtype, seed=cfg.seed)
     # peft keys are base_model.model.<hf key>, with ".base_layer" inside adapted layers.
     state = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
