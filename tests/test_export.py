@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -25,8 +24,6 @@ from meshrl.tasks import load_task
 from meshrl.trainer import load_config, train
 from meshrl.trainer.policy import load_policy
 from meshrl.trainer.runlog import read_jsonl
-
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 FAST = [
     "model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
@@ -120,7 +117,7 @@ def test_generation_config_carries_the_run_sampling(full_run, tmp_path):
     from transformers import GenerationConfig
 
     export_model(full_run, tmp_path / "hf")
-    gen = GenerationConfig.from_pretrained(str(tmp_path / "hf"))
+    gen = GenerationConfig.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
     assert (gen.do_sample, gen.temperature, gen.top_p, gen.max_new_tokens) == (True, 0.9, 0.95, 6)
     assert gen.top_k == 0  # transformers' default top_k=50 would sample another distribution
     _, tok, _ = load_policy(str(full_run))
