@@ -14,6 +14,7 @@ from meshrl.cli import (
     demo_cmd,
     eval_cmd,
     experiment_cmd,
+    export_cmd,
     mei_cmd,
     probe_cmd,
     report_cmd,
@@ -22,7 +23,7 @@ from meshrl.cli import (
 )
 
 COMMANDS = [demo_cmd, experiment_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd,
-            census_cmd, probe_cmd]
+            census_cmd, probe_cmd, export_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:
