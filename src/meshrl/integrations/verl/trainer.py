@@ -1,0 +1,82 @@
+"""``trainer.v1.trainer_mode=meshrl``: verl's synchronous v1 trainer with meshrl's loss wrapper and balancing step.
+
+Registered with verl's ``register_trainer`` (``verl/trainer/ppo/v1/trainer_base.py``, 0.9.1) when the plugin loads,
+so ``TaskRunnerV1`` finds it by name inside its Ray actor. It subclasses ``PPOTrainerSync`` (colocated rollout and
+training, weight sync after each step) and changes two stages:
+
+- ``on_init_end``: after the workers exist, installs :func:`meshrl.integrations.verl.loss_fn.mesh_loss` on the actor
+  through ``set_loss_fn`` (the default, ``partial(ppo_loss, ...)``, is set inside ``init_model``, so it must come
+  after), and checks that verl computes the reference log-probs when meshrl's terms need them.
+- ``_compute_advantage``: after verl's own advantages, reads each row's ``extra_info`` ids, scores and log-probs
+  from TransferQueue, computes the balancing weights once for the step
+  (:func:`meshrl.integrations.verl.balance_step.balance_fields`) and writes them back as per-row fields that the
+  actor's micro-batches carry; logs ``mesh/*`` metrics with meshrl's own names.
+
+Not run end to end here: a verl trainer needs a GPU and a rollout server (vLLM/SGLang). The pieces are unit-tested
+on CPU (``tests/verl``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import transfer_queue as tq
+from tensordict import TensorDict
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.config import omega_conf_to_dataclass
+
+from meshrl.integrations.verl.balance_step import as_row_list, balance_fields
+from meshrl.integrations.verl.loss_fn import mesh_loss
+from meshrl.integrations.verl.settings import MeshSettings, settings_from_config
+
+TRAINER_MODE = "meshrl"
+
+
+def mesh_settings_of(config: Any) -> MeshSettings:
+    """The run's :class:`MeshSettings` from verl's config (its ``meshrl`` block), checked against verl's settings."""
+    block = config.get("meshrl") if hasattr(config, "get") else None
+    if block is not None and hasattr(block, "items"):
+        block = {str(k): v for k, v in block.items()}
+    mesh = settings_from_config(block)
+    actor = config.actor_rollout_ref.actor
+    if mesh.needs_reference and not (actor.get("use_kl_loss", False) or config.algorithm.get("use_kl_in_reward")):
+        raise ValueError("meshrl.js_coef > 0 or meshrl.subtract_ref=true needs verl's reference log-probs: set "
+                         "actor_rollout_ref.actor.use_kl_loss=true (with kl_loss_coef=0 it adds no KL term)")
+    return mesh
+
+
+def mesh_loss_for(config: Any, mesh: MeshSettings) -> partial:
+    """The actor loss function to install with ``set_loss_fn``: ``mesh_loss`` bound to the actor config."""
+    return partial(mesh_loss, config=omega_conf_to_dataclass(config.actor_rollout_ref.actor), mesh=mesh)
+
+
+@register_trainer(TRAINER_MODE)
+class MeshPPOTrainer(PPOTrainerSync):
+    """verl's sync PPO/GRPO trainer plus Mesh Learning's strategy balancing and sampled-JS term."""
+
+    def on_init_end(self) -> None:
+        self.mesh = mesh_settings_of(self.config)
+        super().on_init_end()
+        self.actor_rollout_wg.set_loss_fn(mesh_loss_for(self.config, self.mesh))
+
+    def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+        batch = super()._compute_advantage(batch, metrics)
+        if self.mesh.mu == 0:
+            return batch
+        fields = ["extra_info", "rm_scores", "response_mask", "old_log_probs"]
+        if self.mesh.subtract_ref:
+            fields.append("ref_log_prob")
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        n = len(batch)
+        extra = as_row_list(data["extra_info"], n, "extra_info")
+        tensors = data.select(*[f for f in fields if f != "extra_info"]).to_padded_tensor()
+        padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
+        out, step_metrics = balance_fields(
+            extra, tensors["rm_scores"], tensors["response_mask"], tensors["old_log_probs"],
+            tensors.get("ref_log_prob", None), self.mesh, padding,
+        )
+        metrics.update(step_metrics)
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                               fields=TensorDict(out, batch_size=n))
