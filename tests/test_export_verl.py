@@ -103,3 +103,13 @@ def test_cli_subcommand(tmp_path, prefix_file, capsys):
     args = parser.parse_args(["verl", "--task", TASK, "--prefixes", str(path), "--out", str(tmp_path / "cli")])
     assert args.func(args) == 0
     assert f"wrote {4 * len(problems)} rows ({len(problems)} queries x 4 prefixes)" in capsys.readouterr().out
+
+
+def test_meshrl_cli_and_export_import_no_verl():
+    """The CLI (and the export it runs) must work where verl is not installed: nothing imports verl at import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, meshrl.cli, meshrl.integrations.verl.export, meshrl.integrations.verl.reward\n"
+            "assert 'verl' not in sys.modules, sorted(m for m in sys.modules if m.startswith('verl'))\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

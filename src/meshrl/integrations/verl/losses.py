@@ -17,7 +17,7 @@ What differs from verl's own losses (checked on the installed 0.9.1 source):
 - ``meshrl_gspo``: the sequence-level GSPO objective (Zheng et al. 2025, eqs. 5-7). verl's ``gspo`` is the
   GSPO-token form (eqs. 13-14); ``meshrl_gspo_token`` is that form with meshrl's clamps (the log-ratio clamped at
   +-20 per token, verl clamps the sequence log-ratio at 10). On unclipped data the three agree in value and
-  gradient (``tests/verl/test_losses.py`` checks it), so the GSPO names are for exact parity with meshrl's
+  gradient (``tests/verl_engine/test_verl_losses.py`` checks it), so the GSPO names are for exact parity with meshrl's
   trainer, not a new objective.
 - ``meshrl_cispo``: meshrl's CISPO reads the same clip bounds; verl's ``cispo`` clamps with ``clip_ratio`` on both
   sides by default while meshrl's recipe sets ``clip_ratio_low=1.0`` (no lower bound): set it in the config.

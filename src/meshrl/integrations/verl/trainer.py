@@ -13,7 +13,7 @@ training, weight sync after each step) and changes two stages:
   actor's micro-batches carry; logs ``mesh/*`` metrics with meshrl's own names.
 
 Not run end to end here: a verl trainer needs a GPU and a rollout server (vLLM/SGLang). The pieces are unit-tested
-on CPU (``tests/verl``).
+on CPU (``tests/verl_engine``).
 """
 
 from __future__ import annotations
