@@ -88,3 +88,8 @@ def test_trainer_mode_reads_the_meshrl_block_of_verls_config():
         mesh_settings_of(_verl_config("+meshrl.mu_typo=1"))
     no_ref = mesh_settings_of(_verl_config("+meshrl.subtract_ref=false"))
     assert not no_ref.needs_reference
+    assert mesh_settings_of(_verl_config("+meshrl.mu=0", "+meshrl.subtract_ref=false",
+                                         "+meshrl.mei_sketch=64")).mei_sketch == 64
+    with pytest.raises(ValueError, match="mei_sketch needs the engine's logits"):
+        mesh_settings_of(_verl_config("+meshrl.subtract_ref=false", "+meshrl.mei_sketch=64",
+                                      "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"))

@@ -34,6 +34,7 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
 from meshrl.algos import js_sampled
+from meshrl.integrations.verl.mei import next_tokens, sketch_fields, token_bias_sketch
 from meshrl.integrations.verl.settings import BALANCE_WEIGHT, MeshSettings
 
 
@@ -64,22 +65,45 @@ def balance_surrogate(log_prob: torch.Tensor, response_mask: torch.Tensor, weigh
     return float(dp_size) * (weights.detach().to(seq_logp.dtype) * seq_logp).sum()
 
 
+def mei_sketch_outputs(student_logits: torch.Tensor, data: Any, mesh: MeshSettings) -> dict[str, torch.Tensor]:
+    """The logits-processor answer: one ``[1, nnz]`` per-token field per sketch bucket (see
+    :mod:`meshrl.integrations.verl.mei`); the engine stores them as model outputs of the old-log-prob pass."""
+    if mesh.mei_sketch == 0:
+        raise ValueError("the engine asked meshrl's loss for logit outputs (distillation_use_topk) but "
+                         "meshrl.mei_sketch is 0; top-k distillation cannot be combined with the meshrl trainer mode")
+    logits = student_logits.squeeze(0)
+    ids = _field(data, "input_ids", "the next tokens of the MEI sketch")
+    labels = next_tokens(ids.values() if getattr(ids, "is_nested", False) else ids.reshape(-1), logits.shape[0])
+    sketch = token_bias_sketch(logits, labels.to(logits.device), mesh.mei_sketch, mesh.mei_seed)
+    return {name: sketch[:, i].unsqueeze(0) for i, name in enumerate(sketch_fields(mesh.mei_sketch))}
+
+
 def mesh_loss(
-    model_output: dict,
-    data: Any,
+    model_output: dict | None = None,
+    data: Any = None,
     dp_group: Any = None,
     *,
     config: Any,
     mesh: MeshSettings,
     base_loss: Callable[..., tuple[torch.Tensor, dict]] = ppo_loss,
-) -> tuple[torch.Tensor, dict]:
+    student_logits: torch.Tensor | None = None,
+) -> Any:
     """verl's ``base_loss`` (``ppo_loss``) plus the balancing surrogate and the JS penalty of one micro-batch.
+
+    Two more calls come from the engine in the old-log-prob pass when ``meshrl.mei_sketch > 0`` (the trainer
+    sets ``compute_loss`` and ``distillation_use_topk`` there): ``loss_fn(student_logits=..., data=...)`` returns
+    the MEI sketch fields (:func:`mei_sketch_outputs`), and the loss call of that forward-only pass (a batch
+    without ``advantages``) returns a zero loss.
 
     Missing fields raise ``ValueError`` naming them: ``meshrl_balance_weight`` when ``mesh.mu > 0`` (written by the
     ``meshrl`` trainer mode), ``ref_log_prob`` when ``mesh.js_coef > 0`` (computed by verl when
     ``actor_rollout_ref.actor.use_kl_loss=true``; set ``kl_loss_coef=0`` to keep only the JS term).
     Metrics ``meshrl/balance_surrogate`` and ``meshrl/js`` (verl prefixes ``actor/``).
     """
+    if student_logits is not None:
+        return mei_sketch_outputs(student_logits, data, mesh)
+    if mesh.mei_sketch and "advantages" not in data:
+        return torch.zeros((), device=model_output["log_probs"].device), {}
     loss, metrics = base_loss(config, model_output, data, dp_group)
     if mesh.mu == 0 and mesh.js_coef == 0:
         return loss, metrics

@@ -33,12 +33,18 @@ class MeshSettings:
     subtract_ref: bool = True  # r = z - z_ref (paper); False = the release variant without the reference
     reduction: str = "mean"  # over queries: "mean", "mean_active" or "sum" (the release)
     js_coef: float = 0.0  # beta of the sampled JS(pi, pi_ref) penalty (needs verl's reference log-probs)
+    mei_sketch: int = 0  # MEI from count-sketched bias features of this many buckets (0 = off; e.g. 64)
+    mei_seed: int = 0  # seed of the sketch's hashes and signs
 
     def __post_init__(self) -> None:
         for name in ("mu", "js_coef"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"meshrl.{name} must be a finite number >= 0, got {v!r}")
+        for name in ("mei_sketch", "mei_seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"meshrl.{name} must be an integer >= 0, got {v!r}")
         if not isinstance(self.subtract_ref, bool):
             raise ValueError(f"meshrl.subtract_ref must be true or false, got {self.subtract_ref!r}")
         if self.reduction not in REDUCTIONS:
