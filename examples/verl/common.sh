@@ -16,6 +16,7 @@ if [ "$NGPUS" -ge 8 ]; then QUERIES=${QUERIES:-128}; MINI_Q=${MINI_Q:-32}; MICRO
 else QUERIES=${QUERIES:-32}; MINI_Q=${MINI_Q:-8}; MICRO=${MICRO:-4}; RESP=${RESP:-2048}; fi
 STEPS=${STEPS:-300}
 PROJECT=${PROJECT:-meshrl-verl}
+MEI_SKETCH=${MEI_SKETCH:-0}          # e.g. 64: log MEI (count-sketched bias features) in both arms; 0 = off
 
 # Overrides common to both arms; the caller adds the arm's data, batch shape and Mesh settings.
 common_overrides() {

@@ -15,5 +15,6 @@ python -m verl.trainer.main_ppo $(common_overrides) \
   data.train_batch_size="$ROWS" data.shuffle=false actor_rollout_ref.rollout.n="$N" \
   actor_rollout_ref.actor.ppo_mini_batch_size="$MINI_ROWS" \
   trainer.v1.trainer_mode=meshrl +meshrl.mu="$MU" +meshrl.subtract_ref=true +meshrl.reduction=mean \
+  +meshrl.mei_sketch="$MEI_SKETCH" \
   actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.kl_loss_coef=0 \
   trainer.experiment_name="mesh-mu${MU}-$(basename "$MODEL")" "$@"
