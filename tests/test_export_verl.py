@@ -41,7 +41,8 @@ def test_one_row_per_query_and_prefix_with_ids(tmp_path, prefix_file):
     rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
     assert summary["rows"] == len(rows) == 3 * len(problems)
     first, third = rows[0], rows[2]
-    assert first["extra_info"] == {"query_id": problems[0].id, "strategy_id": 0, "split": "train", "index": 0}
+    assert first["extra_info"] == {"query_id": problems[0].id, "strategy_id": 0, "num_strategies": 3,
+                                   "split": "train", "index": 0}
     assert third["extra_info"]["strategy_id"] == 2 and third["extra_info"]["query_id"] == problems[0].id
     assert rows[3]["extra_info"]["query_id"] == problems[1].id
     # System message: the task's own rule strategy k, wrapped; user message: the question with its instruction.
@@ -67,6 +68,7 @@ def test_plain_template_and_bare_rows(tmp_path, prefix_file):
     export_verl(TASK, tmp_path / "bare")
     bare = pq.read_table(tmp_path / "bare" / "train.parquet").to_pylist()
     assert len(bare) == len(problems) and {r["extra_info"]["strategy_id"] for r in bare} == {-1}
+    assert {r["extra_info"]["num_strategies"] for r in bare} == {0}
 
 
 def test_prefix_file_of_another_task_is_an_error_naming_it(tmp_path, prefix_file):

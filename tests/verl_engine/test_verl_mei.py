@@ -105,6 +105,8 @@ def test_old_log_prob_stage_asks_for_the_sketch_and_logs_mei(monkeypatch):
     monkeypatch.setattr(PPOTrainerSync, "_compute_old_log_prob", verl_stage)
     monkeypatch.setattr(trainer_module.tq, "kv_batch_get",
                         lambda keys, partition_id, select_fields: stored.select(*select_fields))
+    written = []
+    monkeypatch.setattr(trainer_module.tq, "kv_batch_put", lambda keys, partition_id, fields: written.append(fields))
     trainer = object.__new__(trainer_module.MeshPPOTrainer)
     trainer.mesh = mesh
     group = trainer.actor_rollout_wg = Group(stored)
@@ -120,6 +122,11 @@ def test_old_log_prob_stage_asks_for_the_sketch_and_logs_mei(monkeypatch):
     for key, value in want.items():
         assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
     assert metrics[f"mei/bias_sketch{K}/query_group_size"] == 3.0
+    # The per-token sketch fields are overwritten by their per-rollout sums (what the update pass will fetch).
+    (small,) = written
+    assert sorted(small.keys()) == sorted(sketch_fields(K)) and small.batch_size[0] == len(rows)
+    torch.testing.assert_close(torch.stack([small[f] for f in sketch_fields(K)], -1).double(), phi,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_a_step_without_the_sketch_is_counted_not_fatal(monkeypatch):

@@ -77,19 +77,21 @@ def test_trainer_mode_reads_the_meshrl_block_of_verls_config():
     from meshrl.integrations.verl.trainer import mesh_loss_for, mesh_settings_of
 
     cfg = _verl_config("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0",
-                       "+meshrl.mu=5e-5", "+meshrl.reduction=sum", "+meshrl.js_coef=0.001")
+                       "data.shuffle=false", "+meshrl.mu=5e-5", "+meshrl.reduction=sum", "+meshrl.js_coef=0.001")
     mesh = mesh_settings_of(cfg)
     assert (mesh.mu, mesh.reduction, mesh.js_coef, mesh.subtract_ref) == (5e-5, "sum", 0.001, True)
     fn = mesh_loss_for(cfg, mesh)
     assert fn.func is mesh_loss and fn.keywords["config"].loss_agg_mode == cfg.actor_rollout_ref.actor.loss_agg_mode
     with pytest.raises(ValueError, match="needs verl's reference log-probs: set actor_rollout_ref.actor.use_kl_loss"):
-        mesh_settings_of(_verl_config("+meshrl.mu=5e-5"))
+        mesh_settings_of(_verl_config("data.shuffle=false", "+meshrl.mu=5e-5"))
+    with pytest.raises(ValueError, match="meshrl.mu > 0 needs data.shuffle=false"):
+        mesh_settings_of(_verl_config("actor_rollout_ref.actor.use_kl_loss=true", "+meshrl.mu=5e-5"))
     with pytest.raises(ValueError, match=r"unknown meshrl setting\(s\) \['mu_typo'\]"):
         mesh_settings_of(_verl_config("+meshrl.mu_typo=1"))
-    no_ref = mesh_settings_of(_verl_config("+meshrl.subtract_ref=false"))
+    no_ref = mesh_settings_of(_verl_config("data.shuffle=false", "+meshrl.subtract_ref=false"))
     assert not no_ref.needs_reference
     assert mesh_settings_of(_verl_config("+meshrl.mu=0", "+meshrl.subtract_ref=false",
                                          "+meshrl.mei_sketch=64")).mei_sketch == 64
     with pytest.raises(ValueError, match="mei_sketch needs the engine's logits"):
-        mesh_settings_of(_verl_config("+meshrl.subtract_ref=false", "+meshrl.mei_sketch=64",
+        mesh_settings_of(_verl_config("data.shuffle=false", "+meshrl.subtract_ref=false", "+meshrl.mei_sketch=64",
                                       "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"))

@@ -118,9 +118,22 @@ def test_init_end_installs_the_loss_after_verls_own(monkeypatch):
             calls.append(("update_weights", step))
 
     trainer = object.__new__(trainer_module.MeshPPOTrainer)
-    trainer.config = _verl_config("actor_rollout_ref.actor.use_kl_loss=true", "+meshrl.mu=5e-5")
+    trainer.config = _verl_config("actor_rollout_ref.actor.use_kl_loss=true", "data.shuffle=false", "+meshrl.mu=5e-5")
     trainer.actor_rollout_wg, trainer.checkpoint_manager, trainer.global_steps = WorkerGroup(), CheckpointManager(), 0
     trainer.on_init_end()
     assert [c[0] for c in calls] == ["update_weights", "set_loss_fn"]
     fn = calls[1][1]
     assert fn.func is mesh_loss and fn.keywords["mesh"] == MeshSettings(mu=5e-5)
+
+
+def test_queries_split_across_steps_are_counted():
+    from meshrl.integrations.verl.balance_step import balance_fields
+
+    mask = torch.ones(3, 2)
+    lp = -torch.ones(3, 2)
+    extra = [{"query_id": "a", "strategy_id": k, "num_strategies": 3} for k in (0, 1, 1)]
+    _, metrics = balance_fields(extra, mask, mask, lp, None, MeshSettings(mu=1e-3, subtract_ref=False))
+    assert metrics["mesh/split_queries"] == 1.0
+    extra[2]["strategy_id"] = 2
+    _, metrics = balance_fields(extra, mask, mask, lp, None, MeshSettings(mu=1e-3, subtract_ref=False))
+    assert metrics["mesh/split_queries"] == 0.0

@@ -8,6 +8,7 @@ step's ``mesh/*`` metrics, with the same names as meshrl's own trainer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ from meshrl.integrations.verl.settings import (
     MeshSettings,
 )
 from meshrl.mesh import strategy_balance_row_weights
+
+log = logging.getLogger(__name__)
 
 
 def as_row_list(value: Any, n: int, name: str) -> list:
@@ -103,7 +106,8 @@ def balance_fields(
     pad = [False] * n if padding is None else list(padding)
     if len(pad) != n:
         raise ValueError(f"padding has {len(pad)} flags for {n} rows")
-    queries, strategies = row_ids(as_row_list(extra_infos, n, "extra_info"), pad)
+    infos = as_row_list(extra_infos, n, "extra_info")
+    queries, strategies = row_ids(infos, pad)
     mask = response_mask.to(torch.float64)
     seq_scores = scores.to(torch.float64) if scores.dim() == 1 else (scores.to(torch.float64) * mask).sum(-1)
     real = torch.tensor([not p for p in pad])
@@ -125,6 +129,7 @@ def balance_fields(
         subtract_ref=mesh.subtract_ref, reduction=mesh.reduction,
     )
     weights[keep] = w
+    metrics["mesh/split_queries"] = float(split_queries(infos, queries, strategies, pad))
     fields = {
         BALANCE_WEIGHT: weights.to(torch.float32),
         CORRECT: correct,
@@ -132,3 +137,23 @@ def balance_fields(
         STRATEGY_ID: _dense(strategies),
     }
     return fields, {k: v for k, v in metrics.items() if v == v}
+
+
+def split_queries(extra_infos: Sequence[Any], queries: Sequence[Hashable], strategies: Sequence[Hashable],
+                  padding: Sequence[bool]) -> int:
+    """Queries of the step that hold fewer distinct strategies than their ``num_strategies`` (the export's m):
+    their balancing sees only part of their prefix groups (rows split across steps, e.g. ``data.shuffle=true``)."""
+    seen: dict[Hashable, set] = {}
+    wanted: dict[Hashable, int] = {}
+    for info, q, s, pad in zip(extra_infos, queries, strategies, padding, strict=True):
+        if pad:
+            continue
+        seen.setdefault(q, set()).add(s)
+        m = info.get("num_strategies") if isinstance(info, dict) else None
+        if isinstance(m, int) and m > 0:
+            wanted[q] = m
+    split = sum(1 for q, m in wanted.items() if len(seen[q]) < m)
+    if split:
+        log.warning("meshrl: %d querie(s) of this step hold fewer than their m prefix rows; keep data.shuffle=false "
+                    "and data.train_batch_size a multiple of m", split)
+    return split

@@ -9,7 +9,8 @@ its own ``uid``, so GRPO normalises advantages inside each prefix group of ``rol
 The prefix is wrapped in meshrl's anti-hacking template (``--template wrapped``) and placed in the system message,
 the question (with the task's answer-format instruction) in the user message: the prompts meshrl's trainer builds
 for ``mesh.placement=system``. ``extra_info`` holds ``query_id`` (the problem id), ``strategy_id`` (prefix index;
--1 without prefixes), ``split`` and ``index``: the ``meshrl`` trainer mode balances strategies by these ids.
+-1 without prefixes), ``num_strategies`` (m; 0 without prefixes), ``split`` and ``index``: the ``meshrl`` trainer
+mode balances strategies by these ids and counts queries whose m rows a step did not hold together.
 
 Files written to ``--out``: ``train.parquet``, ``val.parquet`` (the held-out split, without prefixes, as meshrl
 evaluates), ``reward.py`` (``compute_score`` for ``reward.custom_reward_function``) and ``export.json`` (what was
@@ -47,13 +48,14 @@ def _messages(task: Any, problem: Any, prefix: str | None, template: str) -> lis
 
 
 def _row(task: Any, problem: Any, split: str, strategy: int, prefix: str | None, template: str,
-         index: int) -> dict[str, Any]:
+         index: int, m: int) -> dict[str, Any]:
     return {
         "data_source": f"meshrl/{task.name}",
         "prompt": _messages(task, problem, prefix, template),
         "ability": task.reward_kind,
         "reward_model": {"style": "rule", "ground_truth": problem.answer},
-        "extra_info": {"query_id": problem.id, "strategy_id": strategy, "split": split, "index": index},
+        "extra_info": {"query_id": problem.id, "strategy_id": strategy, "num_strategies": m, "split": split,
+                       "index": index},
     }
 
 
@@ -84,7 +86,7 @@ def export_rows(task: Any, problems: list[Any], split: str, prefixes: dict[str, 
     for p in problems:
         chosen = [(-1, None)] if prefixes is None else list(enumerate(prefixes[p.id]))
         for k, prefix in chosen:
-            rows.append(_row(task, p, split, k, prefix, template, len(rows)))
+            rows.append(_row(task, p, split, k, prefix, template, len(rows), 0 if prefixes is None else len(chosen)))
     return rows
 
 

@@ -59,6 +59,9 @@ def mesh_settings_of(config: Any) -> MeshSettings:
             raise ValueError("meshrl.mei_sketch needs the engine's logits: set "
                              "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 and no fused kernels, "
                              "or meshrl.mei_sketch=0")
+    if mesh.mu > 0 and config.data.get("shuffle", True):
+        raise ValueError("meshrl.mu > 0 needs data.shuffle=false: the exported rows are query-major, so with "
+                         "data.train_batch_size a multiple of m every query's m prefix rows land in one step")
     if mesh.needs_reference and not (actor.get("use_kl_loss", False) or config.algorithm.get("use_kl_in_reward")):
         raise ValueError("meshrl.js_coef > 0 or meshrl.subtract_ref=true needs verl's reference log-probs: set "
                          "actor_rollout_ref.actor.use_kl_loss=true (with kl_loss_coef=0 it adds no KL term)")
@@ -115,7 +118,18 @@ class MeshPPOTrainer(PPOTrainerSync):
                               for f in names], dim=-1)
         padding = [bool(tag.get("is_padding", False)) for tag in batch.tags]
         queries, strategies = row_ids(as_row_list(data["extra_info"], len(batch), "extra_info"), padding)
+        self._shrink_sketch(batch, names, sketch)
         return step_mei(sketch, queries, strategies, padding)
+
+    @staticmethod
+    def _shrink_sketch(batch: Any, names: list[str], sketch: torch.Tensor) -> None:
+        """Overwrite the per-token sketch fields with their per-rollout sums: the actor update fetches every stored
+        field of its rows, and k per-token fields would multiply that transfer."""
+        small = TensorDict({name: sketch[:, i].contiguous() for i, name in enumerate(names)}, batch_size=len(batch))
+        try:
+            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=small)
+        except Exception as e:  # a storage that refuses a new shape keeps the per-token fields: slower, not wrong
+            log.warning("meshrl: could not shrink the MEI sketch fields (%s)", e)
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
         batch = super()._compute_advantage(batch, metrics)
