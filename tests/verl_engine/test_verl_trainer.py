@@ -117,13 +117,19 @@ def test_init_end_installs_the_loss_after_verls_own(monkeypatch):
         def update_weights(self, step):
             calls.append(("update_weights", step))
 
+    monkeypatch.setattr(PPOTrainerSync, "init", lambda self: self.on_init_end())  # verl's init ends so
     trainer = object.__new__(trainer_module.MeshPPOTrainer)
     trainer.config = _verl_config("actor_rollout_ref.actor.use_kl_loss=true", "data.shuffle=false", "+meshrl.mu=5e-5")
     trainer.actor_rollout_wg, trainer.checkpoint_manager, trainer.global_steps = WorkerGroup(), CheckpointManager(), 0
-    trainer.on_init_end()
+    trainer.init()
     assert [c[0] for c in calls] == ["update_weights", "set_loss_fn"]
     fn = calls[1][1]
     assert fn.func is mesh_loss and fn.keywords["mesh"] == MeshSettings(mu=5e-5)
+    # A bad setting stops init() before verl starts any worker.
+    monkeypatch.setattr(PPOTrainerSync, "init", lambda self: pytest.fail("workers started"))
+    trainer.config = _verl_config("actor_rollout_ref.actor.use_kl_loss=true", "+meshrl.mu=5e-5")
+    with pytest.raises(ValueError, match="needs data.shuffle=false"):
+        trainer.init()
 
 
 def test_queries_split_across_steps_are_counted():

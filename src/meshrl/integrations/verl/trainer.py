@@ -4,7 +4,8 @@ Registered with verl's ``register_trainer`` (``verl/trainer/ppo/v1/trainer_base.
 so ``TaskRunnerV1`` finds it by name inside its Ray actor. It subclasses ``PPOTrainerSync`` (colocated rollout and
 training, weight sync after each step) and changes two stages:
 
-- ``on_init_end``: after the workers exist, installs :func:`meshrl.integrations.verl.loss_fn.mesh_loss` on the actor
+- ``init`` checks the ``meshrl`` settings against verl's before any worker starts; ``on_init_end``, after the
+  workers exist, installs :func:`meshrl.integrations.verl.loss_fn.mesh_loss` on the actor
   through ``set_loss_fn`` (the default, ``partial(ppo_loss, ...)``, is set inside ``init_model``, so it must come
   after), and checks that verl computes the reference log-probs when meshrl's terms need them.
 - ``_compute_old_log_prob`` (with ``meshrl.mei_sketch > 0``): asks the engine for the count-sketched ``bias``
@@ -77,8 +78,11 @@ def mesh_loss_for(config: Any, mesh: MeshSettings) -> partial:
 class MeshPPOTrainer(PPOTrainerSync):
     """verl's sync PPO/GRPO trainer plus Mesh Learning's strategy balancing and sampled-JS term."""
 
+    def init(self) -> None:
+        self.mesh = mesh_settings_of(self.config)  # bad settings fail here, before any worker starts
+        super().init()
+
     def on_init_end(self) -> None:
-        self.mesh = mesh_settings_of(self.config)
         super().on_init_end()
         self.actor_rollout_wg.set_loss_fn(mesh_loss_for(self.config, self.mesh))
 
