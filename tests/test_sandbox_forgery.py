@@ -186,3 +186,21 @@ def test_humaneval_solutions_whose_tests_call_prompt_helpers_still_pass():
 @pytest.mark.slow
 def test_every_humaneval_canonical_solution_passes():
     assert _canonical_failures(None) == []  # 164 problems, about 0.3 s each
+
+
+def test_redefining_a_helper_the_tests_use_does_not_pass():
+    prompt = "def poly(xs, x):\n    return sum(c * x ** i for i, c in enumerate(xs))\ndef find_zero(xs):\n    ''' '''\n"
+    tests = "def check(candidate):\n    xs = [-6, 11, -6, 1]\n    assert abs(poly(xs, candidate(xs))) < 1e-6\n"
+    hack = "def poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 0.0\n"
+    solution = prompt.replace("''' '''", "return 1.0")
+    # Without trusted code the tests call the program's own poly (HumanEval's one-file convention) ...
+    assert run_code(prompt + hack, tests=tests, entry_point="find_zero").passed
+    # ... with the prompt as trusted code they call the dataset's, and only a real root passes.
+    assert not run_code(prompt + hack, tests=tests, entry_point="find_zero", trusted_code=prompt).passed
+    assert run_code(solution, tests=tests, entry_point="find_zero", trusted_code=prompt).passed
+
+
+def test_codetask_scores_the_helper_redefinition_zero():
+    task, (problem,) = _humaneval_problems({"HumanEval/32"})
+    hack = "```python\ndef poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 0.0\n```"
+    assert task.score(hack, problem) == 0.0

@@ -216,10 +216,10 @@ class _Run:
     pipes: dict[str, int]
 
     @classmethod
-    def open(cls, workdir: str, mode: Mode, code: str, tests: str | None, entry_point: str | None) -> _Run:
+    def open(cls, workdir: str, mode: Mode, code: str, tests: dict[str, str | None]) -> _Run:
         files = [tempfile.TemporaryFile() for _ in range(5)]  # noqa: SIM115 (closed by close())
         files[0].write(json.dumps({"code": code}).encode())
-        files[3].write(json.dumps({"tests": tests, "entry_point": entry_point}).encode())
+        files[3].write(json.dumps(tests).encode())
         for fh in files:
             fh.seek(0)
         pipes: dict[str, int] = {}
@@ -339,6 +339,7 @@ def _execute(run: _Run, python: str, limits: tuple[dict[int, tuple[int, int]], .
         rc = _reap(procs, bool(run.mode.prefix))[0]
     duration = time.monotonic() - start
     status = _status(verdict, rc, run.mode)
+    rc = -_exit_signal(rc, run.mode) or rc  # bwrap's 128 + signal as the usual negative signal number
     stdout = _read_capped(run.files[1], max_output_bytes)[0].decode("utf-8", "replace")
     stderr = "".join(_read_capped(fh, max_output_bytes)[0].decode("utf-8", "replace") for fh in run.files[2::2])
     if verdict is None:
@@ -362,6 +363,7 @@ def run_code(
     python: str = sys.executable,
     user: str | int | None = "nobody",
     isolate: bool = True,
+    trusted_code: str | None = None,
 ) -> SandboxResult:
     """Run ``code`` in the sandbox, then ``tests`` and ``check(entry_point)`` in the trusted harness.
 
@@ -388,7 +390,12 @@ def run_code(
             Ignored for other callers.
         isolate: use namespaces (bubblewrap, else ``unshare``) when they work; ``False`` keeps rlimits and
             the socket guard.
+        trusted_code: definitions the tests may call (e.g. the problem's prompt), run in the harness
+            before the tests; its names replace the program's, except ``entry_point``, so a program cannot
+            redefine a helper the tests check its answer with.
     """
+    if trusted_code is not None and not isinstance(trusted_code, str):
+        raise ValueError(f"trusted_code must be a string, got {type(trusted_code).__name__}")
     _check_args(code, tests, entry_point, timeout_s, memory_mb=memory_mb, max_procs=max_procs,
                 max_file_mb=max_file_mb, max_output_bytes=max_output_bytes)
     mode = select_mode(python, isolate, user)
@@ -403,7 +410,7 @@ def run_code(
     try:
         if mode.uid != os.geteuid():
             os.chown(workdir, mode.uid, mode.gid)
-        run = _Run.open(workdir, mode, code, tests, entry_point)
+        run = _Run.open(workdir, mode, code, {"tests": tests, "entry_point": entry_point, "trusted_code": trusted_code})
         program_limits = dict(limits)
         if mode.uid != 0:
             program_limits[resource.RLIMIT_NPROC] = (_count_tasks(mode.uid) + max_procs,) * 2

@@ -2,10 +2,12 @@
 
 Embedded (after :mod:`meshrl.rewards.sandbox_codec`) into ``python -I -B -c`` OUTSIDE the sandbox, as
 the caller's user, under the same rlimits; argv: ``REQUEST_FD REPLY_FD VERDICT_FD``; stdin: the JSON
-``{"tests": ..., "entry_point": ...}``. The tests run here, in a namespace where every top-level
+``{"tests": ..., "entry_point": ..., "trusted_code": ...}``. The tests run here, in a namespace where every top-level
 callable the program defined is a proxy: calling it sends the (literal) arguments to the sandboxed
 process and returns the decoded (literal) result, or raises the exception the program raised, rebuilt
-as a built-in exception type (never the program's own class). The verdict goes to ``VERDICT_FD``, a pipe
+as a built-in exception type (never the program's own class). ``trusted_code`` (e.g. the problem's
+prompt) runs here before the tests, so the helpers the tests call are the dataset's, not copies the
+program may have redefined; only the entry point stays the program's. The verdict goes to ``VERDICT_FD``, a pipe
 only this process holds, so nothing the program prints, writes or patches can reach it.
 
 Verdicts: ``passed``; ``failed`` (an ``AssertionError`` in the tests or the code); ``exited`` (the program
@@ -128,7 +130,12 @@ def run_tests(payload: dict, remote: Remote) -> str:
         for name in loaded["callables"]:
             if type(name) is str and name.isidentifier():
                 ns[name] = remote.proxy(name)
-        tests, entry_point = payload["tests"], payload["entry_point"]
+        tests, entry_point, trusted = payload["tests"], payload["entry_point"], payload.get("trusted_code")
+        if trusted is not None:  # e.g. the problem's prompt: its helpers win over the program's copies
+            linecache.cache["trusted.py"] = (len(trusted), None, trusted.splitlines(True), "trusted.py")
+            exec(compile(trusted, "trusted.py", "exec"), ns)
+            if entry_point and entry_point in loaded["callables"]:
+                ns[entry_point] = remote.proxy(entry_point)
         if tests is not None:
             linecache.cache["tests.py"] = (len(tests), None, tests.splitlines(True), "tests.py")
             exec(compile(tests, "tests.py", "exec"), ns)
