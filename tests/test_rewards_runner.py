@@ -280,3 +280,33 @@ def test_scorer_process_is_stopped_by_close() -> None:
     runner.close()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_scorer_process_does_not_keep_a_worker_pool_alive() -> None:
+    """A pool's workers must see end-of-file when the pool closes while a scorer process lives (else the
+    pool's close waits 5 s for each and then kills it)."""
+    import torch
+
+    from meshrl.forkpool import ForkPool, fork_available
+
+    if not fork_available():
+        pytest.skip("no fork here")
+    pool = ForkPool(torch.nn.Linear(2, 2), lambda x: x + 1, 2)
+    assert pool.map(lambda x: x, [(1,), (2,)]) == [1, 3]
+    runner = RewardRunner(lambda c, p: 1.0)
+    assert runner(["a"], [P("x")]) == [1.0]  # the scorer process is forked while the pool is open
+    t0 = time.perf_counter()
+    pool.close()
+    assert time.perf_counter() - t0 < 3.0
+    runner.close()
+
+
+def test_runner_first_used_in_a_finished_thread_still_scores_without_errors() -> None:
+    runner = RewardRunner(lambda c, p: 1.0)
+    th = threading.Thread(target=lambda: runner(["a"], [P("x")]))
+    th.start()
+    th.join(10)
+    time.sleep(0.2)  # the child got its parent-death signal when that thread ended
+    assert runner(["b", "c"], [P("y"), P("z")]) == [1.0, 1.0]
+    assert runner.pop_stats() == {"reward/errors": 0, "reward/timeouts": 0}
+    runner.close()

@@ -99,7 +99,17 @@ def _reply_for(score_fn: Callable[[str, Any], Any], request: bytes) -> dict:
         return {"raised": [type(exc).__name__, str(exc)[:2000]]}
 
 
+def _close_pool_pipes() -> None:
+    """Close this child's copies of the parent ends of any worker pool's pipes (:mod:`meshrl.forkpool`):
+    while a copy stays open here, the pool's workers would never see end-of-file when the pool closes."""
+    forkpool = sys.modules.get("meshrl.forkpool")  # not imported here: only a loaded pool has pipes to close
+    for conn in list(getattr(forkpool, "_PARENT_ENDS", ())):
+        with contextlib.suppress(OSError):
+            conn.close()
+
+
 def _serve(score_fn: Callable[[str, Any], Any], request_fd: int, reply_fd: int) -> None:
+    _close_pool_pipes()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
@@ -165,6 +175,8 @@ class ScorerProcess:
         :class:`ScorerDied`, the scorer's exception (rebuilt), or ``pickle`` errors for a problem that
         cannot be sent (before anything runs)."""
         request = pickle.dumps((completion, problem))
+        if self.pid is not None and self._ended_between_calls():
+            self.close()
         if self.pid is None:
             self._start()
         request_fd, reply_fd = self.fds
@@ -189,6 +201,14 @@ class ScorerProcess:
         if "non_number" in message:
             return NonNumber(message["non_number"])
         return float(message["value"])
+
+    def _ended_between_calls(self) -> bool:
+        """Whether the idle child is gone (``PR_SET_PDEATHSIG`` fires when the THREAD that forked it ends,
+        so a runner first used in a finished thread finds its child killed): not the next item's fault."""
+        try:
+            return os.waitpid(self.pid, os.WNOHANG)[0] != 0  # type: ignore[arg-type]
+        except ChildProcessError:
+            return True
 
     def _died(self) -> float:
         pid = self.pid
