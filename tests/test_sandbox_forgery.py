@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from meshrl.rewards.sandbox import grade_code, run_code
+from meshrl.rewards.sandbox import grade_code, run_code, sandbox_isolation
 from meshrl.rewards.sandbox_codec import ProtocolError, decode_value, encode_value
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox targets Linux")
@@ -114,8 +114,19 @@ ATTACKS = {
 }
 
 
+ISOLATION = sandbox_isolation() if sys.platform.startswith("linux") else ""
+# Without a PID namespace a root program really does kill every process on the machine: never run it there.
+NEEDS_PID_NAMESPACE = {"kill every process it can see"}
+# The weakest fallback (no namespaces, same root user as the harness) cannot hide the harness: documented.
+SEES_THE_HARNESS = {"look for the tests in /proc"}
+
+
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_attack_scores_zero(name):
+    if name in NEEDS_PID_NAMESPACE and "pidns" not in ISOLATION:
+        pytest.skip(f"only safe to run inside a PID namespace ({ISOLATION})")
+    if name in SEES_THE_HARNESS and "pidns" not in ISOLATION and "uid 0" in ISOLATION:
+        pytest.skip(f"a root program outside a PID namespace can read the harness' files ({ISOLATION})")
     res = run_code(ATTACKS[name], tests=CHECK, entry_point="add", timeout_s=10)
     assert not res.passed and res.status != "passed", (name, res)
     assert grade_code(ATTACKS[name], CHECK, "add", timeout_s=10) == 0.0

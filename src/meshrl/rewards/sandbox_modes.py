@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import pwd
 import resource
@@ -32,6 +33,8 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 _UNSHARE = ("unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc")
 _SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -204,4 +207,9 @@ def _works(mode: Mode, python: str) -> bool:
 def select_mode(python: str, isolate: bool, user: str | int | None) -> Mode:
     """The first of :func:`candidate_modes` that works here (cached per arguments)."""
     modes = candidate_modes(python, isolate, user)
-    return next((mode for mode in modes[:-1] if _works(mode, python)), modes[-1])
+    mode = next((mode for mode in modes[:-1] if _works(mode, python)), modes[-1])
+    if not mode.bwrap_binds and mode.uid == 0:
+        log.warning("the code sandbox runs model-written code as root without a private file system (%s): it "
+                    "can write, delete and read files as root%s; install bubblewrap (scripts/setup.sh)", mode.label,
+                    "" if "pidns" in mode.label else " and signal every process on the machine")
+    return mode
