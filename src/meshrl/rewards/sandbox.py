@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -214,9 +214,10 @@ class _Run:
     mode: Mode
     files: list[IO[bytes]]  # code in, program out, program err, tests in, harness out
     pipes: dict[str, int]
+    hidden: tuple[str, ...] = ()
 
     @classmethod
-    def open(cls, workdir: str, mode: Mode, code: str, tests: dict[str, str | None]) -> _Run:
+    def open(cls, workdir: str, mode: Mode, code: str, tests: dict[str, str | None], hidden: tuple[str, ...]) -> _Run:
         files = [tempfile.TemporaryFile() for _ in range(5)]  # noqa: SIM115 (closed by close())
         files[0].write(json.dumps({"code": code}).encode())
         files[3].write(json.dumps(tests).encode())
@@ -225,7 +226,7 @@ class _Run:
         pipes: dict[str, int] = {}
         for name in ("request", "reply", "verdict"):
             pipes[name + "_r"], pipes[name + "_w"] = os.pipe()  # not inheritable: only pass_fds cross
-        return cls(workdir, mode, files, pipes)
+        return cls(workdir, mode, files, pipes, hidden)
 
     def close_child_ends(self) -> None:
         for name in [n for n in self.pipes if n != "verdict_r"]:
@@ -246,7 +247,7 @@ def _spawn_program(run: _Run, python: str, limits: dict[int, tuple[int, int]],
     Returns the process and whether it joined the cgroup."""
     uid, gid = program_switch(run.mode)
     p = run.pipes
-    argv = [*run.mode.argv(run.workdir), python, "-I", "-B", "-c", _child_source("sandbox_program.py"),
+    argv = [*run.mode.argv(run.workdir, run.hidden), python, "-I", "-B", "-c", _child_source("sandbox_program.py"),
             str(p["request_r"]), str(p["reply_w"]), str(uid), str(gid), run.workdir]
     for group in (cgroup, None) if cgroup else (None,):
         run.files[0].seek(0)
@@ -364,6 +365,7 @@ def run_code(
     user: str | int | None = "nobody",
     isolate: bool = True,
     trusted_code: str | None = None,
+    hidden_paths: Sequence[str | os.PathLike] = (),
 ) -> SandboxResult:
     """Run ``code`` in the sandbox, then ``tests`` and ``check(entry_point)`` in the trusted harness.
 
@@ -393,6 +395,9 @@ def run_code(
         trusted_code: definitions the tests may call (e.g. the problem's prompt), run in the harness
             before the tests; its names replace the program's, except ``entry_point``, so a program cannot
             redefine a helper the tests check its answer with.
+        hidden_paths: files or directories the program must not read although they lie inside a
+            directory it sees (e.g. the benchmark file shipped inside the interpreter's site-packages,
+            which holds the reference solutions); they appear empty. Under bubblewrap only.
     """
     if trusted_code is not None and not isinstance(trusted_code, str):
         raise ValueError(f"trusted_code must be a string, got {type(trusted_code).__name__}")
@@ -410,7 +415,8 @@ def run_code(
     try:
         if mode.uid != os.geteuid():
             os.chown(workdir, mode.uid, mode.gid)
-        run = _Run.open(workdir, mode, code, {"tests": tests, "entry_point": entry_point, "trusted_code": trusted_code})
+        tests_payload = {"tests": tests, "entry_point": entry_point, "trusted_code": trusted_code}
+        run = _Run.open(workdir, mode, code, tests_payload, tuple(str(p) for p in hidden_paths))
         program_limits = dict(limits)
         if mode.uid != 0:
             program_limits[resource.RLIMIT_NPROC] = (_count_tasks(mode.uid) + max_procs,) * 2

@@ -54,11 +54,22 @@ class Mode:
     switch: str = ""
     bwrap_binds: tuple[str, ...] = ()
 
-    def argv(self, workdir: str) -> list[str]:
-        """The command line before the interpreter, for a run in ``workdir``."""
+    def argv(self, workdir: str, hidden: tuple[str, ...] = ()) -> list[str]:
+        """The command line before the interpreter, for a run in ``workdir``, with the existing ``hidden``
+        files and directories made empty (bwrap only: the other mechanisms cannot hide anything)."""
         if not self.bwrap_binds:
             return list(self.prefix)
-        return [*self.prefix, *self.bwrap_binds, *_parents(workdir), "--bind", workdir, workdir,
+        binds = self.bwrap_binds
+        bound = [binds[i + 2] for i, arg in enumerate(binds) if arg == "--ro-bind"]
+        masks: list[str] = []
+        for path in (os.path.realpath(p) for p in hidden):
+            if not any(path.startswith(root.rstrip("/") + "/") for root in bound):
+                continue  # not visible in the sandbox anyway (and a mask would create its parents)
+            if os.path.isdir(path):
+                masks += ["--tmpfs", path, "--remount-ro", path]
+            elif os.path.exists(path):
+                masks += ["--ro-bind", "/dev/null", path]
+        return [*self.prefix, *self.bwrap_binds, *masks, *_parents(workdir), "--bind", workdir, workdir,
                 "--remount-ro", "/dev", "--remount-ro", "/", "--"]
 
 
