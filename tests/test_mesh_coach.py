@@ -411,3 +411,34 @@ def test_budget_groups():
         budget_groups(16, 4, "both")
     with pytest.raises(ValueError, match="m must"):
         budget_groups(16, 0)
+
+
+# ---------------------------------------------------------------- set-up errors and credentials (issue 17)
+
+
+def test_missing_key_ends_the_run_at_once_instead_of_failing_every_attempt(server, tmp_path, monkeypatch):
+    from meshrl.mesh.coach import MissingKeyError
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with pytest.raises(MissingKeyError, match=KEY_ENV):
+        generate_prefixes(QUERIES, make_backend(server), m=4, out_path=tmp_path / "p.jsonl", max_attempts=3)
+    assert server.requests == [] and not (tmp_path / "p.rejects.jsonl").exists()
+
+
+def test_credentials_in_the_url_are_never_written(server, tmp_path, monkeypatch, caplog, capsys):
+    from meshrl.mesh.coach import redact_url
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    url = server.base_url.replace("http://", f"http://coach:{SECRET}@")
+    assert redact_url(url) == server.base_url.replace("http://", "http://coach:***@")
+    assert SECRET not in redact_url(f"https://{SECRET}@example.com/v1")
+    server.respond = lambda body, n: ("status", 503, f"overloaded, your url was {url}")
+    backend = OpenAIChatBackend(url, "coach-model", api_key_env=None, timeout_s=5.0, max_retries=1, backoff_s=0.001)
+    with caplog.at_level(logging.DEBUG):
+        summary = generate_prefixes(QUERIES[:1], backend, m=4, out_path=tmp_path / "p.jsonl", max_attempts=2)
+    assert summary.rejected == 1 and len(server.requests) == 4  # 2 attempts x (1 try + 1 retry)
+    assert server.requests[0]["headers"]["Authorization"].startswith("Basic ")  # the user info, as HTTP auth
+    _no_secret_anywhere(tmp_path, caplog, capsys, repr(backend), json.dumps(backend.describe()))
+    with pytest.raises(ValueError) as bad:
+        OpenAIChatBackend(f"ftp://u:{SECRET}@host/v1", "m")
+    assert SECRET not in str(bad.value)

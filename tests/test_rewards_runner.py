@@ -47,9 +47,10 @@ def by_completion(completion: str, problem: P) -> float:
     return {"nan": math.nan, "big": 1.5, "neg": -0.25, "half": 0.5, "str": "1"}[completion]  # type: ignore[return-value]
 
 
+@pytest.mark.parametrize("isolation", ["process", "inline"])
 @pytest.mark.parametrize("fn", [sleepy, spinning, swallowing])
-def test_timeout_gives_zero_and_counts(fn, caplog: pytest.LogCaptureFixture) -> None:
-    runner = RewardRunner(fn, timeout_s=0.2)
+def test_timeout_gives_zero_and_counts(fn, isolation: str, caplog: pytest.LogCaptureFixture) -> None:
+    runner = RewardRunner(fn, timeout_s=0.2, isolation=isolation)
     t0 = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="meshrl.rewards.runner"):
         assert runner(["x"], [P("p-7")]) == [0.0]
@@ -118,7 +119,7 @@ def test_with_grade_and_good_scores_no_errors() -> None:
     assert runner.pop_stats() == {"reward/errors": 0, "reward/timeouts": 0}
 
 
-def test_restores_signal_handler_and_outer_timer() -> None:
+def test_restores_signal_handler_and_outer_timer() -> None:  # the inline path
     fired: list[int] = []
 
     def outer(signum, frame):
@@ -127,13 +128,13 @@ def test_restores_signal_handler_and_outer_timer() -> None:
     old = signal.signal(signal.SIGALRM, outer)
     try:
         signal.setitimer(signal.ITIMER_REAL, 30.0)
-        RewardRunner(lambda c, p: 1.0, timeout_s=0.5)(["a"], [P("x")])
+        RewardRunner(lambda c, p: 1.0, timeout_s=0.5, isolation="inline")(["a"], [P("x")])
         assert signal.getsignal(signal.SIGALRM) is outer
         remaining, _ = signal.getitimer(signal.ITIMER_REAL)
         assert 25.0 < remaining <= 30.0
         # A short outer timer still fires on time after the runner re-arms it.
         signal.setitimer(signal.ITIMER_REAL, 0.3)
-        RewardRunner(lambda c, p: 1.0, timeout_s=5.0)(["a"], [P("x")])
+        RewardRunner(lambda c, p: 1.0, timeout_s=5.0, isolation="inline")(["a"], [P("x")])
         time.sleep(0.6)
         assert fired == [signal.SIGALRM]
     finally:
@@ -142,11 +143,13 @@ def test_restores_signal_handler_and_outer_timer() -> None:
 
 
 def test_no_timer_left_armed_after_success() -> None:
-    RewardRunner(lambda c, p: 1.0, timeout_s=0.2)(["a"], [P("x")])
+    RewardRunner(lambda c, p: 1.0, timeout_s=0.2, isolation="inline")(["a"], [P("x")])
+    RewardRunner(lambda c, p: 1.0, timeout_s=0.2, isolation="process")(["a"], [P("x")])
     assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
 
 
-def test_worker_thread_runs_without_timeout_but_catches_errors() -> None:
+@pytest.mark.parametrize("isolation", ["process", "inline"])
+def test_worker_thread(isolation: str) -> None:
     def slow(c: str, p: P) -> float:
         time.sleep(0.3)
         return 1.0
@@ -154,15 +157,20 @@ def test_worker_thread_runs_without_timeout_but_catches_errors() -> None:
     results: dict[str, object] = {}
 
     def work() -> None:
-        results["slow"] = RewardRunner(slow, timeout_s=0.05)(["a"], [P("t")])
-        r = RewardRunner(raising, timeout_s=0.05)
+        r = RewardRunner(slow, timeout_s=0.05, isolation=isolation)
+        results["slow"] = r(["a"], [P("t")])
+        results["slow_stats"] = r.pop_stats()
+        r = RewardRunner(raising, timeout_s=0.05, isolation=isolation)
         results["raise"] = r(["a"], [P("t")])
         results["stats"] = r.pop_stats()
 
     th = threading.Thread(target=work)
     th.start()
     th.join(10)
-    assert results["slow"] == [1.0]  # no signal-based timeout off the main thread
+    if isolation == "process":  # the deadline holds in any thread
+        assert results["slow"] == [0.0] and results["slow_stats"] == {"reward/errors": 0, "reward/timeouts": 1}
+    else:  # no signal-based timeout off the main thread
+        assert results["slow"] == [1.0]
     assert results["raise"] == [0.0]
     assert results["stats"] == {"reward/errors": 1, "reward/timeouts": 0}
 
@@ -183,9 +191,122 @@ def test_argument_validation() -> None:
         RewardRunner(raising, timeout_s=-1)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardRunner(raising, timeout_s=math.inf)
+    with pytest.raises(ValueError, match="isolation"):
+        RewardRunner(raising, isolation="thread")
     runner = RewardRunner(raising)
     with pytest.raises(ValueError, match="differ in length"):
         runner(["a", "b"], [P("x")])
     with pytest.raises(ValueError, match="completions"):
         runner("ab", [P("x"), P("y")])  # type: ignore[arg-type]
     assert runner([], []) == []
+
+
+def matrix_power(completion: str, problem: P) -> float:
+    """One long C call: a signal cannot interrupt it."""
+    import numpy as np
+
+    m = np.random.default_rng(0).random((3000, 3000))
+    np.linalg.matrix_power(m, 64)
+    return 1.0
+
+
+def exiting(completion: str, problem: P) -> float:
+    import os
+    import sys
+
+    if completion == "sys.exit":
+        sys.exit(0)
+    if completion == "sys.exit bare except":
+        try:
+            sys.exit(3)
+        except SystemExit:
+            raise
+    if completion == "os._exit":
+        os._exit(0)
+    return 0.5
+
+
+def test_long_c_call_is_stopped_at_the_timeout() -> None:
+    runner = RewardRunner(matrix_power, timeout_s=0.5)
+    t0 = time.perf_counter()
+    assert runner(["x"], [P("mp")]) == [0.0]
+    assert time.perf_counter() - t0 < 1.5  # the inline alarm waited 12.8 s for this call
+    assert runner.pop_stats() == {"reward/errors": 0, "reward/timeouts": 1}
+
+
+def test_exiting_scorer_is_a_counted_error_and_the_runner_recovers(caplog: pytest.LogCaptureFixture) -> None:
+    runner = RewardRunner(exiting, timeout_s=5.0)
+    with caplog.at_level(logging.WARNING, logger="meshrl.rewards.runner"):
+        out = runner(["sys.exit", "fine", "os._exit", "sys.exit bare except", "fine"], [P(str(i)) for i in range(5)])
+    assert out == [0.0, 0.5, 0.0, 0.0, 0.5]
+    assert runner.pop_stats() == {"reward/errors": 3, "reward/timeouts": 0}
+    text = caplog.text
+    assert "problem 0 raised SystemExit" in text and "problem 2" in text and "process ended" in text
+
+
+def test_inline_scorer_calling_sys_exit_is_counted() -> None:
+    runner = RewardRunner(exiting, isolation="inline")
+    assert runner(["sys.exit", "fine"], [P("a"), P("b")]) == [0.0, 0.5]
+    assert runner.pop_stats() == {"reward/errors": 1, "reward/timeouts": 0}
+
+
+def test_process_scores_match_inline_and_are_deterministic() -> None:
+    completions = [f"#### {i % 3}" for i in range(30)] + ["no answer", "\\boxed{1}"]
+    problems = [P(str(i), answer="1") for i in range(len(completions))]
+
+    def score(c: str, p: P) -> float:
+        return grade(c, p.answer, "number")
+
+    inline = RewardRunner(score, isolation="inline")(completions, problems)
+    first = RewardRunner(score, isolation="process")(completions, problems)
+    second = RewardRunner(score, isolation="process")(completions, problems)
+    assert first == second == inline and sum(first) == 11.0
+
+
+def test_unpicklable_problem_is_scored_inline() -> None:
+    lock_problem = {"id": "lock", "lock": threading.Lock()}
+    runner = RewardRunner(lambda c, p: 1.0, isolation="process")
+    assert runner(["a"], [lock_problem]) == [1.0]
+    assert runner.pop_stats() == {"reward/errors": 0, "reward/timeouts": 0}
+
+
+def test_scorer_process_is_stopped_by_close() -> None:
+    import os
+
+    runner = RewardRunner(lambda c, p: 1.0)
+    runner(["a"], [P("x")])
+    pid = runner._process.pid  # type: ignore[union-attr]
+    assert pid is not None
+    runner.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_scorer_process_does_not_keep_a_worker_pool_alive() -> None:
+    """A pool's workers must see end-of-file when the pool closes while a scorer process lives (else the
+    pool's close waits 5 s for each and then kills it)."""
+    import torch
+
+    from meshrl.forkpool import ForkPool, fork_available
+
+    if not fork_available():
+        pytest.skip("no fork here")
+    pool = ForkPool(torch.nn.Linear(2, 2), lambda x: x + 1, 2)
+    assert pool.map(lambda x: x, [(1,), (2,)]) == [1, 3]
+    runner = RewardRunner(lambda c, p: 1.0)
+    assert runner(["a"], [P("x")]) == [1.0]  # the scorer process is forked while the pool is open
+    t0 = time.perf_counter()
+    pool.close()
+    assert time.perf_counter() - t0 < 3.0
+    runner.close()
+
+
+def test_runner_first_used_in_a_finished_thread_still_scores_without_errors() -> None:
+    runner = RewardRunner(lambda c, p: 1.0)
+    th = threading.Thread(target=lambda: runner(["a"], [P("x")]))
+    th.start()
+    th.join(10)
+    time.sleep(0.2)  # the child got its parent-death signal when that thread ended
+    assert runner(["b", "c"], [P("y"), P("z")]) == [1.0, 1.0]
+    assert runner.pop_stats() == {"reward/errors": 0, "reward/timeouts": 0}
+    runner.close()

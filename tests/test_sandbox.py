@@ -317,3 +317,9 @@ def test_namespace_init_leaving_the_group_is_killed(monkeypatch):
     res = run_code(code, python=SYSTEM_PYTHON, timeout_s=1.0)
     assert res.status == "timeout" and "pidns" in res.isolation
     assert not wait_no_survivors(first_line(res.stdout))
+
+
+def test_a_crash_is_an_error_with_a_negative_signal():
+    code = "import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
+    res = run_code(code, tests=CHECK, entry_point="add")
+    assert res.status == "error" and res.returncode == -11 and "exited" in res.stderr

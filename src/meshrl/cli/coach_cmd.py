@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 
@@ -23,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-attempts", type=int, default=3)
     p.add_argument("--base-url", help="openai: endpoint base, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", help="openai: model name; hf: model spec or local directory")
-    p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="openai: env var holding the key (never logged)")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                   help="openai: env var holding the key (never logged; '' for an endpoint without a key)")
     p.add_argument("--concurrency", type=int, default=8, help="openai: parallel requests")
     p.add_argument("--timeout", type=float, default=120.0, help="openai: seconds per request")
     p.add_argument("--max-new-tokens", type=int, default=512, help="hf: generation budget")
@@ -42,8 +45,11 @@ def _backend(args: argparse.Namespace, task, by_id):
     if args.backend == "openai":
         if not args.base_url:
             raise ValueError("--backend openai needs --base-url")
-        return OpenAIChatBackend(args.base_url, args.model, api_key_env=args.api_key_env, timeout_s=args.timeout,
-                                 concurrency=args.concurrency)
+        if args.api_key_env and not os.environ.get(args.api_key_env):
+            raise ValueError(f"--api-key-env {args.api_key_env}: that environment variable is not set (export it, "
+                             "or pass --api-key-env '' for an endpoint without a key)")
+        return OpenAIChatBackend(args.base_url, args.model, api_key_env=args.api_key_env or None,
+                                 timeout_s=args.timeout, concurrency=args.concurrency)
     return CallableBackend(_hf_generate(args.model, args.max_new_tokens, args.seed), name=f"hf:{args.model}")
 
 
@@ -83,4 +89,12 @@ def run(args: argparse.Namespace) -> int:
                                     max_attempts=args.max_attempts,
                                     progress=lambda done, total, status: advance(completed=done, description=status))
     print(json.dumps(summary.as_dict(), indent=1))
+    usable = summary.generated + summary.cached
+    if usable == 0:
+        print(f"meshrl coach: error: no usable prefixes: all {summary.rejected} queries were rejected "
+              f"(reasons in {summary.rejects_path})", file=sys.stderr)
+        return 1
+    if summary.rejected:
+        print(f"meshrl coach: warning: {summary.rejected} of {summary.unique} queries were rejected "
+              f"(reasons in {summary.rejects_path})", file=sys.stderr)
     return 0

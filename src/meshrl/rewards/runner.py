@@ -1,12 +1,17 @@
 """``RewardRunner``: run a scorer over a batch with a per-item timeout, clamping and error counting.
 
-Rule: each ``score_fn(completion, problem)`` call gets ``timeout_s`` seconds of wall time. In the main
-thread of a POSIX process the limit is a ``signal.setitimer(ITIMER_REAL)`` alarm whose ``SIGALRM``
-handler raises inside the scorer (the same mechanism math-verify uses, but with sub-second resolution
-and restoring any outer timer). Outside the main thread signals cannot be used, so the scorer runs
-WITHOUT a time limit there; exceptions are still caught and counted. A signal is only delivered between
-Python bytecodes, so a single long C call (a huge integer power in sympy) finishes before the alarm is
-acted on.
+Where the scorer runs (``isolation``):
+
+- ``"process"`` (the default on Linux): in a persistent forked child
+  (:class:`meshrl.rewards.scorer_process.ScorerProcess`). The limit is a deadline on the child's reply;
+  at the deadline the child is SIGKILLed (whatever it is doing, a long C call included) and a fresh one
+  is forked for the next item. A scorer that calls ``sys.exit`` or ``os._exit``, or crashes, costs one
+  counted error, not the run. The limit holds in any thread. Each reward costs one pipe round trip
+  (see ``docs/reliability.md`` for the measured overhead).
+- ``"inline"`` (the default elsewhere, and for a problem that cannot be pickled): in this process, with
+  a ``signal.setitimer(ITIMER_REAL)`` alarm whose ``SIGALRM`` handler raises inside the scorer (main
+  thread only; elsewhere no limit). A signal is only acted on between Python bytecodes, so a single long
+  C call finishes first. ``SystemExit`` is caught and counted; ``os._exit`` cannot be.
 
 A timeout, an exception, a non-numeric score or a NaN gives reward 0; a finite score outside [0, 1] is
 clamped into it. Each of these counts as an error (timeouts counted separately) and is logged on one
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 import signal
 import threading
 import time
@@ -24,9 +30,19 @@ from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
 
-__all__ = ["RewardError", "RewardRunner"]
+from meshrl.rewards.scorer_process import (
+    NonNumber,
+    ScorerDied,
+    ScorerProcess,
+    ScorerRaised,
+    ScorerTimeout,
+    fork_usable,
+)
+
+__all__ = ["ISOLATIONS", "RewardError", "RewardRunner"]
 
 logger = logging.getLogger(__name__)
+ISOLATIONS = ("process", "inline")
 
 
 class RewardError(RuntimeError):
@@ -59,9 +75,12 @@ class RewardRunner:
         score_fn: ``score_fn(completion, problem) -> float`` in [0, 1] (e.g. ``Task.score``).
         timeout_s: seconds per call; ``None`` or ``0`` disables the limit.
         strict: raise :class:`RewardError` on any failure instead of scoring it 0.
+        isolation: ``"process"`` or ``"inline"`` (module docstring); ``None``: ``"process"`` where
+            forking is supported, else ``"inline"``.
 
     ``stats`` accumulates ``{"reward/errors": n, "reward/timeouts": n}`` over calls until
-    :meth:`pop_stats` returns and resets it (``errors`` excludes timeouts).
+    :meth:`pop_stats` returns and resets it (``errors`` excludes timeouts). :meth:`close` stops the
+    scorer process (it also stops when the runner is garbage-collected or the caller exits).
     """
 
     def __init__(
@@ -69,14 +88,20 @@ class RewardRunner:
         score_fn: Callable[[str, Any], float],
         timeout_s: float | None = 5.0,
         strict: bool = False,
+        isolation: str | None = None,
     ) -> None:
         if not callable(score_fn):
             raise ValueError(f"score_fn must be callable, got {type(score_fn).__name__}")
         if timeout_s is not None and (not isinstance(timeout_s, Real) or not math.isfinite(timeout_s) or timeout_s < 0):
             raise ValueError(f"timeout_s must be None or a finite number >= 0, got {timeout_s!r}")
+        if isolation is not None and isolation not in ISOLATIONS:
+            raise ValueError(f"isolation must be one of {ISOLATIONS} or None, got {isolation!r}")
         self.score_fn = score_fn
         self.timeout_s = float(timeout_s) if timeout_s else None
         self.strict = bool(strict)
+        self.isolation = isolation or ("process" if fork_usable() else "inline")
+        self._process = ScorerProcess(score_fn) if self.isolation == "process" else None
+        self._lock = threading.Lock()
         self.stats: dict[str, int] = {}
         self._reset()
 
@@ -88,6 +113,11 @@ class RewardRunner:
         out = dict(self.stats)
         self._reset()
         return out
+
+    def close(self) -> None:
+        """Stop the scorer process, if any (the next call starts a new one)."""
+        if self._process is not None:
+            self._process.close()
 
     def __call__(self, completions: Sequence[str], problems: Sequence[Any]) -> list[float]:
         """Score ``completions[i]`` against ``problems[i]`` for every i; return rewards in [0, 1]."""
@@ -102,19 +132,39 @@ class RewardRunner:
     def score_one(self, completion: str, problem: Any) -> float:
         """Score one pair under the runner's rules (timeout, clamping, counting, logging)."""
         try:
-            value = self._call_with_timeout(completion, problem)
-        except _ScoreTimeout:
+            value = self._score(completion, problem)
+        except (_ScoreTimeout, ScorerTimeout):
             self.stats["reward/timeouts"] += 1
             return self._fail(problem, f"timed out after {self.timeout_s:g} s", None)
+        except SystemExit as exc:  # inline only (the process path reports it as an error below)
+            self.stats["reward/errors"] += 1
+            return self._fail(problem, f"raised SystemExit({exc.code!r})", exc)
+        except ScorerDied as exc:
+            self.stats["reward/errors"] += 1
+            return self._fail(problem, str(exc), exc)
         except Exception as exc:
             self.stats["reward/errors"] += 1
-            return self._fail(problem, f"raised {type(exc).__name__}: {exc}", exc)
+            name = exc.type_name if isinstance(exc, ScorerRaised) else type(exc).__name__
+            return self._fail(problem, f"raised {name}: {exc}", exc)
         return self._check_value(value, problem)
 
+    def _score(self, completion: str, problem: Any) -> Any:
+        if self._process is not None:
+            with self._lock:
+                try:
+                    return self._process.score(completion, problem, self.timeout_s)
+                except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                    if not _unpicklable(completion, problem):
+                        raise
+                    logger.debug("problem %s cannot be sent to the scorer process (%s): scoring inline",
+                                 _problem_id(problem), exc)
+        return self._call_with_timeout(completion, problem)
+
     def _check_value(self, value: Any, problem: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, Real):
+        if isinstance(value, NonNumber | bool) or not isinstance(value, Real):
             self.stats["reward/errors"] += 1
-            return self._fail(problem, f"returned a non-number {type(value).__name__}", None)
+            name = value.type_name if isinstance(value, NonNumber) else type(value).__name__
+            return self._fail(problem, f"returned a non-number {name}", None)
         x = float(value)
         if math.isnan(x):
             self.stats["reward/errors"] += 1
@@ -149,3 +199,11 @@ class RewardRunner:
             if old_delay > 0:  # re-arm an outer timer (e.g. a test-suite timeout) with its remaining time
                 remaining = max(old_delay - (time.monotonic() - start), 1e-3)
                 signal.setitimer(signal.ITIMER_REAL, remaining, old_interval)
+
+
+def _unpicklable(completion: str, problem: Any) -> bool:
+    try:
+        pickle.dumps((completion, problem))
+    except Exception:
+        return True
+    return False

@@ -1,36 +1,37 @@
-"""Run untrusted Python (model-written code plus its tests) in a limited subprocess, and grade it.
+"""Run untrusted Python (model-written code) against trusted tests, and grade it.
 
-Enforced (Linux):
+Two processes per run, so that the verdict cannot be forged (a reward-hacking hole for RL on code):
 
-- **Wall clock**: the child leads a new session; at ``timeout_s`` its whole process group is SIGKILLed
-  while the leader is still unreaped (so the group id cannot have been reused).
+- the **program** (:mod:`meshrl.rewards.sandbox_program`) runs the untrusted code, confined as
+  :mod:`meshrl.rewards.sandbox_modes` describes (bubblewrap when it works here: only the working
+  directory writable, no network, no host sockets, an unprivileged user), and answers calls;
+- the **harness** (:mod:`meshrl.rewards.sandbox_harness`) runs the tests outside the sandbox, calling the
+  program's functions through proxies; arguments and results cross as plain literals
+  (:mod:`meshrl.rewards.sandbox_codec`, never pickle). The tests never enter the sandbox, and the verdict
+  travels on a pipe only the harness holds: printing a fake result, walking the stack, patching
+  anything, exiting early or returning an object with a forged ``__eq__`` cannot make a run pass.
+
+Limits enforced on the program (Linux):
+
+- **Wall clock**: both processes lead new sessions; at ``timeout_s`` their process groups are SIGKILLed
+  while the leaders are unreaped (so the group ids cannot have been reused); with a PID namespace the
+  kernel then kills everything left in it (even ``setsid`` escapees).
 - **rlimits** set in ``preexec_fn``, inherited by every descendant: ``RLIMIT_CPU = ceil(timeout_s) + 1``
   s and ``RLIMIT_AS = memory_mb`` per process, ``RLIMIT_FSIZE = max_file_mb`` per file (stdout/stderr
   included), ``RLIMIT_CORE = 0``.
-- **Namespaces**, preferred when they work (probed once per interpreter): ``unshare --net --pid --fork
-  --kill-child --mount-proc`` (as non-root inside an unprivileged user namespace). The new network
-  namespace has only a loopback that is down: no connection can be made, whatever the code does. The
-  program is PID 1 of a new PID namespace, so when it dies the kernel kills every process left in it
-  (even ones that left the process group with ``setsid``); the private ``/proc`` shows only the sandbox.
-- **User**: a root caller runs the program as ``user`` (default ``nobody``) when that user can execute
-  the interpreter (probed: one under ``/root`` cannot), else as root, which can read every file on the
-  machine (prefer a non-root grader, or an interpreter outside ``/root``).
 - **Process count**: ``RLIMIT_NPROC`` counts every task of the real user and is ignored for root, so it is
   set to "that user's current tasks + max_procs" and binds only when the program runs as non-root. A
   root caller also gets a ``pids`` cgroup with ``pids.max = max_procs`` when the cgroup file system is
-  writable; the parent kills every process left in it afterwards. As root with neither, only the wall
-  clock and the PID namespace bound a fork bomb.
-- **Environment**: no inherited variables (no secrets, no ``PYTHONPATH``); ``python -I -B`` (isolated:
-  no user site, ``PYTHON*`` ignored, cwd not on ``sys.path``); a fresh temporary working directory (also
-  ``HOME``/``TMPDIR``) removed afterwards; stdin ``/dev/null``; the payload arrives on an anonymous file,
-  never on the command line. At most ``max_output_bytes`` of stdout and of stderr are returned.
+  writable; the parent kills every process left in it afterwards.
+- **Environment**: no inherited variables (no secrets, no ``PYTHONPATH``); ``python -I -B``; a fresh
+  temporary working directory (also ``HOME``/``TMPDIR``) removed afterwards; stdin ``/dev/null``; the
+  code arrives on an anonymous file, never on the command line. At most ``max_output_bytes`` of stdout
+  and of stderr are returned.
 
-Best-effort only: the in-process ``socket`` guard (the only network barrier without ``unshare``; code can
-bypass it through ``_socket`` or ``ctypes``), total disk use (many ``max_file_mb`` files fit in the
-time limit), ``setsid`` escapees without a PID namespace or cgroup, and the pass marker: the harness
-shares the interpreter with the code, so it defeats ``sys.exit(0)`` / ``os._exit(0)`` shortcuts but not
-code that deliberately inspects the harness' frames. Not a boundary against a determined attacker: use
-a container or VM for that.
+Best-effort only: under the fallback mechanisms (no bubblewrap), everything the module docstring of
+:mod:`meshrl.rewards.sandbox_modes` lists as missing for them; total disk use inside the working
+directory (many ``max_file_mb`` files fit in the time limit). Values that are not plain literals
+(objects, generators, functions) cannot cross, so tests that need them fail with ``error``.
 """
 
 from __future__ import annotations
@@ -40,10 +41,9 @@ import functools
 import json
 import math
 import os
-import pwd
 import re
 import resource
-import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -51,77 +51,34 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
+
+from meshrl.rewards.sandbox_modes import Mode, child_env, limiter, program_switch, select_mode
 
 __all__ = ["SANDBOX_STATUSES", "SandboxResult", "extract_code", "grade_code", "run_code", "sandbox_isolation"]
 
 SANDBOX_STATUSES = ("passed", "failed", "timeout", "error", "memory")
-_UNSHARE = ("unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc")
+_EXIT_GRACE_S = 0.5  # how long the program gets to exit by itself once the harness has decided
 
-# Runs in the child around the untrusted code: reads the JSON payload from stdin (then stdin is /dev/null),
-# guards ``socket``, runs code then tests in one namespace (HumanEval style), calls check(entry_point),
-# and reports the status after a per-run random marker on stdout.
-_HARNESS = r"""
-import builtins, json, linecache, os, socket, sys, traceback
-def _deny(*args, **kwargs):
-    raise PermissionError("network access is disabled in the meshrl sandbox")
-class _GuardedSocket(socket.socket):
-    def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
-        if fileno is None and family in (-1, socket.AF_INET, socket.AF_INET6):
-            _deny()
-        super().__init__(family, type, proto, fileno)
-def _run(src, name, ns):
-    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
-    exec(compile(src, name, "exec"), ns)
-def _main(p, isinstance=isinstance, print_exc=traceback.print_exc):
-    ns = {"__name__": "__main__", "__builtins__": builtins}
-    try:
-        _run(p["code"], "solution.py", ns)
-        if p["tests"] is not None:
-            _run(p["tests"], "tests.py", ns)
-        if p["entry_point"]:
-            if "check" not in ns or p["entry_point"] not in ns:
-                raise NameError("check() or entry point %r is not defined" % p["entry_point"])
-            ns["check"](ns[p["entry_point"]])
-        return "passed"
-    except SystemExit as exc:
-        print("sandbox: the program exited (SystemExit(%r)) before the harness finished" % (exc.code,),
-              file=sys.stderr)
-        return "failed"
-    except BaseException as exc:
-        try:
-            print_exc()
-        except BaseException:
-            pass
-        return "failed" if isinstance(exc, AssertionError) else "memory" if isinstance(exc, MemoryError) else "error"
-def _harness(write=os.write, exit=os._exit):  # bound before the program runs: it cannot patch them
-    p = json.loads(sys.stdin.buffer.read())
-    marker = p.pop("marker")  # a local: not reachable as a module global of __main__
-    fd = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(fd, 0)
-    os.close(fd)
-    socket.socket = _GuardedSocket
-    socket.getaddrinfo = socket.gethostbyname = socket.gethostbyname_ex = _deny
-    status = _main(p)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    try:
-        write(1, ("\n%s:%s\n" % (marker, status)).encode())
-    finally:
-        exit(0 if status == "passed" else 1)
-_harness()
-"""
+
+@functools.cache
+def _child_source(name: str) -> str:
+    """``sandbox_codec.py`` + ``name``'s source, run as ``python -I -c`` (which cannot import meshrl)."""
+    here = Path(__file__).parent
+    lines = [*(here / "sandbox_codec.py").read_text().splitlines(), *(here / name).read_text().splitlines()]
+    kept = [line for line in lines if not line.rstrip().endswith("# sandbox: inline")]
+    future = "from __future__ import annotations"
+    return "\n".join([future, *(line for line in kept if line != future), "main()", ""])
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     """Outcome of :func:`run_code`: ``status`` in :data:`SANDBOX_STATUSES`, ``passed = status == "passed"``,
-    ``returncode`` negative for a signal (``-9`` after the timeout kill), ``isolation`` the mode used."""
+    ``returncode`` the program's (negative for a signal, ``-9`` after the timeout kill), ``isolation`` the
+    mechanism used (e.g. ``"bwrap: mountns+pidns+netns, uid 65534"``)."""
 
     passed: bool
     status: str
@@ -132,64 +89,13 @@ class SandboxResult:
     isolation: str = ""
 
 
-@dataclass(frozen=True)
-class _Mode:
-    label: str
-    prefix: tuple[str, ...]
-    uid: int  # real uid the program runs as
-    gid: int
-    switch: bool  # switch uid/gid in preexec_fn (the unshare modes switch with --setuid themselves)
-
-
-def _candidate_modes(isolate: bool, user: str | int | None) -> list[_Mode]:
-    euid, egid = os.geteuid(), os.getegid()
-    target = None
-    if euid == 0 and user is not None:
-        with contextlib.suppress(KeyError, OverflowError, TypeError):
-            entry = pwd.getpwuid(user) if isinstance(user, int) else pwd.getpwnam(user)
-            target = (entry.pw_uid, entry.pw_gid) if entry.pw_uid != 0 else None
-    modes = []
-    if isolate and shutil.which("unshare"):
-        if euid == 0:
-            if target is not None:
-                switch = ("--setuid", str(target[0]), "--setgid", str(target[1]), "--")
-                modes.append(_Mode(f"netns+pidns, uid {target[0]}", _UNSHARE + switch, *target, False))
-            modes.append(_Mode("netns+pidns, uid 0", (*_UNSHARE, "--"), 0, egid, False))
-        else:
-            prefix = ("unshare", "--user", "--map-root-user", *_UNSHARE[1:], "--")
-            modes.append(_Mode(f"userns+netns+pidns, uid {euid}", prefix, euid, egid, False))
-    if target is not None:
-        modes.append(_Mode(f"no namespaces, uid {target[0]}", (), *target, True))
-    return [*modes, _Mode(f"no namespaces, uid {euid}", (), euid, egid, False)]
-
-
-@functools.lru_cache(maxsize=16)
-def _select_mode(python: str, isolate: bool, user: str | int | None) -> _Mode:
-    """The first candidate mode in which ``python -I -c 'import socket'`` runs (cached per arguments)."""
-    modes = _candidate_modes(isolate, user)
-    for mode in modes[:-1]:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            done = subprocess.run(
-                [*mode.prefix, python, "-I", "-B", "-c", "import socket"], cwd="/", env=_child_env("/"),
-                stdin=subprocess.DEVNULL, capture_output=True, timeout=30, preexec_fn=_limiter({}, None, mode),
-            )
-            if done.returncode == 0:
-                return mode
-    return modes[-1]
-
-
 def sandbox_isolation(python: str = sys.executable, *, isolate: bool = True, user: str | int | None = "nobody") -> str:
-    """The isolation :func:`run_code` gets with these arguments here, e.g. ``"netns+pidns, uid 65534"``,
-    ``"no namespaces, uid 1000"``, plus ``" + pids cgroup"`` when a root caller can make one."""
+    """The mechanism :func:`run_code` uses with these arguments here, e.g. ``"bwrap: mountns+pidns+netns, uid
+    65534"`` or ``"no namespaces, uid 1000"``, plus ``" + pids cgroup"`` when a root caller can make one."""
     cgroup = _make_cgroup(1)
     if cgroup is not None:
         _remove_cgroup(cgroup)
-    return _select_mode(python, isolate, user).label + (" + pids cgroup" if cgroup else "")
-
-
-def _child_env(home: str) -> dict[str, str]:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8"}
+    return select_mode(python, isolate, user).label + (" + pids cgroup" if cgroup else "")
 
 
 def _proc_status() -> Iterator[dict[str, str]]:
@@ -262,30 +168,6 @@ def _rmtree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _limiter(limits: dict[int, tuple[int, int]], cgroup: str | None, mode: _Mode) -> Callable[[], None]:
-    """``preexec_fn``: lower the rlimits (never above the current hard limit), join the cgroup (needs
-    root), then switch user if the mode says so."""
-
-    def apply() -> None:
-        for res, (soft, hard) in limits.items():
-            current = resource.getrlimit(res)[1]
-            if current != resource.RLIM_INFINITY:
-                soft, hard = min(soft, current), min(hard, current)
-            resource.setrlimit(res, (soft, hard))
-        if cgroup is not None:
-            fd = os.open(os.path.join(cgroup, "cgroup.procs"), os.O_WRONLY)
-            try:
-                os.write(fd, str(os.getpid()).encode())
-            finally:
-                os.close(fd)
-        if mode.switch:
-            os.setgroups([])
-            os.setgid(mode.gid)
-            os.setuid(mode.uid)
-
-    return apply
-
-
 def _wait(proc: subprocess.Popen, deadline: float) -> bool:
     """Wait for the leader to exit WITHOUT reaping it (its pid keeps the group id); ``True`` on timeout."""
     delay = 0.001
@@ -311,24 +193,6 @@ def _read_capped(fh: IO[bytes], cap: int) -> tuple[bytes, bytes]:
     return head, fh.read()
 
 
-def _spawn(
-    argv: list[str], workdir: str, files: tuple[IO[bytes], ...], limits: dict[int, tuple[int, int]],
-    cgroup: str | None, mode: _Mode,
-) -> tuple[subprocess.Popen, bool]:
-    """Start the child in a new session; if joining the cgroup fails, start it again without one.
-    Returns the process and whether it joined the cgroup."""
-    for group in (cgroup, None) if cgroup else (None,):
-        files[0].seek(0)
-        try:
-            proc = subprocess.Popen(argv, cwd=workdir, env=_child_env(workdir), stdin=files[0], stdout=files[1],
-                                    stderr=files[2], start_new_session=True, preexec_fn=_limiter(limits, group, mode))
-            return proc, group is not None
-        except subprocess.SubprocessError:
-            if group is None:
-                raise
-    raise AssertionError("unreachable")
-
-
 def _check_args(code: object, tests: object, entry_point: object, timeout_s: object, **ints: object) -> None:
     for name, value in (("code", code), ("tests", tests), ("entry_point", entry_point)):
         if not isinstance(value, str) and (name == "code" or value is not None):
@@ -340,6 +204,151 @@ def _check_args(code: object, tests: object, entry_point: object, timeout_s: obj
     for name, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class _Run:
+    """The open files and pipes of one run (closed by :meth:`close`)."""
+
+    workdir: str
+    mode: Mode
+    files: list[IO[bytes]]  # code in, program out, program err, tests in, harness out
+    pipes: dict[str, int]
+    hidden: tuple[str, ...] = ()
+
+    @classmethod
+    def open(cls, workdir: str, mode: Mode, code: str, tests: dict[str, str | None], hidden: tuple[str, ...]) -> _Run:
+        files = [tempfile.TemporaryFile() for _ in range(5)]  # noqa: SIM115 (closed by close())
+        files[0].write(json.dumps({"code": code}).encode())
+        files[3].write(json.dumps(tests).encode())
+        for fh in files:
+            fh.seek(0)
+        pipes: dict[str, int] = {}
+        for name in ("request", "reply", "verdict"):
+            pipes[name + "_r"], pipes[name + "_w"] = os.pipe()  # not inheritable: only pass_fds cross
+        return cls(workdir, mode, files, pipes, hidden)
+
+    def close_child_ends(self) -> None:
+        for name in [n for n in self.pipes if n != "verdict_r"]:
+            os.close(self.pipes.pop(name))
+
+    def close(self) -> None:
+        for fd in self.pipes.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.pipes.clear()
+        for fh in self.files:
+            fh.close()
+
+
+def _spawn_program(run: _Run, python: str, limits: dict[int, tuple[int, int]],
+                   cgroup: str | None) -> tuple[subprocess.Popen, bool]:
+    """Start the sandboxed program; if joining the cgroup fails, start it again without one.
+    Returns the process and whether it joined the cgroup."""
+    uid, gid = program_switch(run.mode)
+    p = run.pipes
+    argv = [*run.mode.argv(run.workdir, run.hidden), python, "-I", "-B", "-c", _child_source("sandbox_program.py"),
+            str(p["request_r"]), str(p["reply_w"]), str(uid), str(gid), run.workdir]
+    for group in (cgroup, None) if cgroup else (None,):
+        run.files[0].seek(0)
+        try:
+            proc = subprocess.Popen(argv, cwd="/", env=child_env(run.workdir), stdin=run.files[0],
+                                    stdout=run.files[1], stderr=run.files[2], start_new_session=True,
+                                    pass_fds=(p["request_r"], p["reply_w"]),
+                                    preexec_fn=limiter(limits, group, run.mode))
+            return proc, group is not None
+        except subprocess.SubprocessError:
+            if group is None:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_harness(run: _Run, python: str, limits: dict[int, tuple[int, int]]) -> subprocess.Popen:
+    """Start the trusted harness: the caller's user, no namespaces, the same rlimits."""
+    p = run.pipes
+    argv = [python, "-I", "-B", "-c", _child_source("sandbox_harness.py"), str(p["request_w"]), str(p["reply_r"]),
+            str(p["verdict_w"])]
+    return subprocess.Popen(argv, cwd="/", env=child_env(run.workdir), stdin=run.files[3], stdout=run.files[4],
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            pass_fds=(p["request_w"], p["reply_r"], p["verdict_w"]),
+                            preexec_fn=limiter(limits, None, None))
+
+
+def _read_verdict(fd: int, deadline: float) -> str | None:
+    """What the harness wrote on the verdict pipe by the time it closed it; ``None`` at the deadline."""
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 64)
+        if not chunk:
+            return data.decode("ascii", "replace").strip()
+        data += chunk
+
+
+def _reap(procs: list[subprocess.Popen], namespaced: bool) -> list[int]:
+    """SIGKILL each process group (and, under a PID namespace, its init), then reap; the return codes."""
+    for proc in procs:
+        if namespaced and proc is procs[0]:
+            _kill_children(proc.pid)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole group, also after a normal exit
+    return [proc.wait() for proc in procs]
+
+
+def _exit_signal(rc: int, mode: Mode) -> int:
+    """The signal that ended the program (bubblewrap reports a child's signal as ``128 + signal``), else 0."""
+    if rc < 0:
+        return -rc
+    return rc - 128 if mode.bwrap_binds and rc > 128 else 0
+
+
+def _status(verdict: str | None, rc: int, mode: Mode) -> str:
+    """The run's status from the harness' verdict, refined by how the program ended when it exited early."""
+    if verdict is None:
+        return "timeout"
+    if verdict == "exited":
+        sig = _exit_signal(rc, mode)
+        if sig == signal.SIGXCPU:
+            return "timeout"
+        return "error" if sig not in (0, signal.SIGKILL) else "failed"
+    return verdict if verdict in SANDBOX_STATUSES else "error"  # no verdict: the harness itself failed
+
+
+def _execute(run: _Run, python: str, limits: tuple[dict[int, tuple[int, int]], ...], cgroup: str | None,
+             start: float, timeout_s: float, max_output_bytes: int) -> SandboxResult:
+    """Start both processes, wait for the verdict (or the deadline), kill and reap both, build the result.
+    ``limits``: the program's rlimits, the harness' rlimits."""
+    label = run.mode.label
+    try:
+        program, joined = _spawn_program(run, python, limits[0], cgroup)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return SandboxResult(False, "error", "", f"sandbox: could not start: {exc}", time.monotonic() - start, None,
+                             label)
+    procs = [program]
+    try:
+        procs.append(_spawn_harness(run, python, limits[1]))
+        run.close_child_ends()
+        deadline = start + timeout_s
+        verdict = _read_verdict(run.pipes["verdict_r"], deadline)
+        if verdict is not None:
+            _wait(program, min(deadline, time.monotonic() + _EXIT_GRACE_S))
+    except (OSError, subprocess.SubprocessError) as exc:
+        verdict = f"could not run the harness: {exc}"
+    finally:
+        rc = _reap(procs, bool(run.mode.prefix))[0]
+    duration = time.monotonic() - start
+    status = _status(verdict, rc, run.mode)
+    rc = -_exit_signal(rc, run.mode) or rc  # bwrap's 128 + signal as the usual negative signal number
+    stdout = _read_capped(run.files[1], max_output_bytes)[0].decode("utf-8", "replace")
+    stderr = "".join(_read_capped(fh, max_output_bytes)[0].decode("utf-8", "replace") for fh in run.files[2::2])
+    if verdict is None:
+        stderr += f"\nsandbox: killed after the {timeout_s:g} s limit"
+    elif status == "error" and verdict not in SANDBOX_STATUSES + ("exited",):
+        stderr += f"\nsandbox: {verdict or 'the harness gave no verdict'}"
+    isolation = label + (" + pids cgroup" if joined else "")
+    return SandboxResult(status == "passed", status, stdout, stderr, duration, rc, isolation)
 
 
 def run_code(
@@ -355,86 +364,69 @@ def run_code(
     python: str = sys.executable,
     user: str | int | None = "nobody",
     isolate: bool = True,
+    trusted_code: str | None = None,
+    hidden_paths: Sequence[str | os.PathLike] = (),
 ) -> SandboxResult:
-    """Run ``code``, then ``tests``, then ``check(entry_point)`` in a sandboxed subprocess.
+    """Run ``code`` in the sandbox, then ``tests`` and ``check(entry_point)`` in the trusted harness.
 
-    HumanEval convention: ``code`` and ``tests`` run in one ``__main__`` namespace, as if appended into one
-    file; ``tests`` defines ``check(candidate)`` and the harness calls it with the function named
-    ``entry_point``. Without ``entry_point`` the tests are module-level code (bare asserts); without
-    ``tests`` the program passes when it runs to completion.
+    HumanEval convention: ``tests`` defines ``check(candidate)`` and the harness calls it with the
+    program's function named ``entry_point``; the tests also see every other top-level function of the
+    code (and its top-level literal values) by name. Without ``entry_point`` the tests are module-level
+    code (bare asserts); without ``tests`` the program passes when its code runs to completion.
 
     Statuses: ``passed``; ``failed``: an ``AssertionError``, or the program exited (``sys.exit``,
-    ``os._exit``) before the harness finished (exiting early never passes); ``timeout``: wall clock or
+    ``os._exit``) before the tests finished (exiting early never passes); ``timeout``: wall clock or
     CPU limit; ``memory``: ``MemoryError`` under ``RLIMIT_AS``; ``error``: any other exception
-    (``SyntaxError``, missing entry point, a write past ``max_file_mb``...), a crash, or a sandbox that
-    could not start. What is enforced and what is best-effort: see the module docstring.
+    (``SyntaxError``, missing entry point, a result that is not a plain literal, a write past
+    ``max_file_mb``...), a crash, or a sandbox that could not start. See the module docstring for what is
+    enforced.
 
     Args:
         timeout_s: wall-clock limit; the CPU limit per process is ``ceil(timeout_s) + 1`` s.
-        memory_mb: address-space limit per process (``RLIMIT_AS``).
+        memory_mb: address-space limit per process of the program (``RLIMIT_AS``).
         max_procs: processes/threads the program may add (fork-bomb guard).
         max_file_mb: largest file the program may write, stdout and stderr included.
         max_output_bytes: bytes of stdout and of stderr returned (the rest is cut with a note).
-        python: the interpreter.
-        user: for a root caller, the user (name or uid) to run as if it can execute ``python``; ``None``
-            keeps root. Ignored for other callers.
-        isolate: use ``unshare`` namespaces when they work; ``False`` keeps rlimits and the socket guard.
+        python: the interpreter (for both processes).
+        user: for a root caller, the user (name or uid) the program runs as; ``None`` keeps root.
+            Ignored for other callers.
+        isolate: use namespaces (bubblewrap, else ``unshare``) when they work; ``False`` keeps rlimits and
+            the socket guard.
+        trusted_code: definitions the tests may call (e.g. the problem's prompt), run in the harness
+            before the tests; its names replace the program's, except ``entry_point``, so a program cannot
+            redefine a helper the tests check its answer with.
+        hidden_paths: files or directories the program must not read although they lie inside a
+            directory it sees (e.g. the benchmark file shipped inside the interpreter's site-packages,
+            which holds the reference solutions); they appear empty. Under bubblewrap only.
     """
+    if trusted_code is not None and not isinstance(trusted_code, str):
+        raise ValueError(f"trusted_code must be a string, got {type(trusted_code).__name__}")
     _check_args(code, tests, entry_point, timeout_s, memory_mb=memory_mb, max_procs=max_procs,
                 max_file_mb=max_file_mb, max_output_bytes=max_output_bytes)
-    mode = _select_mode(python, isolate, user)
-    marker = secrets.token_hex(16)
+    mode = select_mode(python, isolate, user)
     cpu = math.ceil(timeout_s) + 1
     limits = {resource.RLIMIT_CPU: (cpu, cpu + 1), resource.RLIMIT_AS: (memory_mb << 20, memory_mb << 20),
               resource.RLIMIT_FSIZE: (max_file_mb << 20, max_file_mb << 20), resource.RLIMIT_CORE: (0, 0)}
-    if mode.uid != 0:
-        limits[resource.RLIMIT_NPROC] = (_count_tasks(mode.uid) + max_procs,) * 2
-    payload = json.dumps({"code": code, "tests": tests, "entry_point": entry_point, "marker": marker}).encode()
+    harness_limits = {**limits, resource.RLIMIT_AS: (max(memory_mb, 512) << 20,) * 2}
     workdir = tempfile.mkdtemp(prefix="meshrl-sandbox-")
     cgroup = _make_cgroup(max_procs)
     start = time.monotonic()
+    run = None
     try:
         if mode.uid != os.geteuid():
             os.chown(workdir, mode.uid, mode.gid)
-        with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            stdin.write(payload)
-            try:
-                proc, joined = _spawn([*mode.prefix, python, "-I", "-B", "-c", _HARNESS], workdir, (stdin, out, err),
-                                      limits, cgroup, mode)
-            except (OSError, subprocess.SubprocessError) as exc:
-                return SandboxResult(False, "error", "", f"sandbox: could not start: {exc}",
-                                     time.monotonic() - start, None, mode.label)
-            try:
-                timed_out = _wait(proc, start + timeout_s)
-            finally:
-                if mode.prefix:
-                    _kill_children(proc.pid)
-                with contextlib.suppress(OSError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # the whole group, also after a normal exit
-                rc = proc.wait()
-            duration = time.monotonic() - start
-            stdout, tail = _read_capped(out, max_output_bytes)
-            stderr = _read_capped(err, max_output_bytes)[0].decode("utf-8", "replace")
+        tests_payload = {"tests": tests, "entry_point": entry_point, "trusted_code": trusted_code}
+        run = _Run.open(workdir, mode, code, tests_payload, tuple(str(p) for p in hidden_paths))
+        program_limits = dict(limits)
+        if mode.uid != 0:
+            program_limits[resource.RLIMIT_NPROC] = (_count_tasks(mode.uid) + max_procs,) * 2
+        return _execute(run, python, (program_limits, harness_limits), cgroup, start, timeout_s, max_output_bytes)
     finally:
+        if run is not None:
+            run.close()
         if cgroup is not None:
             _remove_cgroup(cgroup)
         _rmtree(workdir)
-    found = re.search(rb"\n" + marker.encode() + rb":(\w+)\n", tail)
-    if found:
-        stdout = stdout.replace(found.group(0), b"")
-    if timed_out or (rc == -signal.SIGXCPU and not found):
-        status = "timeout"
-        stderr += f"\nsandbox: killed after the {timeout_s:g} s limit" if timed_out else ""
-    elif found and found.group(1).decode() in SANDBOX_STATUSES:
-        status = found.group(1).decode()
-        status = "error" if status == "passed" and rc != 0 else status  # killed after the harness reported
-    elif "MemoryError" in stderr or "Cannot allocate memory" in stderr:
-        status = "memory"
-    else:
-        status = "failed" if rc == 0 else "error"  # rc 0 without a marker: os._exit(0) before the harness ended
-    isolation = mode.label + (" + pids cgroup" if joined else "")
-    return SandboxResult(status == "passed", status, stdout.decode("utf-8", "replace"), stderr, duration, rc,
-                         isolation)
 
 
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)

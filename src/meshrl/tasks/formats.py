@@ -311,7 +311,13 @@ class CodeTask(FileTask):
             raise ValueError(f"completion must be a str, got {type(completion).__name__}")
         meta = problem.meta
         program = build_program(meta["code_prompt"], completion, meta["entry_point"])
-        result = run_code(program, tests=meta["test"], entry_point=meta["entry_point"], timeout_s=self.timeout_s)
+        trusted = meta["code_prompt"]  # the tests' helpers (HumanEval/32's poly) come from here, not the program
+        try:
+            compile(trusted, "prompt.py", "exec")
+        except SyntaxError:
+            trusted = None
+        result = run_code(program, tests=meta["test"], entry_point=meta["entry_point"], timeout_s=self.timeout_s,
+                          trusted_code=trusted, hidden_paths=(self.path,))  # the file holds the solutions
         return 1.0 if result.passed else 0.0
 
 

@@ -9,9 +9,11 @@ from meshrl.mesh.coach.backends import (
     BackendError,
     CallableBackend,
     ChatBackend,
+    MissingKeyError,
     OpenAIChatBackend,
     RuleCoach,
     describe_backend,
+    redact_url,
 )
 from meshrl.mesh.coach.generate import (
     CoachSummary,
@@ -53,6 +55,7 @@ __all__ = [
     "ChatBackend",
     "CoachParseError",
     "CoachSummary",
+    "MissingKeyError",
     "OpenAIChatBackend",
     "PrefixRules",
     "RuleCoach",
@@ -72,6 +75,7 @@ __all__ = [
     "number_tokens",
     "parse_strategies",
     "query_key",
+    "redact_url",
     "retry_messages",
     "self_strategy_prompt",
     "validate_strategies",

@@ -7,11 +7,16 @@ run (the prefix cache is written query by query, so a re-run resumes).
 
 API keys: :class:`OpenAIChatBackend` reads the key from the environment variable named by
 ``api_key_env`` at every call. The key is sent only in the ``Authorization: Bearer`` header; it is never
-logged, never stored on the object, and redacted from error messages and returned text.
+logged, never stored on the object, and redacted from error messages and returned text. An unset
+variable raises :class:`MissingKeyError`, which ends the run at the first call instead of failing every
+attempt of every query. Credentials in the URL (``http://user:KEY@host/v1``) are taken out of it: the
+request goes to the URL without them (with HTTP Basic authentication from them when no key variable is
+used), and only the redacted URL (``http://user:***@host/v1``) appears in messages, logs and the cache.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import logging
@@ -32,6 +37,35 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 class BackendError(RuntimeError):
     """A coach call failed after its retries (message safe to log: no key, no request headers)."""
+
+
+class MissingKeyError(BackendError, ValueError):
+    """The ``api_key_env`` variable is not set: a set-up error that no retry can fix."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (and a user name that looks like a key) replaced by ``***``."""
+    try:
+        parsed = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if "@" not in parsed.netloc:
+        return url
+    userinfo, host = parsed.netloc.rsplit("@", 1)
+    user, has_password, _ = userinfo.partition(":")
+    safe = f"{user}:***" if has_password else "***"
+    return urllib.parse.urlunsplit(parsed._replace(netloc=f"{safe}@{host}"))
+
+
+def _split_credentials(url: str) -> tuple[str, str | None, str | None]:
+    """``(url without user info, user, password)``."""
+    parsed = urllib.parse.urlsplit(url)
+    if "@" not in parsed.netloc:
+        return url, None, None
+    host = parsed.netloc.rsplit("@", 1)[1]
+    user = urllib.parse.unquote(parsed.username) if parsed.username else None
+    password = urllib.parse.unquote(parsed.password) if parsed.password else None
+    return urllib.parse.urlunsplit(parsed._replace(netloc=host)), user, password
 
 
 @runtime_checkable
@@ -90,9 +124,13 @@ class OpenAIChatBackend:
         max_backoff_s: float = 60.0,
         jitter: bool = True,
     ) -> None:
-        parsed = urllib.parse.urlparse(base_url or "")
+        try:
+            parsed = urllib.parse.urlparse(base_url or "")
+            parsed.port  # noqa: B018 - raises ValueError for a bad port
+        except ValueError:
+            raise ValueError(f"base_url is not a valid URL: {redact_url(str(base_url))!r}") from None
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+            raise ValueError(f"base_url must be an http(s) URL, got {redact_url(str(base_url))!r}")
         if not model:
             raise ValueError("model must be a non-empty string")
         if not timeout_s > 0:
@@ -103,8 +141,13 @@ class OpenAIChatBackend:
             raise ValueError(f"backoff_s and max_backoff_s must be >= 0, got {backoff_s}, {max_backoff_s}")
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        root = base_url.rstrip("/")
-        self.url = root if root.endswith("/chat/completions") else root + "/chat/completions"
+        root, user, password = _split_credentials(base_url.rstrip("/"))
+        self.url = root if root.endswith("/chat/completions") else root + "/chat/completions"  # no credentials
+        self._secrets = tuple(s for s in (password, user if password is None else None) if s)
+        self._basic = None
+        if user is not None or password is not None:
+            token = f"{user or ''}:{password or ''}".encode()
+            self._basic = "Basic " + base64.b64encode(token).decode()
         self.model = model
         self.api_key_env = api_key_env
         self.timeout_s = float(timeout_s)
@@ -133,8 +176,17 @@ class OpenAIChatBackend:
             return None
         key = os.environ.get(self.api_key_env)
         if not key:
-            raise BackendError(f"environment variable {self.api_key_env} (api_key_env) is not set")
+            raise MissingKeyError(f"environment variable {self.api_key_env} (api_key_env) is not set")
         return key
+
+    def preflight(self) -> None:
+        """Raise :class:`MissingKeyError` now if the key variable is unset (before any query is tried)."""
+        self._key()
+
+    def _redact(self, text: str, key: str | None) -> str:
+        for secret in (key, *self._secrets):
+            text = _redact(text, secret)
+        return text
 
     def _body(self, messages: list[dict]) -> bytes:
         body: dict[str, Any] = {"model": self.model, "messages": messages, **self.extra_body}
@@ -160,6 +212,8 @@ class OpenAIChatBackend:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
+        elif self._basic is not None:
+            headers["Authorization"] = self._basic
         data = self._body(messages)
         last = "no attempt made"
         with self._slots:
@@ -171,9 +225,9 @@ class OpenAIChatBackend:
                     req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
                     with self._opener.open(req, timeout=self.timeout_s) as resp:
                         payload = resp.read()
-                    return _redact(_content(payload, self.url), key)
+                    return self._redact(_content(payload, self.url), key)
                 except urllib.error.HTTPError as e:
-                    detail = _redact(_read_error(e), key)
+                    detail = self._redact(_read_error(e), key)
                     last = f"HTTP {e.code} from {self.url}: {detail}"
                     if e.code != 429 and e.code < 500:
                         raise BackendError(last) from None
@@ -185,7 +239,7 @@ class OpenAIChatBackend:
                     if isinstance(reason, TimeoutError):
                         last = f"timeout after {self.timeout_s:g}s from {self.url}"
                     else:
-                        last = f"connection error to {self.url}: {_redact(str(reason), key)}"
+                        last = f"connection error to {self.url}: {self._redact(str(reason), key)}"
                 except (ConnectionError, http.client.HTTPException) as e:
                     last = f"connection error to {self.url}: {type(e).__name__}"
                 if attempt < self.max_retries:

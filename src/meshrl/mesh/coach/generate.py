@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from meshrl.mesh.coach.backends import BackendError, RuleCoach, describe_backend
+from meshrl.mesh.coach.backends import BackendError, MissingKeyError, RuleCoach, describe_backend
 from meshrl.mesh.coach.prompts import COACH_PROMPT_VERSION, coach_messages, retry_messages
 from meshrl.mesh.coach.validate import PrefixRules, check_answer, validate_strategies
 
@@ -149,6 +149,8 @@ def _solve(
             calls += 1
             try:
                 text = backend.complete(messages)
+            except MissingKeyError:
+                raise  # a set-up error: every other attempt would fail the same way
             except BackendError as e:
                 history.append({"attempt": attempt, "reasons": [f"backend error: {e}"]})
                 continue
@@ -208,6 +210,9 @@ def generate_prefixes(
     workers = concurrency if concurrency is not None else int(getattr(backend, "concurrency", 1) or 1)
     if workers < 1:
         raise ValueError(f"concurrency must be >= 1, got {workers}")
+    preflight = getattr(backend, "preflight", None)
+    if callable(preflight):
+        preflight()  # e.g. an unset API key variable: fail before any query is tried
     out = Path(out_path)
     rej = Path(rejects_path) if rejects_path is not None else out.with_name(out.stem + ".rejects.jsonl")
 
