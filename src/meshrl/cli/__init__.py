@@ -12,6 +12,7 @@ from meshrl.cli import (
     coach_cmd,
     compare_cmd,
     demo_cmd,
+    doctor_cmd,
     eval_cmd,
     experiment_cmd,
     mei_cmd,
@@ -22,7 +23,7 @@ from meshrl.cli import (
 )
 
 COMMANDS = [demo_cmd, experiment_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd,
-            census_cmd, probe_cmd]
+            census_cmd, probe_cmd, doctor_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:
