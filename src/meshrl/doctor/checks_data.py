@@ -201,10 +201,16 @@ def check_grouping(rec: RunRecords, th: Thresholds) -> Result:
 
 def check_signal(rec: RunRecords, th: Thresholds) -> Result:
     key = rec.first_of("group/flat_frac", "adv/zero_frac")
-    if key is None:
+    emptied = any(r.get("rollouts/kept") == 0 for r in rec.steps)
+    if key is None and not emptied:
         return Unchecked("no_learning_signal", "neither group/flat_frac (TRL frac_reward_zero_std) nor adv/zero_frac "
                                                "is in the records")
-    xs, ys = rec.series(key)
+    key = key or "rollouts/kept"
+    values = dict(zip(*rec.series(key), strict=True)) if key != "rollouts/kept" else {}
+    for r in rec.steps:  # dynamic sampling dropped every group of the step: all of them were flat
+        if r.get("rollouts/kept") == 0 and r.get("rollouts/count", 0) > 0:
+            values[int(r["step"])] = 1.0
+    xs, ys = sorted(values), [values[x] for x in sorted(values)]
     flat = [x for x, y in zip(xs, ys, strict=True) if y >= th.flat_group_share]
     share = len(flat) / len(ys)
     if share < th.flat_step_share:

@@ -77,6 +77,30 @@ def check_reward_collapse(rec: RunRecords, th: Thresholds) -> Result:
                                held is None), sample_texts(rec, [xs[peak_i], xs[-1]]))]
 
 
+def _entropy_jump(rec: RunRecords, th: Thresholds, xs: list[int], ys: list[float]) -> Finding | None:
+    """One step that moved the entropy by ``entropy_step_change`` of its previous value, with no reward gain."""
+    jumps = [(i, ys[i] - ys[i - 1]) for i in range(1, len(ys))
+             if abs(ys[i] - ys[i - 1]) >= max(th.entropy_step_change * ys[i - 1], th.entropy_explosion_min_abs)]
+    rkey = reward_key(rec)
+    if not jumps or rkey is None:
+        return None
+    rewards = rec.series(rkey)[1]
+    before, after = windows(rewards, th)
+    if after >= th.solved_reward or after - before >= th.collapse_rise_min:
+        return None  # a sharper policy that solves the task is learning, not a wrecked update
+    i, delta = max(jumps, key=lambda j: abs(j[1]) / max(ys[j[0] - 1], 1e-12))
+    return Finding(
+        "update_blowup", "One update wrecked the policy", "alarm", [xs[i]],
+        f"between steps {xs[i - 1]} and {xs[i]} the mean token entropy went from {ys[i - 1]:.3g} to {ys[i]:.3g} "
+        f"nats in one update, and the reward did not improve ({before:.3g} -> {after:.3g}): the step size is "
+        "far too large", {"entropy_before": fmt(ys[i - 1]), "entropy_after": fmt(ys[i]),
+                          "relative_change": fmt(delta / max(ys[i - 1], 1e-12)), "reward_first_window": fmt(before),
+                          "reward_last_window": fmt(after), "lr": rec.config.get("lr")},
+        "lower optim.lr (by 10-100x), add warm-up (optim.warmup_steps), lower optim.max_grad_norm",
+        confidence(abs(delta) / max(th.entropy_step_change * ys[i - 1], 1e-12), len(ys), th),
+        sample_texts(rec, [xs[i]]))
+
+
 def check_entropy(rec: RunRecords, th: Thresholds) -> Result:
     missing = need(rec, "entropy", "entropy/mean", min_steps=th.min_steps)
     if missing:
@@ -84,7 +108,8 @@ def check_entropy(rec: RunRecords, th: Thresholds) -> Result:
     xs, ys = rec.series("entropy/mean")
     first, last = windows(ys, th)
     peak = max(ys)
-    out = []
+    jump = _entropy_jump(rec, th, xs, ys)
+    out = [jump] if jump else []
     if first > 0 and last < th.entropy_collapse_frac * first:
         at = next(x for x, y in zip(xs, ys, strict=True) if y < th.entropy_collapse_frac * first)
         rkey = reward_key(rec)

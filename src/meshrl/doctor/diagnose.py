@@ -21,7 +21,7 @@ CHECKS = [
     (("broken_grouping",), data.check_grouping),
     (("no_learning_signal",), data.check_signal),
     (("stall",), training.check_stall),
-    (("entropy_collapse", "entropy_explosion"), training.check_entropy),
+    (("update_blowup", "entropy_collapse", "entropy_explosion"), training.check_entropy),
     (("garbled_output",), data.check_garbled),
     (("truncation",), data.check_truncation),
     (("length_blowup", "length_collapse"), training.check_length),
@@ -37,6 +37,8 @@ CHECKS = [
 #: A finding that explains others: when it is raised, these are its consequences and are folded into it
 #: (listed under ``also``) instead of being reported as separate causes.
 EXPLAINS = {
+    "update_blowup": ("entropy_collapse", "entropy_explosion", "garbled_output", "no_learning_signal", "stall",
+                      "reward_collapse"),
     "broken_grouping": ("no_learning_signal", "stall"),
     "parser_failure": ("no_learning_signal", "stall"),
     "no_learning_signal": ("stall",),

@@ -27,6 +27,8 @@ class Thresholds:
     entropy_collapse_frac: float = 0.1  # last-window entropy below this share of the first window
     entropy_explosion_factor: float = 2.0  # last-window (or peak) entropy above this multiple of the first
     entropy_explosion_min_abs: float = 0.5  # ... and at least this many nats above it
+    entropy_step_change: float = 0.5  # one step moving entropy by this share of the previous step's (and by at
+    # least entropy_explosion_min_abs nats) without a reward gain: one update wrecked the policy (lr far too high)
     # ---- garbled output (from samples.jsonl)
     repeat_min_chars: int = 24  # completions shorter than this are not judged for repetition
     repeat_run: int = 8  # one character repeated this many times in a row

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshrl.report.data import EvalData, RunData, as_number, dig
+from meshrl.report.diagnosis import CSS as DIAGNOSIS_CSS
 from meshrl.report.plots import Plot
 
 CSS = """
@@ -125,10 +126,12 @@ def plot_figure(plot: Plot) -> str:
 
 
 def render_html(runs: Sequence[RunData], evals: Sequence[EvalData], plots: Sequence[Plot], *, title: str,
-                generated: str) -> str:
+                generated: str, diagnosis: str = "") -> str:
+    """The page; ``diagnosis`` is the ready "Diagnosis" section (:func:`meshrl.report.diagnosis.diagnosis_section`)
+    placed after the run tables."""
     parts = [
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">', f"<title>{e(title)}</title>",
-        f"<style>{CSS}</style>", "</head>", "<body>", f"<h1>{e(title)}</h1>",
+        f"<style>{CSS}{DIAGNOSIS_CSS}</style>", "</head>", "<body>", f"<h1>{e(title)}</h1>",
         f'<p class="note">Generated {e(generated)} by <code>meshrl report</code> from {len(runs)} run '
         f"director{'y' if len(runs) == 1 else 'ies'} and {len(evals)} eval director"
         f"{'y' if len(evals) == 1 else 'ies'}.</p>",
@@ -143,6 +146,8 @@ def render_html(runs: Sequence[RunData], evals: Sequence[EvalData], plots: Seque
     if runs:
         parts.append("<h2>Runs</h2>")
         parts += [run_section(run) for run in runs]
+    if diagnosis:
+        parts.append(diagnosis)
     if evals:
         parts += ["<h2>Evaluations</h2>", eval_table(evals)]
     parts.append("<h2>Plots</h2>")
