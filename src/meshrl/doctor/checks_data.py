@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import statistics
 import unicodedata
-from collections import Counter
 
 from meshrl.doctor.checks_training import Result, eval_accuracy_key
 from meshrl.doctor.findings import Finding, Unchecked, confidence, fmt, need, sample_texts, smooth, windows
@@ -31,13 +30,14 @@ def nontext_share(text: str) -> float:
 
 
 def repetition(text: str) -> tuple[int, float]:
-    """(longest run of one repeated character, share of the 4-grams taken by the most frequent 4-gram)."""
+    """(longest run of one repeated character, distinct 4-grams / 4-grams). A phrase of period p repeated
+    over n characters has about p distinct 4-grams of n - 3; prose has nearly all distinct (share near 1)."""
     longest, run = (1, 1) if text else (0, 0)
     for a, b in zip(text, text[1:], strict=False):
         run = run + 1 if a == b else 1
         longest = max(longest, run)
-    grams = Counter(text[i:i + 4] for i in range(len(text) - 3))
-    return longest, (max(grams.values()) / sum(grams.values()) if grams else 0.0)
+    grams = [text[i:i + 4] for i in range(len(text) - 3)]
+    return longest, (len(set(grams)) / len(grams) if grams else 1.0)
 
 
 def is_garbled(text: str, th: Thresholds) -> bool:
@@ -45,8 +45,8 @@ def is_garbled(text: str, th: Thresholds) -> bool:
         return True
     if len(text) < th.repeat_min_chars:
         return False
-    run, top = repetition(text)
-    return run >= th.repeat_run or top >= th.repeat_ngram_share
+    run, distinct = repetition(text)
+    return run >= th.repeat_run or distinct <= th.distinct_4gram_share
 
 
 def _sample_windows(rec: RunRecords, th: Thresholds) -> tuple[list[dict], list[dict]] | None:
@@ -80,7 +80,7 @@ def check_garbled(rec: RunRecords, th: Thresholds) -> Result:
     steps = sorted({int(s["step"]) for s in last})
     evidence = {"garbled_share_last": fmt(share_last), "garbled_share_first": fmt(share_first),
                 "nontext_char_share": fmt(statistics.fmean(nontext_share(t) for t in texts)),
-                "longest_char_run": max(r for r, _ in runs), "top_4gram_share": fmt(max(g for _, g in runs)),
+                "longest_char_run": max(r for r, _ in runs), "distinct_4gram_share_min": fmt(min(g for _, g in runs)),
                 "samples_judged": len(last)}
     since = "from the start (the model's outputs were garbled before training)" if share_first >= th.garbled_share \
         else f"up from {share_first:.0%} in the first logged steps"

@@ -32,15 +32,15 @@ def eval_accuracy_key(rec: RunRecords) -> str | None:
     return keys[0] if keys else None
 
 
-def _eval_fall(rec: RunRecords, th: Thresholds, after_step: int) -> dict[str, float | str] | None:
-    """Best held-out value up to ``after_step`` vs the last one, when evaluations exist."""
+def _eval_fall(rec: RunRecords, th: Thresholds) -> dict[str, float | str] | None:
+    """Best held-out value vs the last one, when two or more evaluations exist."""
     key = eval_accuracy_key(rec)
     if key is None:
         return None
     pts = [(int(r["step"]), r[key]) for r in rec.evals if math.isfinite(r.get(key, math.nan))]
     if len(pts) < 2:
         return None
-    best_step, best = max(((s, v) for s, v in pts if s <= max(after_step, pts[0][0])), key=lambda p: p[1])
+    best_step, best = max(pts, key=lambda p: p[1])
     last_step, last = pts[-1]
     return {"eval_key": key, "eval_best": fmt(best), "eval_best_step": best_step, "eval_last": fmt(last),
             "eval_last_step": last_step, "eval_fell": "yes" if best - last >= th.eval_drop_min else "no"}
@@ -63,7 +63,7 @@ def check_reward_collapse(rec: RunRecords, th: Thresholds) -> Result:
     fall_i = next(i for i in range(peak_i, len(sm)) if sm[i] <= sm[peak_i] - drop / 2)
     evidence = {"metric": key, "first_window": fmt(first), "peak": fmt(sm[peak_i]), "peak_step": xs[peak_i],
                 "last_window": fmt(last), "rise": fmt(rise), "given_back": fmt(drop / rise)}
-    held = _eval_fall(rec, th, xs[peak_i])
+    held = _eval_fall(rec, th)
     evidence.update(held or {"eval_fell": "unknown (no held-out evaluations)"})
     fell = held is not None and held["eval_fell"] == "yes"
     what = (f"{key} rose by {rise:.3g} to {sm[peak_i]:.3g} at step {xs[peak_i]}, then fell back to {last:.3g} "

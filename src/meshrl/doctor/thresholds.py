@@ -32,7 +32,7 @@ class Thresholds:
     # ---- garbled output (from samples.jsonl)
     repeat_min_chars: int = 24  # completions shorter than this are not judged for repetition
     repeat_run: int = 8  # one character repeated this many times in a row
-    repeat_ngram_share: float = 0.5  # or the most frequent 4-gram covers this share of the 4-grams
+    distinct_4gram_share: float = 0.3  # or at most this share of its 4-grams are distinct (a phrase on a loop)
     garbled_share: float = 0.3  # share of last-window samples that must look garbled
     nontext_share: float = 0.05  # share of characters that are control / replacement / private-use
     pinned_length_frac: float = 0.95  # mean length at or above this share of max_new_tokens: pinned at the cap
