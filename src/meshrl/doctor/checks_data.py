@@ -125,6 +125,9 @@ def check_parser(rec: RunRecords, th: Thresholds) -> Result:
     if kind not in GRADED_KINDS:
         return Unchecked("parser_failure", f"reward kind {kind!r} uses the task's own scorer: there is no standard "
                                            "final-answer extraction to check")
+    if rec.config.get("extracts_answer") is False:
+        return Unchecked("parser_failure", f"the task's scorer (reward kind {kind!r}) does not grade a strictly "
+                                           "extracted final answer, so there is no parser to fail")
     win = _sample_windows(rec, th)
     if win is None:
         return _no_samples("parser_failure", rec)

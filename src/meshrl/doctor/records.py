@@ -56,7 +56,8 @@ class RunRecords:
     ``completion`` and where known ``reward``, ``score``, ``truncated``, ``problem_id``, ``group_id``;
     ``evals``: held-out records with ``step`` and ``eval/*`` keys; ``config``: the settings the checks use
     (``max_new_tokens``, ``group_size``, ``lr``, ``warmup_steps``, ``steps``, ``task``, ``reward_kind``,
-    ``mei_threshold``), ``None`` where unknown; ``mapping``: engine name -> meshrl name actually used.
+    ``extracts_answer``, ``mei_threshold``), ``None`` where unknown; ``mapping``: engine name -> meshrl name
+    actually used.
     """
 
     path: Path
@@ -117,16 +118,22 @@ def _dig(mapping: Any, dotted: str) -> Any:
     return node
 
 
-def _reward_kind(task: str | None, options: dict[str, Any], notes: list[str]) -> str | None:
+def _reward_kind(task: str | None, options: dict[str, Any], notes: list[str]) -> tuple[str | None, bool]:
+    """(the task's reward kind, whether its scorer grades the strictly extracted final answer). The latter is
+    read from the names the scorer's code uses (``grade`` or ``extract_answer`` of ``meshrl.rewards``): a task
+    such as ``tiny:add`` that takes the first integer instead has kind ``number`` but no parser to fail."""
     if not task:
-        return None
+        return None, False
     try:
         from meshrl.tasks import load_task
 
-        return str(load_task(task, **options).reward_kind)
+        loaded = load_task(task, **options)
     except Exception as e:  # noqa: BLE001 - any failure only means the parser check cannot run
         notes.append(f"task {task!r} could not be loaded to learn its reward kind ({type(e).__name__}: {e})")
-        return None
+        return None, False
+    code = getattr(type(loaded).score, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    return str(loaded.reward_kind), bool(names & {"grade", "extract_answer"})
 
 
 def meshrl_config(cfg: dict[str, Any], notes: list[str]) -> dict[str, Any]:
@@ -136,7 +143,8 @@ def meshrl_config(cfg: dict[str, Any], notes: list[str]) -> dict[str, Any]:
         "max_new_tokens": _dig(cfg, "rollout.max_new_tokens"), "group_size": _dig(cfg, "rollout.group_size"),
         "lr": _dig(cfg, "optim.lr"), "warmup_steps": _dig(cfg, "optim.warmup_steps"), "steps": cfg.get("steps"),
         "task": cfg.get("task"), "recipe": cfg.get("recipe"),
-        "reward_kind": _reward_kind(cfg.get("task"), cfg.get("task_options") or {}, notes),
+        **dict(zip(("reward_kind", "extracts_answer"),
+                   _reward_kind(cfg.get("task"), cfg.get("task_options") or {}, notes), strict=True)),
         "mei_threshold": threshold if isinstance(threshold, int | float) else None,
     }
 

@@ -127,8 +127,8 @@ def plot_figure(plot: Plot) -> str:
 
 def render_html(runs: Sequence[RunData], evals: Sequence[EvalData], plots: Sequence[Plot], *, title: str,
                 generated: str, diagnosis: str = "") -> str:
-    """The page; ``diagnosis`` is the ready "Diagnosis" section (:func:`meshrl.report.diagnosis.diagnosis_section`)
-    placed after the run tables."""
+    """The page; ``diagnosis`` is the ready "Diagnosis" section (:func:`meshrl.report.diagnosis.diagnosis_section`),
+    placed before the run tables."""
     parts = [
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">', f"<title>{e(title)}</title>",
         f"<style>{CSS}{DIAGNOSIS_CSS}</style>", "</head>", "<body>", f"<h1>{e(title)}</h1>",
@@ -143,11 +143,11 @@ def render_html(runs: Sequence[RunData], evals: Sequence[EvalData], plots: Seque
         "coach-prefix group, range [0, g]. Thresholds are calibrated on, and apply to, the query scale. Each "
         "plot's caption says which scale it shows.</p>",
     ]
+    if diagnosis:  # first: what went wrong is what a reader opens the page for
+        parts.append(diagnosis)
     if runs:
         parts.append("<h2>Runs</h2>")
         parts += [run_section(run) for run in runs]
-    if diagnosis:
-        parts.append(diagnosis)
     if evals:
         parts += ["<h2>Evaluations</h2>", eval_table(evals)]
     parts.append("<h2>Plots</h2>")
