@@ -359,3 +359,18 @@ def test_cli_text_json_and_fail_on(tmp_path, capsys):
     assert cli_main(["doctor", str(tmp_path / "verl.jsonl"), "--set", "grad_spike_factor=50"]) == 0
     assert "grad_spike" not in capsys.readouterr().out.split("not checked:")[0]
     assert cli_main(["doctor", str(tmp_path / "verl.jsonl"), "--set", "bogus=1"]) == 2
+
+
+def test_json_has_no_nan_and_text_names_every_part():
+    from meshrl.doctor import render_text
+
+    samples = [{"step": s, "completion": "no answer here", "score": 0.0} for s in range(1, 21)]
+    diag = diagnose_records(records(samples=samples, config={"reward_kind": "number"}))
+    f = diag.findings[0]
+    assert f.id == "parser_failure" and math.isnan(f.evidence["wrong_answer_share"])  # nothing was parsed
+    out = json.dumps(diag.to_dict(), allow_nan=False)
+    assert json.loads(out)["findings"][0]["evidence"]["wrong_answer_share"] == "nan"
+    text = render_text(diag)
+    for part in ("[alarm] Reward-parser failures (parser_failure) at step(s)", "evidence:", "sample [step",
+                 "knob:", "not checked:", "confidence"):
+        assert part in text, part

@@ -53,13 +53,17 @@ def test_healthy_quickstart_raises_nothing_alarming(healthy, capsys):
 
 
 def test_learning_rate_far_too_high_is_one_wrecked_update(tmp_path):
-    diag = diagnose(_run(tmp_path / "lr", "task=tiny:repeat", "optim.lr=1.0", "rollout.max_new_tokens=16"))
+    path = _run(tmp_path / "lr", "task=tiny:repeat", "optim.lr=1.0", "rollout.max_new_tokens=16")
+    diag = diagnose(path)
     assert _above_info(diag) == ["update_blowup"]
     f = diag.findings[0]
     assert f.steps == [2] and f.evidence["entropy_after"] < 0.5 * f.evidence["entropy_before"]
     assert "optim.lr" in f.knob and f.samples
     # The entropy collapse and the flat groups that follow are folded into it, not reported as causes.
     assert any(x.startswith(("entropy_collapse", "no_learning_signal")) for x in f.evidence.get("also", []))
+    pytest.importorskip("matplotlib")
+    assert cli_main(["doctor", str(path), "--html", str(tmp_path / "html")]) == 0
+    assert 'data-finding="update_blowup"' in (tmp_path / "html" / "index.html").read_text()
 
 
 def test_parser_that_never_finds_an_answer(tmp_path):

@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from meshrl.doctor import diagnose, render_text
 
     diag = diagnose(args.run, engine=args.engine, thresholds=_thresholds(args.set))
-    print(json.dumps(diag.to_dict(), indent=2) if args.json else render_text(diag), end="" if not args.json else "\n")
+    out = json.dumps(diag.to_dict(), indent=2, allow_nan=False) + "\n" if args.json else render_text(diag)
+    print(out, end="")
     if args.html is not None:
         if diag.engine != "meshrl":
             print(f"meshrl doctor: --html needs a meshrl run directory ({diag.engine} run given)", file=sys.stderr)

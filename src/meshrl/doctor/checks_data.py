@@ -196,7 +196,8 @@ def check_grouping(rec: RunRecords, th: Thresholds) -> Result:
             found.append(f"{labels[k]} (up to {max(y for _, y in hit):.0%} of the groups, {len(hit)} step(s))")
     if not found:
         return []
-    return [Finding("broken_grouping", "Broken advantage groups", "alarm", sorted(steps)[:10] or [1],
+    return [Finding("broken_grouping", "Broken advantage groups", "alarm",
+                    sorted(steps)[:10] or [int(rec.steps[0]["step"])],
                     "the advantage groups are wrong: " + "; ".join(found), evidence,
                     "give every rollout of one prompt in one step the same group id (verl: uid per prompt "
                     "before repeat; TRL: num_generations > 1 and a batch that holds whole groups)", "high")]

@@ -313,9 +313,9 @@ def check_lr(rec: RunRecords, th: Thresholds) -> Result:
         return Unchecked("lr_schedule", "no logged learning rate (lr) and no configured one")
     out = []
     warm, total = cfg.get("warmup_steps"), cfg.get("steps")
-    if isinstance(warm, int | float) and isinstance(total, int | float) and warm > 0 and warm >= total:
+    if isinstance(warm, int | float) and isinstance(total, int | float) and warm > total > 0:
         out.append(Finding("lr_schedule", "Warm-up longer than the run", "warning", [int(total)],
-                           f"optim.warmup_steps={warm:g} >= steps={total:g}: the learning rate never reached "
+                           f"optim.warmup_steps={warm:g} > steps={total:g}: the learning rate never reached "
                            f"its configured value", {"warmup_steps": warm, "steps": total},
                            "shorten optim.warmup_steps (a few % of the steps)", "high"))
     if ys and max(ys) <= 0:

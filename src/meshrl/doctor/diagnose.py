@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,21 @@ class Diagnosis:
         return [f.id for f in self.findings]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "engine": self.engine, "steps_logged": self.steps_logged,
-                "findings": [f.to_dict() for f in self.findings],
-                "unchecked": [u.to_dict() for u in self.unchecked], "passed": self.passed, "notes": self.notes,
-                "metric_mapping": self.mapping}
+        """JSON-ready: non-finite floats become the strings "nan" / "inf" (JSON has neither)."""
+        return _json_safe({"path": str(self.path), "engine": self.engine, "steps_logged": self.steps_logged,
+                           "findings": [f.to_dict() for f in self.findings],
+                           "unchecked": [u.to_dict() for u in self.unchecked], "passed": self.passed,
+                           "notes": self.notes, "metric_mapping": self.mapping})
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 def _fold(findings: list[Finding]) -> list[Finding]:

@@ -181,7 +181,8 @@ def _verl_jsonl(root: Path) -> list[Path]:
     files = [root] if root.is_file() else sorted(root.glob("*.jsonl"))
     out = []
     for path in files:
-        first = next((ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()), "")
+        with path.open(errors="replace") as fh:
+            first = next((ln for ln in fh if ln.strip()), "")
         try:
             obj = json.loads(first)
         except json.JSONDecodeError:
