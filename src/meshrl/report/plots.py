@@ -184,9 +184,10 @@ def plot_mei(runs: Sequence[RunData], out_dir: Path) -> Plot | None:
     return Plot(_save(fig, out_dir, "mei.png"), "MEI", caption, mei_scale=scale, missing=missing)
 
 
-#: The effective-directions series the report plots, in order of preference (solid line, dotted line). The
-#: logged mean over queries of G/MEI (``mei/effective_dirs``) is dominated by near-orthogonal groups (MEI near 0
-#: gives a huge ratio) and is drawn only for runs that predate the median (dashed grey note in the caption).
+#: The effective-directions series the report plots: the median over queries of G/MEI (solid) and G / mean MEI
+#: (dotted). The logged mean over queries of G/MEI (``mei/effective_dirs``) is dominated by near-orthogonal groups
+#: (MEI near 0 gives a huge ratio); it is drawn only for runs logged before the other two existed, as the
+#: caption then says.
 EFFECTIVE_DIRS_KEYS = ("mei/effective_dirs_median", "mei/effective_dirs_of_mean")
 LEGACY_EFFECTIVE_DIRS = "mei/effective_dirs"
 
