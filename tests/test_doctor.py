@@ -359,6 +359,9 @@ def test_cli_text_json_and_fail_on(tmp_path, capsys):
     assert cli_main(["doctor", str(tmp_path / "verl.jsonl"), "--set", "grad_spike_factor=50"]) == 0
     assert "grad_spike" not in capsys.readouterr().out.split("not checked:")[0]
     assert cli_main(["doctor", str(tmp_path / "verl.jsonl"), "--set", "bogus=1"]) == 2
+    assert cli_main(["doctor", str(tmp_path / "verl.jsonl"), "--html", str(tmp_path / "page")]) == 0
+    page = (tmp_path / "page" / "index.html").read_text()
+    assert '<section id="diagnosis">' in page and 'data-finding="grad_spike"' in page
 
 
 def test_json_has_no_nan_and_text_names_every_part():

@@ -48,16 +48,25 @@ def run(args: argparse.Namespace) -> int:
     out = json.dumps(diag.to_dict(), indent=2, allow_nan=False) + "\n" if args.json else render_text(diag)
     print(out, end="")
     if args.html is not None:
-        if diag.engine != "meshrl":
-            print(f"meshrl doctor: --html needs a meshrl run directory ({diag.engine} run given)", file=sys.stderr)
-            return 2
-        from meshrl.report import build_report
-
-        try:
-            index = build_report([args.run], args.html, title=f"meshrl doctor: {args.run.name}")
-        except ImportError as e:
-            print(f"meshrl doctor: error: {e}", file=sys.stderr)
+        index = _write_html(diag, args)
+        if index is None:
             return 1
         print(index, file=sys.stderr)
     severities = {"alarm": ("alarm",), "warning": ("alarm", "warning")}.get(args.fail_on or "", ())
     return 3 if any(f.severity in severities for f in diag.findings) else 0
+
+
+def _write_html(diag, args: argparse.Namespace) -> Path | None:
+    """The run report with its Diagnosis section (meshrl runs: plots need matplotlib), or a page with the
+    Diagnosis alone (TRL, verl)."""
+    from meshrl.report import build_report
+    from meshrl.report.diagnosis import write_diagnosis_page
+
+    title = f"meshrl doctor: {args.run.name}"
+    if diag.engine != "meshrl":
+        return write_diagnosis_page(diag, args.html, title=title)
+    try:
+        return build_report([args.run], args.html, title=title)
+    except ImportError as e:
+        print(f"meshrl doctor: error: {e}", file=sys.stderr)
+        return None

@@ -6,6 +6,7 @@ import html
 import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from meshrl.report.data import RunData
@@ -25,17 +26,17 @@ def e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def diagnose_runs(runs: Sequence[RunData]) -> list[tuple[RunData, Any]]:
-    """``(run, Diagnosis or the error text)`` for each run (a run the doctor cannot read gets its reason)."""
+def diagnose_runs(runs: Sequence[RunData]) -> list[tuple[str, Any]]:
+    """``(run label, Diagnosis or the error text)`` for each run (a run the doctor cannot read gets its reason)."""
     from meshrl.doctor import diagnose
 
-    out: list[tuple[RunData, Any]] = []
+    out: list[tuple[str, Any]] = []
     for run in runs:
         try:
-            out.append((run, diagnose(run.path, engine="meshrl")))
+            out.append((run.label, diagnose(run.path, engine="meshrl")))
         except (ValueError, OSError) as err:
             log.info("%s: doctor could not read the run (%s)", run.path, err)
-            out.append((run, f"not diagnosed: {err}"))
+            out.append((run.label, f"not diagnosed: {err}"))
     return out
 
 
@@ -50,13 +51,13 @@ def _finding(f) -> str:
             + (f"<ul class=\"note\">{samples}</ul>" if samples else "") + "</div>")
 
 
-def diagnosis_section(diagnosed: Sequence[tuple[RunData, Any]]) -> str:
+def diagnosis_section(diagnosed: Sequence[tuple[str, Any]]) -> str:
     """``<section id="diagnosis">`` with one block per run: findings by severity, then what was not checked."""
     parts = ['<section id="diagnosis">', "<h2>Diagnosis</h2>",
              '<p class="note">Findings of <code>meshrl doctor</code> from each run\'s own records; checks and '
              "thresholds in docs/doctor.md.</p>"]
-    for run, diag in diagnosed:
-        parts.append(f'<div class="run-diagnosis" data-run="{e(run.label)}"><h3>{e(run.label)}</h3>')
+    for label, diag in diagnosed:
+        parts.append(f'<div class="run-diagnosis" data-run="{e(label)}"><h3>{e(label)}</h3>')
         if isinstance(diag, str):
             parts.append(f'<p class="note">{e(diag)}</p></div>')
             continue
@@ -71,3 +72,18 @@ def diagnosis_section(diagnosed: Sequence[tuple[RunData, Any]]) -> str:
         parts.append("</div>")
     parts.append("</section>")
     return "\n".join(parts)
+
+
+def write_diagnosis_page(diag, out_dir: Path, *, title: str) -> Path:
+    """``out_dir/index.html`` holding only the Diagnosis section (for TRL / verl runs, which ``meshrl report``
+    does not plot)."""
+    from meshrl.report.html import CSS as PAGE_CSS
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    label = f"{diag.path.name} ({diag.engine})"
+    page = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">', f"<title>{e(title)}</title>",
+            f"<style>{PAGE_CSS}{CSS}</style>", "</head>", "<body>", f"<h1>{e(title)}</h1>",
+            diagnosis_section([(label, diag)]), "</body>", "</html>", ""]
+    index = out_dir / "index.html"
+    index.write_text("\n".join(page), encoding="utf-8")
+    return index
