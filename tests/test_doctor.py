@@ -161,10 +161,12 @@ def test_strategy_collapse_first_crossing_and_lag_to_accuracy_fall():
 def test_reward_errors_and_parser_failures_from_samples():
     assert ids(records(reward__errors=[0] * 19 + [20], rollouts__count=16)) == ["reward_errors"]  # 20/320 > 5%
     assert ids(records(reward__errors=[0] * 19 + [10], rollouts__count=16)) == []
-    samples = [{"step": s, "completion": "I think it is seven", "score": 0.0} for s in range(1, 21)]
+    samples = [{"step": s, "completion": "I think it is seven", "score": 0.0, "truncated": s % 4 == 0}
+               for s in range(1, 21)]
     samples += [{"step": s, "completion": "so \\boxed{7}", "score": 1.0} for s in range(1, 21, 3)]
     f = diagnose_records(records(samples=samples, config={"reward_kind": "number"})).findings[0]
     assert f.id == "parser_failure" and f.evidence["no_answer_share"] > 0.5 and f.evidence["wrong_answer_share"] == 0
+    assert f.evidence["no_answer_truncated_share"] == 0.25 and "ended on their own" in f.what
     answered = [{"step": s, "completion": "\\boxed{8}", "score": 0.0} for s in range(1, 21)]
     assert ids(records(samples=answered, config={"reward_kind": "number"})) == []  # wrong answers, parsed fine
 

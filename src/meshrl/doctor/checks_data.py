@@ -142,13 +142,18 @@ def check_parser(rec: RunRecords, th: Thresholds) -> Result:
     if share < th.no_answer_share:
         return []
     steps = sorted({int(s["step"]) for s in no_answer})
+    cut = [s for s in no_answer if s.get("truncated") is True]
+    cut_share = len(cut) / len(no_answer)
+    evidence = {"no_answer_share": fmt(share), "wrong_answer_share": fmt(wrong_share), "reward_kind": kind,
+                "no_answer_truncated_share": fmt(cut_share), "samples_judged": len(rows)}
+    why = (f"; {cut_share:.0%} of them were cut at the length cap before any answer" if cut_share >= 0.5 else
+           "; most of them ended on their own, without the answer format")
     return [Finding("parser_failure", "Reward-parser failures", "alarm", steps[:10],
                     f"{share:.0%} of the logged completions have no extractable final answer (\\boxed{{}}, "
                     "<answer>...</answer> or 'the answer is ...'): their reward is 0 because nothing was parsed, "
-                    "not because an answer was wrong" + (f"; of those with an answer {wrong_share:.0%} were wrong"
-                                                         if answered else ""),
-                    {"no_answer_share": fmt(share), "wrong_answer_share": fmt(wrong_share), "reward_kind": kind,
-                     "samples_judged": len(rows)},
+                    "not because an answer was wrong" + why + (f"; of those with an answer {wrong_share:.0%} were "
+                                                               "wrong" if answered else ""),
+                    evidence,
                     "state the answer format in the prompt (task instruction / system prompt), raise "
                     "rollout.max_new_tokens if answers are cut, or use a task-specific scorer",
                     confidence(share / th.no_answer_share, len(rec.steps), th),
