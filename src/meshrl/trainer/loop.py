@@ -174,6 +174,8 @@ class Trainer:
     @staticmethod
     def _rollout_metrics(data: StepData) -> dict[str, float]:
         if not len(data):  # every group filtered (DAPO): still report the reward and accuracy of what was sampled
+            if not data.seen:
+                return {}
             return {"reward/mean": data.stats["reward/sampled_mean"],
                     "acc/mean": sum(float(sc >= CORRECT_AT) for _, sc, _ in data.seen) / len(data.seen)}
         scores = torch.tensor(data.scores)
