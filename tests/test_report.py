@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,84 @@ def test_missing_matplotlib_is_a_clear_error(inputs: dict[str, Path], tmp_path: 
     args = _parse(["report", str(inputs["grpo"]), "--out", str(tmp_path / "rep")])
     assert args.func(args) == 1
     assert "meshrl[report]" in capsys.readouterr().err
+
+
+class _Sections(HTMLParser):
+    """Collects, per run block of the Diagnosis section, the finding ids and their severities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h2: list[str] = []
+        self.in_h2 = False
+        self.runs: dict[str, list[tuple[str, str]]] = {}
+        self.current: str | None = None
+        self.in_diagnosis = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "section" and a.get("id") == "diagnosis":
+            self.in_diagnosis = True
+        if tag == "h2":
+            self.in_h2 = True
+        if self.in_diagnosis and tag == "div" and "data-run" in a:
+            self.current = a["data-run"]
+            self.runs[self.current] = []
+        if self.in_diagnosis and tag == "div" and "data-finding" in a and self.current is not None:
+            severity = (a.get("class") or "").split()[-1]
+            self.runs[self.current].append((a["data-finding"], severity))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "section":
+            self.in_diagnosis = False
+        if tag == "h2":
+            self.in_h2 = False
+
+    def handle_data(self, data: str) -> None:
+        if self.in_h2:
+            self.h2.append(data.strip())
+
+
+def _diagnosed_page(inputs: dict[str, Path], out: Path) -> Path:
+    return build_report([inputs["grpo"], inputs["mesh"]], out)
+
+
+def test_diagnosis_section_lists_each_runs_findings(inputs: dict[str, Path], tmp_path: Path) -> None:
+    index = _diagnosed_page(inputs, tmp_path / "rep")
+    parsed = _Sections()
+    parsed.feed(index.read_text())
+    assert "Diagnosis" in parsed.h2 and parsed.h2.index("Diagnosis") < parsed.h2.index("Runs")
+    assert set(parsed.runs) == {"grpo run (grpo)", "mesh<b> (grpo_js)"}  # attribute values, unescaped by the parser
+    # The dressed-up copy carries "nan" / "inf" metrics: the doctor names the non-finite steps there only.
+    assert ("nonfinite", "alarm") in parsed.runs["mesh<b> (grpo_js)"]
+    assert "nonfinite" not in [fid for fid, _ in parsed.runs["grpo run (grpo)"]]
+    text = index.read_text()
+    assert "not checked (" in text and "mesh&lt;b&gt;" in text and "<b>run" not in text
+
+
+def test_effective_directions_plot_says_which_reading_it_shows(inputs: dict[str, Path], tmp_path: Path) -> None:
+    (run,), _ = load_inputs([inputs["grpo"]])
+    assert run.has("mei/effective_dirs_median") and run.has("mei/effective_dirs_of_mean")
+    text = build_report([inputs["grpo"]], tmp_path / "rep").read_text()
+    assert "median over queries of G / MEI (mei/effective_dirs_median)" in text
+    assert "G / mean MEI (mei/effective_dirs_of_mean)" in text
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no headless browser (apt-get install -y chromium)")
+def test_diagnosis_renders_in_a_headless_browser(inputs: dict[str, Path], tmp_path: Path) -> None:
+    """A real browser draws the page: the alarm finding's red border (#c62828) is on the screenshot."""
+    import subprocess
+
+    from matplotlib.image import imread
+
+    index = _diagnosed_page(inputs, tmp_path / "rep")
+    shot = tmp_path / "shot.png"
+    subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1280,1400", index.as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    pixels = imread(shot)[..., :3]
+    red = ((abs(pixels[..., 0] - 198 / 255) < 0.03) & (abs(pixels[..., 1] - 40 / 255) < 0.03)
+           & (abs(pixels[..., 2] - 40 / 255) < 0.03))
+    assert int(red.sum()) >= 5 * 20  # a 5-pixel border at least 20 pixels tall

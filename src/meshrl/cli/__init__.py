@@ -12,6 +12,7 @@ from meshrl.cli import (
     coach_cmd,
     compare_cmd,
     demo_cmd,
+    doctor_cmd,
     eval_cmd,
     experiment_cmd,
     export_cmd,
@@ -23,7 +24,7 @@ from meshrl.cli import (
 )
 
 COMMANDS = [demo_cmd, experiment_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd,
-            census_cmd, probe_cmd, export_cmd]
+            census_cmd, probe_cmd, export_cmd, doctor_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

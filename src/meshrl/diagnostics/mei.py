@@ -40,7 +40,8 @@ FEATURE_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 #: Groupings reported by :func:`mei_metrics`.
 SCOPES = ("query", "prefix_group")
 #: Statistic suffixes of the metric keys (``""`` is the mean MEI itself).
-STATS = ("", "effective_dirs", "mean_cos", "approx_cos", "max", "group_size", "n_groups")
+STATS = ("", "effective_dirs", "effective_dirs_median", "dirs_of_mean", "mean_cos", "approx_cos", "max",
+         "group_size", "n_groups")
 
 GroupIds = Sequence[Hashable] | torch.Tensor
 
@@ -107,6 +108,12 @@ def _nanmean(x: torch.Tensor) -> float:
     return float(x.nanmean()) if x.numel() and not torch.isnan(x).all() else math.nan
 
 
+def _nanmedian(x: torch.Tensor) -> float:
+    """Median of the non-NaN entries (the mean of the two middle ones for an even count); NaN if none."""
+    finite = x[~torch.isnan(x)]
+    return float(finite.quantile(0.5)) if finite.numel() else math.nan
+
+
 def group_mei(features_or_gram: torch.Tensor, group_ids: GroupIds, *, is_gram: bool = False) -> dict:
     """MEI and its readings for every group of rollouts under an arbitrary grouping.
 
@@ -170,13 +177,16 @@ def mei_key(feature: str, scope: str, stat: str = "") -> str:
 
 def _scope_metrics(gram: torch.Tensor, ids: GroupIds, feature: str, scope: str) -> dict[str, float]:
     r = group_mei(gram, ids, is_gram=True)
+    size = float(r["size"].double().mean()) if r["size"].numel() else math.nan
     vals = {
         "": r["mei_mean"],
         "effective_dirs": r["effective_dirs_mean"],
+        "effective_dirs_median": _nanmedian(r["effective_dirs"]),
+        "dirs_of_mean": size / r["mei_mean"] if r["mei_mean"] > 0 else math.nan,
         "mean_cos": r["mean_cos_mean"],
         "approx_cos": r["approx_cos_mean"],
         "max": r["mei_max"],
-        "group_size": float(r["size"].double().mean()) if r["size"].numel() else math.nan,
+        "group_size": size,
         "n_groups": float(len(r["labels"])),
     }
     return {mei_key(feature, scope, k): v for k, v in vals.items()}
@@ -199,7 +209,10 @@ def mei_metrics(
     - scope ``prefix_group``: one group per (query id, prefix id) pair, the paper release's scale
       (only when ``prefix_ids`` is given; prefix ids may repeat across queries).
 
-    Stats per scope: ``""`` batch-mean MEI (range [0, group size]), ``effective_dirs`` mean of G/MEI,
+    Stats per scope: ``""`` batch-mean MEI (range [0, group size]), ``effective_dirs`` mean of G/MEI (a
+    mean of ratios: one near-orthogonal group, MEI near 0, dominates it, so it is not a usable count),
+    ``effective_dirs_median`` the median over groups of G/MEI, ``dirs_of_mean`` mean G / mean MEI (the
+    count of the batch's average group; ``meshrl report`` plots these two),
     ``mean_cos`` mean exact pairwise cosine, ``approx_cos`` mean (MEI-1)/(G-1) (scale-free in [-1/(G-1), 1]),
     ``max`` largest group MEI, ``group_size`` mean G, ``n_groups``. Example:
     ``mei/bias/query``, ``mei/bias/query_effective_dirs``, ``mei/bias/prefix_group``.

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from meshrl.report.data import load_inputs
+from meshrl.report.diagnosis import diagnose_runs, diagnosis_section
 from meshrl.report.html import render_html
 from meshrl.report.plots import make_plots, require_matplotlib
 
@@ -15,7 +16,8 @@ log = logging.getLogger("meshrl.report")
 
 
 def build_report(paths: Sequence[str | Path], out_dir: str | Path, *, title: str = "meshrl report") -> Path:
-    """Write ``out_dir/index.html`` and its PNG plots for the given run and eval directories.
+    """Write ``out_dir/index.html`` and its PNG plots for the given run and eval directories; the page has a
+    "Diagnosis" section with ``meshrl doctor``'s findings for each run.
 
     Args:
         paths: run directories (``config.yaml`` / ``metrics.jsonl``) and eval directories (``eval.json``),
@@ -37,6 +39,8 @@ def build_report(paths: Sequence[str | Path], out_dir: str | Path, *, title: str
     plots = make_plots(runs, evals, out)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     index = out / "index.html"
-    index.write_text(render_html(runs, evals, plots, title=title, generated=generated), encoding="utf-8")
+    diagnosis = diagnosis_section(diagnose_runs(runs)) if runs else ""
+    index.write_text(render_html(runs, evals, plots, title=title, generated=generated, diagnosis=diagnosis),
+                     encoding="utf-8")
     log.info("report: %d run(s), %d eval(s), %d plot(s) -> %s", len(runs), len(evals), len(plots), index)
     return index

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshrl.report.data import EvalData, RunData, as_number, dig
+from meshrl.report.diagnosis import CSS as DIAGNOSIS_CSS
 from meshrl.report.plots import Plot
 
 CSS = """
@@ -125,10 +126,12 @@ def plot_figure(plot: Plot) -> str:
 
 
 def render_html(runs: Sequence[RunData], evals: Sequence[EvalData], plots: Sequence[Plot], *, title: str,
-                generated: str) -> str:
+                generated: str, diagnosis: str = "") -> str:
+    """The page; ``diagnosis`` is the ready "Diagnosis" section (:func:`meshrl.report.diagnosis.diagnosis_section`),
+    placed before the run tables."""
     parts = [
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">', f"<title>{e(title)}</title>",
-        f"<style>{CSS}</style>", "</head>", "<body>", f"<h1>{e(title)}</h1>",
+        f"<style>{CSS}{DIAGNOSIS_CSS}</style>", "</head>", "<body>", f"<h1>{e(title)}</h1>",
         f'<p class="note">Generated {e(generated)} by <code>meshrl report</code> from {len(runs)} run '
         f"director{'y' if len(runs) == 1 else 'ies'} and {len(evals)} eval director"
         f"{'y' if len(evals) == 1 else 'ies'}.</p>",
@@ -140,6 +143,8 @@ def render_html(runs: Sequence[RunData], evals: Sequence[EvalData], plots: Seque
         "coach-prefix group, range [0, g]. Thresholds are calibrated on, and apply to, the query scale. Each "
         "plot's caption says which scale it shows.</p>",
     ]
+    if diagnosis:  # first: what went wrong is what a reader opens the page for
+        parts.append(diagnosis)
     if runs:
         parts.append("<h2>Runs</h2>")
         parts += [run_section(run) for run in runs]

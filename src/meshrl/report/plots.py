@@ -184,26 +184,48 @@ def plot_mei(runs: Sequence[RunData], out_dir: Path) -> Plot | None:
     return Plot(_save(fig, out_dir, "mei.png"), "MEI", caption, mei_scale=scale, missing=missing)
 
 
+#: The effective-directions series the report plots: the median over queries of G/MEI (solid) and G / mean MEI
+#: (dotted). The logged mean over queries of G/MEI (``mei/effective_dirs``) is dominated by near-orthogonal groups
+#: (MEI near 0 gives a huge ratio); it is drawn only for runs logged before the other two existed, as the
+#: caption then says.
+EFFECTIVE_DIRS_KEYS = ("mei/effective_dirs_median", "mei/effective_dirs_of_mean")
+LEGACY_EFFECTIVE_DIRS = "mei/effective_dirs"
+
+
 def plot_effective_dirs(runs: Sequence[RunData], out_dir: Path) -> Plot | None:
-    if not any(run.has("mei/effective_dirs") for run in runs):
+    if not any(run.has(k) for run in runs for k in (*EFFECTIVE_DIRS_KEYS, LEGACY_EFFECTIVE_DIRS)):
         return None
     fig, (ax,) = _figure()
-    have = _overlay(ax, runs, "mei/effective_dirs", suffix=" query")
+    have = set(_overlay(ax, runs, EFFECTIVE_DIRS_KEYS[0], suffix=" median over queries"))
+    for i, run in enumerate(runs):
+        xs, ys = run.series(EFFECTIVE_DIRS_KEYS[1])
+        if xs:
+            ax.plot(xs, ys, ":", color=colour(i), label=f"{run.label} G / mean MEI")
+            have.add(run.label)
+    legacy = [run for run in runs if run.label not in have and run.has(LEGACY_EFFECTIVE_DIRS)]
+    have |= set(_overlay(ax, legacy, LEGACY_EFFECTIVE_DIRS, suffix=" mean of G/MEI (older run)"))
     have_prefix = []
     for i, run in enumerate(runs):
         keys = run.keys_with_prefix("mei/")
-        key = next((k for k in keys if k.endswith("/prefix_group_effective_dirs")), None)
+        key = next((k for k in keys if k.endswith("/prefix_group_effective_dirs_median")), None) or next(
+            (k for k in keys if k.endswith("/prefix_group_effective_dirs")), None)
         xs, ys = run.series(key) if key else ([], [])
         if xs:
             ax.plot(xs, ys, "--", color=colour(i), label=f"{run.label} prefix group")
             have_prefix.append(run.label)
     _finish(ax, "effective directions (G / MEI)", title="Effective update directions")
-    scale = "query scale: G / mei/query, at most G (the rollouts per query)"
+    scale = ("query scale: solid = median over queries of G / MEI (mei/effective_dirs_median), dotted = "
+             "G / mean MEI (mei/effective_dirs_of_mean); both at most G (the rollouts per query)")
+    if legacy:
+        scale += "; runs without them show the mean over queries of G/MEI (mei/effective_dirs), which "
+        scale += "near-orthogonal groups dominate"
     if have_prefix:
-        scale += "; dashed: prefix-group scale, g / mei/prefix_group, at most g"
+        scale += "; dashed: prefix-group scale, median of g / MEI per prefix group, at most g"
     return Plot(_save(fig, out_dir, "effective_dirs.png"), "Effective directions",
-                "Number of effectively distinct update directions among a query's rollouts (mei/effective_dirs).",
-                mei_scale=scale, missing=sorted({r.label for r in runs} - set(have)))
+                "Number of effectively distinct update directions among a query's rollouts: the median over "
+                "queries (solid) and G over the batch-mean MEI (dotted). The mean over queries of G/MEI is not "
+                "plotted: one near-orthogonal group (MEI near 0) makes it arbitrarily large.",
+                mei_scale=scale, missing=sorted({r.label for r in runs} - have))
 
 
 def plot_strategy_masses(runs: Sequence[RunData], out_dir: Path) -> list[Plot]:

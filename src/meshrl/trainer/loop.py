@@ -25,6 +25,7 @@ from meshrl.algos import (
     masked_mean,
     policy_loss,
 )
+from meshrl.doctor.grouping import grouping_metrics
 from meshrl.forkpool import WorkerDied
 from meshrl.progress import progress_bar
 from meshrl.trainer.batch import collate, micro_weight, response_logits, token_entropy, token_logprobs
@@ -172,8 +173,11 @@ class Trainer:
 
     @staticmethod
     def _rollout_metrics(data: StepData) -> dict[str, float]:
-        if not len(data):
-            return {}
+        if not len(data):  # every group filtered (DAPO): still report the reward and accuracy of what was sampled
+            if not data.seen:
+                return {}
+            return {"reward/mean": data.stats["reward/sampled_mean"],
+                    "acc/mean": sum(float(sc >= CORRECT_AT) for _, sc, _ in data.seen) / len(data.seen)}
         scores = torch.tensor(data.scores)
         lengths = torch.tensor([len(r) for r in data.response_ids], dtype=torch.float32)
         return {
@@ -185,6 +189,8 @@ class Trainer:
             "len/response_mean": float(lengths.mean()),
             "len/response_max": float(lengths.max()),
             "len/truncated_frac": float(torch.tensor(data.truncated, dtype=torch.float32).mean()),
+            **grouping_metrics(data.group_ids, data.query_ids, data.strategy_ids, [p.id for p in data.problems],
+                               data.rewards.tolist(), data.advantages.tolist()),
         }
 
     def _strategy_metrics(self, data: StepData) -> dict[str, float]:
@@ -535,7 +541,8 @@ def _write_samples(writer: JsonlWriter, trainer: Trainer, step: int) -> None:
         p, strategy = data.problems[i], data.strategy_ids[i]
         row = {"step": step, "problem_id": p.id, "prompt": trainer.task.format_prompt(p),
                "completion": data.texts[i], "reward": float(data.rewards[i]), "score": data.scores[i],
-               "advantage": float(data.advantages[i]), "truncated": data.truncated[i], "strategy": strategy}
+               "advantage": float(data.advantages[i]), "truncated": data.truncated[i], "strategy": strategy,
+               "group_id": data.group_ids[i]}
         if strategy >= 0:  # the coach text the rollout was conditioned on, so it can be re-scored as sampled
             row.update(trainer.sampler.conditioning(p, strategy))
         writer.write(row)

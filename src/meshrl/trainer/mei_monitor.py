@@ -79,7 +79,11 @@ class MeiMonitor:
         q = raw[mei_key(self.feature, "query")]
         # Short aliases for plots and the acceptance contract; the feature map is named in the record.
         metrics.update({"mei/feature": self.feature, "mei/query": q,
-                        "mei/effective_dirs": raw[mei_key(self.feature, "query", "effective_dirs")]})
+                        "mei/effective_dirs": raw[mei_key(self.feature, "query", "effective_dirs")],
+                        # The mean of G/MEI above is dominated by near-orthogonal groups (MEI ~ 0); the median
+                        # and G / mean(MEI) are the usable counts (the report plots both, docs/doctor.md).
+                        "mei/effective_dirs_median": raw[mei_key(self.feature, "query", "effective_dirs_median")],
+                        "mei/effective_dirs_of_mean": raw[mei_key(self.feature, "query", "dirs_of_mean")]})
         if self.mesh:
             metrics["mei/prefix_group"] = raw[mei_key(self.feature, "prefix_group")]
         return metrics, self._warn(q, step)

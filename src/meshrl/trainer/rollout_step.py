@@ -180,12 +180,14 @@ class RolloutStep:
         target = ro.prompts_per_step
         rounds = self.cfg.dynamic_sampling.max_rounds if rec.dynamic_sampling else 1
         batch, sampled, kept_groups, dropped = StepData(), 0, 0, 0
+        sampled_reward = 0.0  # shaped reward of every sampled rollout, kept or filtered
         for rnd in range(rounds):
             need = target - kept_groups
             seed = self.cfg.seed * 1_000_003 + step * 97 + rnd
             data = self._sample(cursor, need, seed)
             cursor += need
             sampled += len(data)
+            sampled_reward += float(self._shape(data).sum()) if len(data) else 0.0
             batch.seen.extend(zip(data.texts, data.scores, data.problems, strict=True))
             if rec.dynamic_sampling:
                 # DAPO filters on accuracy, not on the length-shaped reward (eq. 11).
@@ -207,6 +209,7 @@ class RolloutStep:
             "rollouts/count": float(sampled),
             "rollouts/kept": float(len(batch)),
             "rollouts/groups_dropped": float(dropped),
+            "reward/sampled_mean": sampled_reward / sampled if sampled else float("nan"),
             "time/rollout_s": time.perf_counter() - t0,
         }
         return batch, cursor

@@ -1,0 +1,271 @@
+"""Engine adapters: TRL and verl runs read into :class:`~meshrl.doctor.records.RunRecords`.
+
+Each engine's metric names are mapped to meshrl's explicitly (``TRL_NAMES``, ``VERL_NAMES``); a name that
+is not in the map is kept under its own name (so it shows in ``--json``) and never guessed at. Sources:
+
+- TRL 1.16 ``GRPOTrainer`` (``trl/trainer/grpo_trainer.py``, the keys of ``self._metrics``) plus the
+  transformers ``Trainer`` keys ``loss``, ``grad_norm``, ``learning_rate``, ``epoch``. They reach
+  ``trainer_state.json``'s ``log_history`` as they are (evaluation entries as ``eval_<name>``) and TensorBoard
+  through transformers' callback with a ``train/`` or ``eval/`` prefix.
+- verl 0.9 (``verl/trainer/ppo/metric_utils.py::compute_data_metrics``, the actor's update metrics, the
+  rollout-correction diagnostics ``rollout_corr/*`` and ``training/rollout_probs_diff_*``), logged by its
+  ``Tracking`` class: the ``file`` backend writes one JSON object per step to ``VERL_FILE_LOGGER_PATH``
+  (``{"step": N, "data": {...}}``, flat objects are accepted too), the ``tensorboard`` backend the same keys
+  as tags. Validation keys ``val-core/<data source>/<variable>/<stat>@N`` become held-out records.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from meshrl.doctor.records import RunRecords, by_step, read_jsonl
+from meshrl.doctor.tfevents import event_files, read_scalars
+
+TRL_NAMES: dict[str, str] = {
+    "reward": "reward/mean",
+    "reward_std": "reward/std",
+    "frac_reward_zero_std": "group/flat_frac",
+    "entropy": "entropy/mean",
+    "kl": "kl/mean",
+    "grad_norm": "grad/norm",
+    "learning_rate": "lr",
+    "loss": "loss/total",
+    "policy_loss": "loss/policy",
+    "completions/mean_length": "len/response_mean",
+    "completions/max_length": "len/response_max",
+    "completions/min_length": "len/response_min",
+    "completions/clipped_ratio": "len/truncated_frac",
+    "clip_ratio/region_mean": "clip/frac",
+    "clip_ratio/low_mean": "clip/frac_low",
+    "clip_ratio/high_mean": "clip/frac_high",
+    "sampling/sampling_logp_difference/mean": "mismatch/logp_diff_mean",
+    "sampling/sampling_logp_difference/max": "mismatch/logp_diff_max",
+    "sampling/importance_sampling_ratio/max": "mismatch/is_ratio_max",
+    "sampling/importance_sampling_ratio/mean": "mismatch/is_ratio_mean",
+    "num_tokens": "rollouts/tokens",
+}
+# TRL logs one mean per reward function; one whose name says accuracy / correctness is the accuracy.
+TRL_ACCURACY = re.compile(r"^rewards/([^/]*(?:acc|correct)[^/]*)/mean$", re.IGNORECASE)
+
+VERL_NAMES: dict[str, str] = {
+    "critic/score/mean": "reward/mean",  # the verifier's sequence score (before any KL penalty)
+    "critic/rewards/mean": "reward/shaped_mean",
+    "actor/entropy": "entropy/mean",
+    "actor/kl_loss": "kl/mean",  # KL to the reference policy (use_kl_loss)
+    "actor/ppo_kl": "ratio/log_mean",  # mean log-ratio between the update's policy and the rollout's old policy
+    "actor/grad_norm": "grad/norm",
+    "actor/lr": "lr",
+    "actor/pg_loss": "loss/policy",
+    "actor/pg_clipfrac": "clip/frac_high",
+    "actor/pg_clipfrac_lower": "clip/frac_low",
+    "response_length/mean": "len/response_mean",
+    "response_length/max": "len/response_max",
+    "response_length/min": "len/response_min",
+    "response_length/clip_ratio": "len/truncated_frac",
+    "training/rollout_probs_diff_mean": "mismatch/prob_diff_mean",
+    "training/rollout_probs_diff_max": "mismatch/prob_diff_max",
+    "rollout_corr/kl": "mismatch/kl",
+    "rollout_corr/log_ppl_abs_diff": "mismatch/log_ppl_abs_diff",
+    "rollout_corr/rollout_is_max": "mismatch/is_ratio_max",
+    "rollout_corr/rollout_is_mean": "mismatch/is_ratio_mean",
+}
+VERL_VAL = re.compile(r"^val-core/(?P<source>[^/]+)/(?P<var>[^/]+)/(?P<stat>.+)$")
+
+
+def _rename(row: dict[str, Any], names: dict[str, str], used: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        new = names.get(k, k)
+        if new != k:
+            used[k] = new
+        out[new] = v
+    return out
+
+
+def _clip_total(steps: list[dict[str, float]]) -> None:
+    for r in steps:
+        if "clip/frac" not in r and ("clip/frac_low" in r or "clip/frac_high" in r):
+            r["clip/frac"] = r.get("clip/frac_low", 0.0) + r.get("clip/frac_high", 0.0)
+
+
+def _tensorboard_rows(root: Path, notes: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for path in event_files(root):
+        rows += [{"step": ev.step, ev.tag: ev.value} for ev in read_scalars(path, notes)]
+    return rows
+
+
+# ---------------------------------------------------------------------- TRL
+def _trl_state(root: Path) -> Path | None:
+    """``trainer_state.json`` at the top, else the one of the latest ``checkpoint-N`` folder."""
+    if (root / "trainer_state.json").is_file():
+        return root / "trainer_state.json"
+    ckpts = sorted(root.glob("checkpoint-*/trainer_state.json"),
+                   key=lambda p: int(p.parent.name.split("-")[-1]) if p.parent.name.split("-")[-1].isdigit() else -1)
+    return ckpts[-1] if ckpts else None
+
+
+def _trl_row(row: dict[str, Any], used: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(training metrics, held-out metrics) of one log entry, in meshrl names."""
+    train, held = {"step": row.get("step")}, {"step": row.get("step")}
+    for k, v in row.items():
+        if k == "step":
+            continue
+        if k.startswith("eval_"):
+            held[f"eval/{k.removeprefix('eval_')}"] = v
+            continue
+        acc = TRL_ACCURACY.match(k)
+        if acc:
+            used[k] = "acc/mean"
+            train["acc/mean"] = v
+        train.update(_rename({k: v}, TRL_NAMES, used))
+    return train, held
+
+
+def load_trl(root: Path) -> RunRecords:
+    """A TRL output directory: ``trainer_state.json`` (or the latest checkpoint's) and/or TensorBoard events
+    (tags ``train/<name>``, ``eval/<name>``). ``ValueError`` when neither exists."""
+    notes: list[str] = []
+    used: dict[str, str] = {}
+    train_rows, held_rows, config = [], [], {}
+    state_path = _trl_state(root)
+    if state_path is not None:
+        state = json.loads(state_path.read_text())
+        for row in state.get("log_history", []):
+            t, h = _trl_row(row, used)
+            train_rows.append(t)
+            if len(h) > 1:
+                held_rows.append(h)
+        config["steps"] = state.get("max_steps")
+    tb = _tensorboard_rows(root, notes)
+    if state_path is None and not tb:
+        raise ValueError(f"{root}: no trainer_state.json and no TensorBoard event files (not a TRL run?)")
+    if state_path is None:
+        for row in tb:
+            tags = {k: v for k, v in row.items() if k != "step"}
+            for tag, v in tags.items():
+                if tag.startswith("eval/"):
+                    held_rows.append({"step": row["step"], tag: v})
+                else:
+                    t, _ = _trl_row({"step": row["step"], tag.removeprefix("train/"): v}, used)
+                    train_rows.append(t)
+    elif tb:
+        notes.append("TensorBoard events present too: trainer_state.json was read (the same values)")
+    _read_trl_args(root, config, notes)
+    steps = [r for r in by_step(train_rows) if len(r) > 1]
+    _clip_total(steps)
+    return RunRecords(path=root, engine="trl", steps=steps, evals=[r for r in by_step(held_rows) if len(r) > 1],
+                      config=config, notes=notes, mapping=used)
+
+
+def _read_trl_args(root: Path, config: dict[str, Any], notes: list[str]) -> None:
+    """Settings from a ``training_args.json`` / ``config.json`` if the user saved one (TRL keeps
+    ``training_args.bin``, a pickle, which is not read)."""
+    for name in ("training_args.json", "grpo_config.json"):
+        path = root / name
+        if path.is_file():
+            args = json.loads(path.read_text())
+            config.update({"max_new_tokens": args.get("max_completion_length"),
+                           "group_size": args.get("num_generations"), "lr": args.get("learning_rate"),
+                           "warmup_steps": args.get("warmup_steps"),
+                           "steps": args.get("max_steps") or config.get("steps")})
+            return
+    notes.append("no training_args.json: max_completion_length, num_generations and the learning rate are unknown")
+
+
+# ---------------------------------------------------------------------- verl
+def _verl_jsonl(root: Path) -> list[Path]:
+    files = [root] if root.is_file() else sorted(root.glob("*.jsonl"))
+    out = []
+    for path in files:
+        with path.open(errors="replace") as fh:
+            first = next((ln for ln in fh if ln.strip()), "")
+        try:
+            obj = json.loads(first)
+        except json.JSONDecodeError:
+            continue
+        body = obj.get("data", obj) if isinstance(obj, dict) else {}
+        if isinstance(body, dict) and any(k.split("/")[0] in ("critic", "actor", "response_length", "val-core")
+                                          for k in body):
+            out.append(path)
+    return out
+
+
+def _verl_row(obj: dict[str, Any], used: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    body = obj["data"] if isinstance(obj.get("data"), dict) else obj
+    step = obj.get("step", body.get("step"))
+    train, held = {"step": step}, {"step": step}
+    for k, v in body.items():
+        val = VERL_VAL.match(k)
+        if val:
+            held[f"eval/{val['source']}/{val['var']}/{val['stat']}"] = v
+        elif k != "step":
+            train.update(_rename({k: v}, VERL_NAMES, used))
+    return train, held
+
+
+def load_verl(root: Path) -> RunRecords:
+    """A verl run: the file logger's JSONL (a file, or a directory holding it) and/or TensorBoard events.
+    ``ValueError`` when neither is found."""
+    notes: list[str] = []
+    used: dict[str, str] = {}
+    rows: list[dict[str, Any]] = []
+    for path in _verl_jsonl(root):
+        rows += read_jsonl(path, notes)
+    if not rows and root.is_dir():
+        rows = _tensorboard_rows(root, notes)
+    if not rows:
+        raise ValueError(f"{root}: no verl file-logger JSONL and no TensorBoard event files (not a verl run?)")
+    train_rows, held_rows = [], []
+    for obj in rows:
+        t, h = _verl_row(obj, used)
+        train_rows.append(t)
+        if len(h) > 1:
+            held_rows.append(h)
+    steps = [r for r in by_step(train_rows) if len(r) > 1]
+    _clip_total(steps)
+    notes.append("verl logs no per-group figures: grouping is checked only through the advantage statistics")
+    return RunRecords(path=root, engine="verl", steps=steps, evals=[r for r in by_step(held_rows) if len(r) > 1],
+                      config={}, notes=notes, mapping=used)
+
+
+def detect_engine(root: Path) -> str:
+    """``meshrl``, ``trl`` or ``verl`` from what the directory (or file) holds; ``ValueError`` otherwise."""
+    from meshrl.doctor.records import is_meshrl_run
+
+    if root.is_dir() and is_meshrl_run(root):
+        return "meshrl"
+    if root.is_dir() and _trl_state(root) is not None:
+        return "trl"
+    if _verl_jsonl(root):
+        return "verl"
+    if root.is_dir():
+        for path in event_files(root)[:1]:
+            tags = {ev.tag for ev in read_scalars(path, [])}
+            if any(t.startswith(("train/", "eval/")) for t in tags):
+                return "trl"
+            if any(t.split("/")[0] in ("critic", "actor", "response_length") for t in tags):
+                return "verl"
+    raise ValueError(f"{root}: not a meshrl run (config.yaml + metrics.jsonl), a TRL output directory "
+                     "(trainer_state.json / TensorBoard train/* tags) or a verl log (file-logger JSONL / "
+                     "TensorBoard critic/*, actor/* tags)")
+
+
+def load_run(root: str | Path, engine: str = "auto") -> RunRecords:
+    """Read a run of any supported engine (``engine``: ``auto``, ``meshrl``, ``trl``, ``verl``)."""
+    from meshrl.doctor.records import load_meshrl
+
+    path = Path(root)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or directory")
+    kind = detect_engine(path) if engine == "auto" else engine
+    loaders = {"meshrl": load_meshrl, "trl": load_trl, "verl": load_verl}
+    if kind not in loaders:
+        raise ValueError(f"unknown engine {engine!r}; known: auto, {', '.join(loaders)}")
+    rec = loaders[kind](path)
+    if not rec.steps:
+        raise ValueError(f"{path}: no per-step metrics found ({kind} run)")
+    return rec
