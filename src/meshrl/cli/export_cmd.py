@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from meshrl.integrations.verl import export as verl_export
+
 MODEL_HELP = """Write checkpoint STEP of RUN_DIR as a Hugging Face directory that AutoModelForCausalLM and
 AutoTokenizer load offline: model.safetensors, config.json, generation_config.json (the run's sampling
 settings), the tokenizer with its chat template, and meshrl.json (run, step, recipe, held-out figures).
@@ -55,7 +57,7 @@ def _run_model(args: argparse.Namespace) -> int:
 
 
 # One entry per `meshrl export TARGET`.
-EXPORTERS: list[Exporter] = [ModelExporter()]
+EXPORTERS: list[Exporter] = [ModelExporter(), verl_export]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
