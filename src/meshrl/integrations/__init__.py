@@ -1,0 +1,1 @@
+"""Adapters that run meshrl's method inside other training engines (TRL, verl)."""
