@@ -25,7 +25,13 @@ from meshrl.diagnostics import bias_features  # noqa: E402
 from meshrl.integrations.trl import MEICallback, MeshGRPOTrainer, MeshOptions, check_trl_version  # noqa: E402
 from meshrl.integrations.trl.export import add_export_parser, export_trl, task_reward_func  # noqa: E402
 from meshrl.integrations.trl.options import trl_group_advantages  # noqa: E402
-from meshrl.mesh import RuleCoach, generate_prefixes, strategy_balance_loss, wrap_prefix  # noqa: E402
+from meshrl.mesh import (  # noqa: E402
+    RuleCoach,
+    generate_prefixes,
+    strategy_balance_loss,
+    support_balance_row_weights,
+    wrap_prefix,
+)
 from meshrl.models.tiny import build_tiny  # noqa: E402
 from meshrl.tasks import load_task  # noqa: E402
 
@@ -207,6 +213,45 @@ def test_mesh_batch_matches_meshrl_mesh(world):
                                                        out["query_ids"], out["strategy_ids"], mu)[0], params)
     for a, b, e in zip(with_term, without, expect, strict=True):
         assert torch.allclose(a - b, e, atol=2e-5, rtol=1e-4)  # float32, entries up to ~1
+
+
+def test_support_balance_and_bare_group(world, monkeypatch):
+    """meshrl's support form: weights from the completions under their bare queries; the bare group is no cell."""
+    strides = []
+    original = GRPOTrainer._generate_single_turn
+
+    def spy(self, prompt_ids, images, fields, num_generations, *args):
+        strides.append(num_generations)
+        return original(self, prompt_ids, images, fields, num_generations, *args)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", spy)
+    trainer = mesh_trainer(world, MeshOptions(m=3, bare_group=True, balance="support", mu=0.5, template="plain"))
+    batch = first_batch(trainer)
+    out = trainer._generate_and_score_completions(batch)
+    assert strides == [2]  # vLLM server mode de-duplicates prompts with this stride: one prefix group
+    assert out["strategy_ids"].tolist() == [0, 0, 1, 1, 2, 2, -1, -1] * 2
+    tok = world["tok"]
+    bare = [tok.apply_chat_template(x["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)
+            ["input_ids"] for x in batch]
+    width = max(map(len, bare))
+    bare_out = {**out, "prompt_ids": torch.tensor([[tok.pad_token_id] * (width - len(b)) + list(b) for b in bare]),
+                "prompt_mask": torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in bare])}
+    texts = tok.batch_decode([c[m.bool()] for c, m in zip(out["completion_ids"], out["completion_mask"],
+                                                          strict=True)], skip_special_tokens=True)
+    correct = (torch.tensor(even_length(texts)) == 1) & (out["strategy_ids"] >= 0)
+    w, metrics = support_balance_row_weights(seq_logps(trainer.model, bare_out), correct, out["query_ids"],
+                                             out["strategy_ids"], 0.5)
+    assert float(w.abs().sum()) > 0 and torch.allclose(out["mesh_support_w"], w.float(), atol=1e-7)
+    assert bool((w[out["strategy_ids"] < 0] == 0).all())
+    assert trainer._metrics["train"]["mesh/support_queries"][-1] == metrics["mesh/support_queries"]
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    trainer.current_gradient_accumulation_steps = 1
+    with_term = torch.autograd.grad(trainer._compute_loss(trainer.model, out), params)
+    plain = {k: v for k, v in out.items() if k != "mesh_support_w"}
+    without = torch.autograd.grad(trainer._compute_loss(trainer.model, plain), params)
+    expect = torch.autograd.grad((w.float() * seq_logps(trainer.model, bare_out, grad=True)).sum(), params)
+    for a, b, e in zip(with_term, without, expect, strict=True):
+        assert torch.allclose(a - b, e, atol=2e-5, rtol=1e-4)
 
 
 def test_mesh_trains_end_to_end(world):
