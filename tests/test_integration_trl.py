@@ -165,11 +165,16 @@ def test_bad_input_before_any_step(world, tmp_path):
                         processing_class=world["tok"], prefixes=world["prefixes"], mesh=MeshOptions(m=4))
     with pytest.raises(ValueError, match="num_generations=6"):
         mesh_trainer(world, MeshOptions(m=4), num_generations=6, per_device_train_batch_size=12)
+    with pytest.raises(ValueError, match="map-style train_dataset"):
+        MeshGRPOTrainer(world["model"], even_length, args=config(tmp_path),
+                                    train_dataset=Dataset.from_list(world["rows"]).to_iterable_dataset(),
+                        prefixes=world["prefixes"])
     with pytest.raises(ValueError, match="prefix file not found"):
         MeshGRPOTrainer(world["model"], even_length, args=config(tmp_path), train_dataset=Dataset.from_list(rows),
                         prefixes=tmp_path / "none.jsonl")
 
 
+@pytest.mark.slow  # a TRL trainer on a tiny model: ~10 s on 2 quiet cores
 def test_mesh_batch_matches_meshrl_mesh(world):
     """Conditioning, ids, advantages, balancing weights, loss and gradient on one batch vs meshrl.mesh."""
     mu = 0.5
@@ -215,6 +220,7 @@ def test_mesh_batch_matches_meshrl_mesh(world):
         assert torch.allclose(a - b, e, atol=2e-5, rtol=1e-4)  # float32, entries up to ~1
 
 
+@pytest.mark.slow  # a TRL trainer on a tiny model: ~10 s on 2 quiet cores
 def test_support_balance_and_bare_group(world, monkeypatch):
     """meshrl's support form: weights from the completions under their bare queries; the bare group is no cell."""
     strides = []
@@ -254,15 +260,19 @@ def test_support_balance_and_bare_group(world, monkeypatch):
         assert torch.allclose(a - b, e, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow  # a TRL trainer on a tiny model: ~10 s on 2 quiet cores
 def test_mesh_trains_end_to_end(world):
     trainer = mesh_trainer(world, MeshOptions(m=4, template="plain", mu=1e-2, adv_unit="query"))
+    MEICallback().attach(trainer)
     trainer.train()
     logged = {k for h in trainer.state.log_history for k in h}
     assert {"mesh/balance_mu", "mesh/active_strategies", "rollouts/count", "loss"} <= logged
+    assert {"mei/query", "mei/prefix_group", "mei/bias/prefix_group_group_size"} <= logged
     assert trainer.state.global_step == 2
 
 
 # ---- MEICallback ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # a TRL trainer on a tiny model: ~10 s on 2 quiet cores
 def test_mei_callback_matches_diagnostics_and_stops(world, tmp_path):
     rows = [{"prompt": r["prompt"], "query_id": r["query_id"]} for r in world["rows"]]
     trainer = GRPOTrainer(world["model"], even_length, args=config(tmp_path, max_steps=3),

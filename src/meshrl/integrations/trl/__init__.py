@@ -30,4 +30,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not module.endswith(".options"):  # name the unsupported trl before its import fails somewhere inside
+        import_module("meshrl.integrations.trl.options").check_trl_version()
     return getattr(import_module(module), name)

@@ -38,6 +38,9 @@ log = logging.getLogger("meshrl")
 
 def prefixes_for_dataset(dataset, table: dict[str, list[str]], m: int, column: str, path: Path) -> None:
     """``ValueError`` naming the prefix file and the first rows whose problem has no ``m`` prefixes in it."""
+    if not hasattr(dataset, "__len__"):
+        raise ValueError("MeshGRPOTrainer needs a map-style train_dataset (datasets.Dataset): every problem's "
+                         f"prefixes are checked against {path} before training")
     names = getattr(dataset, "column_names", None)
     if names is not None and column not in names:
         raise ValueError(f"train_dataset has no column {column!r} (MeshOptions.problem_column) to look the coach "
