@@ -96,6 +96,12 @@ def test_layout_and_bad_num_generations():
     assert MeshOptions(m=2, bare_group=True).layout(6) == (2, [0, 1, -1])
     assert MeshOptions(m=4, budget="per_prefix").baseline_group_size(16) == 16
     assert MeshOptions(m=4, budget="matched").baseline_group_size(16) == 16
+    assert MeshOptions(m=4, budget="per_prefix", group_size=4).layout(16) == (4, [0, 1, 2, 3])
+    assert MeshOptions(m=4, budget="matched", group_size=16).layout(16) == (4, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="num_generations=16 but mesh.budget='per_prefix' with group_size=16"):
+        MeshOptions(m=4, budget="per_prefix", group_size=16).layout(16)
+    with pytest.raises(ValueError, match="divisible by m"):
+        MeshOptions(m=4, group_size=6)
     with pytest.raises(ValueError, match="num_generations=6 does not divide into mesh.m=4"):
         MeshOptions(m=4).layout(6)
     with pytest.raises(ValueError, match="mesh.adv_unit"):

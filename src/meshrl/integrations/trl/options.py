@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from meshrl.mesh import BUDGET_MODES, REDUCTIONS, wrap_prefix
+from meshrl.mesh import BUDGET_MODES, REDUCTIONS, budget_groups, wrap_prefix
 from meshrl.mesh.coach import PLACEMENTS
 
 SUPPORTED_TRL = ("1.16", "2")  # >= 1.16, < 2: the override points used here were read in trl 1.16.0
@@ -52,7 +52,10 @@ def check_trl_version(version: str | None = None) -> str:
 class MeshOptions:
     """The knobs of ``meshrl train --recipe mesh`` (README "Mesh Learning"), for :class:`MeshGRPOTrainer`.
 
-    ``mu = 0`` gives the CP-only control arm (prefixes, no balancing). ``problem_column`` names the dataset
+    ``mu = 0`` gives the CP-only control arm (prefixes, no balancing). ``group_size`` is meshrl's
+    ``rollout.group_size`` G: when given, ``num_generations`` must be the rollouts per query that the
+    budget implies (G for ``matched``, m*G for ``per_prefix``; bare group included); when ``None`` the
+    budget only names the comparison (see the module docstring). ``problem_column`` names the dataset
     column holding the problem text the prefix file is keyed by (``meshrl export trl`` writes ``problem``).
     ``correct_reward`` names the reward function whose value marks a completion correct (needed when there
     is more than one; ``None`` with one reward function uses it).
@@ -68,6 +71,7 @@ class MeshOptions:
     subtract_ref: bool = True
     reduction: str = "mean"
     bare_group: bool = False
+    group_size: int | None = None
     problem_column: str = "problem"
     correct_reward: str | None = None
     correct_threshold: float = CORRECT_AT
@@ -80,6 +84,8 @@ class MeshOptions:
                                    ("balance", self.balance, BALANCES), ("reduction", self.reduction, REDUCTIONS)):
             if value not in known:
                 raise ValueError(f"mesh.{name}={value!r}; known: {', '.join(known)}")
+        if self.group_size is not None:
+            budget_groups(self.group_size, self.groups, self.budget)  # ValueError naming the bad value
         if isinstance(self.mu, bool) or not isinstance(self.mu, int | float) or not math.isfinite(self.mu) \
                 or self.mu < 0:
             raise ValueError(f"mesh.mu must be a finite number >= 0, got {self.mu!r}")
@@ -98,6 +104,12 @@ class MeshOptions:
             extra = " + 1 (bare_group)" if self.bare_group else ""
             raise ValueError(f"GRPOConfig.num_generations={num_generations} does not divide into mesh.m={self.m}"
                              f"{extra} prefix groups; use a multiple of {self.groups}")
+        if self.group_size is not None:
+            want = sum(budget_groups(self.group_size, self.groups, self.budget))
+            if num_generations != want:
+                raise ValueError(f"GRPOConfig.num_generations={num_generations} but mesh.budget={self.budget!r} with "
+                                 f"group_size={self.group_size} and {self.groups} groups draws {want} rollouts "
+                                 "per query")
         strategies = [*range(self.m), -1] if self.bare_group else list(range(self.m))
         return num_generations // self.groups, strategies
 
