@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -301,3 +302,14 @@ def test_mei_callback_matches_diagnostics_and_stops(world, tmp_path):
     events = [json.loads(x) for x in (tmp_path / "out" / "mei_events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events][-1] == "mei_warning"
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
+
+
+@pytest.mark.slow  # two gloo processes on a CPU: ~50 s on 2 busy cores
+def test_two_processes_balance_gradient(world, tmp_path):
+    """A query split over 2 processes: the process-mean gradient equals grad J over the gathered batch."""
+    script = Path(__file__).with_name("trl_two_process_check.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           world["model"], str(world["root"] / "data" / "train.jsonl"), str(world["prefixes"]), str(tmp_path / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert "TWO-PROCESS OK" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
