@@ -306,7 +306,7 @@ def test_mei_callback_matches_diagnostics_and_stops(world, tmp_path):
 
 @pytest.mark.slow  # two gloo processes on a CPU: ~50 s on 2 busy cores
 def test_two_processes_balance_gradient(world, tmp_path):
-    """A query split over 2 processes: the process-mean gradient equals grad J over the gathered batch."""
+    """A query split over 2 processes: the process-mean gradient is grad J of the gathered batch; MEI too."""
     script = Path(__file__).with_name("trl_two_process_check.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
            world["model"], str(world["root"] / "data" / "train.jsonl"), str(world["prefixes"]), str(tmp_path / "out")]

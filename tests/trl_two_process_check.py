@@ -3,7 +3,8 @@
 One query's 8 completions are split over the two processes (4 each). Each process computes the gradient
 of its own micro-batch loss with the policy term switched off (advantages 0); their mean (what DDP does) must
 equal the gradient of ``meshrl.mesh.strategy_balance_loss`` over the whole gathered batch, computed here on
-rank 0 with a plain forward. Prints ``TWO-PROCESS OK <max error>`` on success.
+rank 0 with a plain forward; MEI per query and per prefix group likewise. Prints ``TWO-PROCESS OK <max
+error>`` on success.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig
 
-from meshrl.integrations.trl import MeshGRPOTrainer, MeshOptions
+from meshrl.diagnostics import bias_features
+from meshrl.integrations.trl import MEICallback, MeshGRPOTrainer, MeshOptions
 from meshrl.mesh import strategy_balance_loss
 
 
@@ -41,6 +43,7 @@ def main(model_dir: str, data: str, prefixes: str, out_dir: str) -> None:
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
     model.train()
+    mei = MEICallback().attach(trainer)
     out = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
     out["advantages"] = torch.zeros_like(out["advantages"])  # policy gradient 0: only the balancing term
     trainer.current_gradient_accumulation_steps = 1
@@ -77,6 +80,17 @@ def main(model_dir: str, data: str, prefixes: str, out_dir: str) -> None:
         scale = max(float(b.abs().max()) for b in expect)
         assert sorted({x[3] for x in every}) == [0, 1, 2, 3] and loss.item() > 0, (every, loss)
         assert err < 2e-5 * max(scale, 1.0), (err, scale)
+        with torch.no_grad():  # MEI of the one query over both processes' rows, and per prefix group
+            phi = []
+            for p, c, *_ in every:
+                logits = model(input_ids=torch.tensor([p + c])).logits[:, len(p) - 1:-1]
+                phi.append(bias_features(logits, torch.tensor([c]), torch.ones(1, len(c)))[0].double())
+        phi = torch.stack(phi)
+        want = float(phi.sum(0).square().sum() / phi.square().sum())
+        groups = [phi[[i for i, x in enumerate(every) if x[3] == k]] for k in range(4)]
+        want_group = sum(float(g.sum(0).square().sum() / g.square().sum()) for g in groups) / 4
+        assert abs(mei.last["mei/query"] - want) < 1e-5 * want, (mei.last, want)
+        assert abs(mei.last["mei/prefix_group"] - want_group) < 1e-5 * want_group, (mei.last, want_group)
         print(f"TWO-PROCESS OK {err:.2e} (gradient scale {scale:.2e})", flush=True)
 
 
