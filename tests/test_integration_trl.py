@@ -275,6 +275,12 @@ def test_mesh_trains_end_to_end(world):
     logged = {k for h in trainer.state.log_history for k in h}
     assert {"mesh/balance_mu", "mesh/active_strategies", "rollouts/count", "loss"} <= logged
     assert {"mei/query", "mei/prefix_group", "mei/bias/prefix_group_group_size"} <= logged
+    prompts = list(trainer._logs["prompt"])  # the last generation batch as generated: system placement
+    assert len(prompts) == 16
+    prefixes = trainer.mesh_table
+    for i, prompt in enumerate(prompts):
+        key = next(r["query_key"] for r in world["rows"] if r["prompt"][-1] == prompt[-1])
+        assert prompt[0] == {"role": "system", "content": prefixes[key][(i % 8) // 2]}
     assert trainer.state.global_step == 2
 
 
