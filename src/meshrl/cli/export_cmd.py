@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from meshrl.integrations.trl import export as trl_export
 from meshrl.integrations.verl import export as verl_export
 
 MODEL_HELP = """Write checkpoint STEP of RUN_DIR as a Hugging Face directory that AutoModelForCausalLM and
@@ -57,7 +58,7 @@ def _run_model(args: argparse.Namespace) -> int:
 
 
 # One entry per `meshrl export TARGET`.
-EXPORTERS: list[Exporter] = [ModelExporter(), verl_export]
+EXPORTERS: list[Exporter] = [ModelExporter(), trl_export, verl_export]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
