@@ -268,11 +268,11 @@ def test_exact_grade() -> None:
 
 
 def test_reward_kinds() -> None:
-    assert REWARD_KINDS == ("math", "number", "choice", "exact")
+    assert REWARD_KINDS == ("math", "number", "last_number", "choice", "exact")
 
 
 def test_unknown_kind_lists_kinds() -> None:
-    with pytest.raises(ValueError, match="math, number, choice, exact"):
+    with pytest.raises(ValueError, match="math, number, last_number, choice, exact"):
         grade(r"\boxed{1}", "1", "fuzzy")
 
 

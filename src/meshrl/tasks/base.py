@@ -22,7 +22,14 @@ from typing import Any
 from meshrl.tasks._spec import split_spec
 
 BOXED_INSTRUCTION = "Put your final answer within \\boxed{}."
-REWARD_KINDS = ("math", "number", "choice", "exact", "custom")
+LAST_NUMBER_INSTRUCTION = "End your reply with the final answer as a number."
+REWARD_KINDS = ("math", "number", "last_number", "choice", "exact", "custom")
+#: The answer-format instruction a file task (``jsonl:``, ``parquet:``) appends to every prompt unless
+#: ``instruction=`` is given: the strict kinds need a ``\\boxed{}`` (or ``<answer>``, or "the answer is")
+#: statement, ``last_number`` only a number at the end.
+DEFAULT_INSTRUCTIONS: dict[str, str] = {"math": BOXED_INSTRUCTION, "number": BOXED_INSTRUCTION,
+                                        "choice": BOXED_INSTRUCTION, "exact": BOXED_INSTRUCTION,
+                                        "last_number": LAST_NUMBER_INSTRUCTION}
 
 TaskFactory = Callable[..., "Task"]
 PrefixFactory = Callable[..., "Task"]
@@ -212,6 +219,33 @@ def _import_provider(base: str) -> None:
         import importlib
 
         importlib.import_module(LAZY_PROVIDERS[family])
+
+
+def with_kind(task: Task, kind: str) -> Task:
+    """A copy of ``task`` graded with reward ``kind`` (``meshrl eval --kind``), its prompts unchanged.
+
+    Only tasks graded by kind (:meth:`Task.score` not overridden) can change it; every reference answer is
+    checked for the new kind first, so ``--kind number`` on LaTeX answers fails naming a problem instead of
+    counting every sample as a grading error.
+    """
+    import copy
+
+    from meshrl.rewards.grading import REWARD_KINDS as GRADED_KINDS
+    from meshrl.rewards.grading import check_reference
+
+    if kind not in GRADED_KINDS:
+        raise ValueError(f"unknown reward kind {kind!r}; known: {', '.join(GRADED_KINDS)}")
+    if type(task).score is not Task.score:
+        raise ValueError(f"task {task.name!r} is scored by its own scorer ({type(task).__name__}.score); a reward "
+                         f"kind applies only to tasks graded by kind (jsonl:, parquet:, math500, gsm8k, aime:, ...)")
+    for split in task.splits:
+        for problem in task.problems(split):
+            why = check_reference(problem.answer, kind)
+            if why:
+                raise ValueError(f"task {task.name!r}, problem {problem.id!r}: the reference answer {why}")
+    out = copy.copy(task)
+    out.reward_kind = kind
+    return out
 
 
 def take_options(task: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
