@@ -15,6 +15,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from meshrl.algos import RECIPES, Recipe, recipe
+from meshrl.trainer.schedule import SCHEDULES
 
 
 @dataclass
@@ -99,7 +100,7 @@ class FailureConfig:
 
 MESH_RECIPES = ("mesh", "cp_only")
 ROLLOUT_BACKENDS = ("auto", "hf", "native", "vllm")
-LR_SCHEDULES = ("constant", "linear", "cosine")
+LR_SCHEDULES = SCHEDULES
 DTYPES = ("float32", "bfloat16")
 TRACKERS = ("tensorboard", "wandb", "trackio")
 # What each range check of RunConfig.validate allows, said in the error.
