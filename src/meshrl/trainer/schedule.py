@@ -41,8 +41,5 @@ def lr_at(optim: Any, step_index: int, total_steps: int) -> float:
         return optim.lr
     progress = min(1.0, (step_index - warm) / max(1, total_steps - warm))
     floor = optim.min_lr_ratio
-    if optim.schedule == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    shape = 1.0 - progress if optim.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return optim.lr * (floor + (1.0 - floor) * shape)
