@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.tasks._spec import split_spec
+from meshrl.tasks._spec import int_option, split_spec
 
 BOXED_INSTRUCTION = "Put your final answer within \\boxed{}."
 LAST_NUMBER_INSTRUCTION = "End your reply with the final answer as a number."
@@ -193,7 +193,7 @@ def load_task(spec: str, *, seed: int = 0, **options: Any) -> Task:
     """
     base, query = split_spec(spec)
     opts = {**query, **options}
-    seed = int(opts.pop("seed", seed))
+    seed = int_option(spec, "seed", opts.pop("seed", seed))
     _import_provider(base)
     if base in _BUILTINS:
         return _BUILTINS[base](seed=seed, **opts)
@@ -253,4 +253,27 @@ def take_options(task: str, options: dict[str, Any], defaults: dict[str, Any]) -
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise ValueError(f"task {task!r}: unknown option(s) {unknown}; known: {sorted(defaults)}")
-    return {**defaults, **options}
+    return {**defaults, **{key: _typed_option(task, key, value, defaults[key]) for key, value in options.items()}}
+
+
+def _typed_option(task: str, key: str, value: Any, default: Any) -> Any:
+    """``value`` checked against the type of the option's default (a ``None`` default takes anything): an
+    integer option needs an integer, a number option a finite number, a flag true/false; a text option takes
+    text, or a number as its text (spec values like ``answer=2024`` arrive as numbers), or ``None``."""
+    import math
+
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"task {task!r}: option {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        return int_option(task, key, value)
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"task {task!r}: option {key} must be a finite number, got {value!r}")
+        return float(value)
+    if isinstance(default, str) and value is not None and not isinstance(value, str):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"task {task!r}: option {key} must be text, got {value!r}")
+        return str(value)
+    return value
