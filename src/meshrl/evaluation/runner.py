@@ -107,7 +107,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     cfg.validate()
     out_dir.mkdir(parents=True, exist_ok=True)
     task = load_task(cfg.data, seed=cfg.seed)
-    if cfg.kind is not None and cfg.kind != task.reward_kind:
+    if cfg.kind is not None:
         from meshrl.tasks import with_kind
 
         task = with_kind(task, cfg.kind)

@@ -294,7 +294,9 @@ def get_key(cfg: Any, dotted: str) -> Any:
     return obj
 
 
-def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+def _from_dict(cls: type, data: dict[str, Any] | None, where: str) -> Any:
+    if data is None:  # a YAML section whose keys are all commented out
+        data = {}
     if not isinstance(data, dict):
         raise ValueError(f"config key {where or '<root>'} is a section: it must be a mapping of keys, got "
                          f"{type(data).__name__} {data!r}")
@@ -420,13 +422,21 @@ def load_config(
     """Build a validated :class:`RunConfig` from an optional YAML file, a base dict and overrides."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
-        data = _deep_merge(data, read_yaml_mapping(Path(path), "config file"))
+        loaded = read_yaml_mapping(Path(path), "config file")
+        try:  # keys and types of the file alone first, so that its errors name the file
+            _from_dict(RunConfig, _without_derived(loaded), "")
+        except ValueError as e:
+            raise ValueError(f"config file {path}: {e}") from None
+        data = _deep_merge(data, loaded)
     for text in overrides or []:
         key, value = parse_override(text)
         set_dotted(data, key, value)
-    for derived in ("resolved_recipe", "resolved_mesh", "resolved_task"):
-        data.pop(derived, None)
-    return _from_dict(RunConfig, data, "").validate()
+    return _from_dict(RunConfig, _without_derived(data), "").validate()
+
+
+def _without_derived(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the derived records ``save_config`` adds (a saved config.yaml loads back)."""
+    return {k: v for k, v in data.items() if k not in ("resolved_recipe", "resolved_mesh", "resolved_task")}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
