@@ -335,6 +335,26 @@ def test_eval_refuses_when_no_prompt_fits(tmp_path):
         run_eval(EvalConfig(model="tiny", data=f"jsonl:{f}", n=1, max_new_tokens=3), tmp_path / "ev", progress=False)
 
 
+# --- settings that are checked when a run starts (files they name, the model) -----------------------------
+TRAIN_ERRORS = [
+    (["recipe=mesh", "rollout.group_size=4", "mesh.prefixes={d}/absent.jsonl"], r"mesh\.prefixes file not found"),
+    (["diag.mei.every=1", "diag.mei.threshold={d}/absent.json"], r"diag\.mei\.threshold: .* is neither a number"),
+    (["model={d}/no_model"], r"unknown model .*no_model.*or a local Hugging Face directory"),
+    (["task=jsonl:{d}/absent.jsonl"], r"task file not found: .*absent\.jsonl"),
+    (["task_options={{limit: 3}}"], r"task 'tiny:add': unknown option\(s\) \['limit'\]"),
+    (["task=jsonl:{d}/one.jsonl", "eval.every=1"], r"eval\.every=1 needs a held-out split 'eval'"),
+]
+
+
+@pytest.mark.parametrize("overrides", [c[0] for c in TRAIN_ERRORS], ids=[c[0][-1] for c in TRAIN_ERRORS])
+def test_run_start_errors_name_the_setting(tmp_path, overrides):
+    needle = dict((tuple(c[0]), c[1]) for c in TRAIN_ERRORS)[tuple(overrides)]
+    (tmp_path / "one.jsonl").write_text(json.dumps({"problem": "What is 1+2?", "answer": "3"}) + "\n")
+    cfg = load_config(overrides=[*FAST, "task=tiny:add", "steps=1", *[o.format(d=tmp_path) for o in overrides]])
+    with pytest.raises(ValueError, match=needle):
+        train(cfg, tmp_path / "run")
+
+
 # --- eval options ------------------------------------------------------------------------------------------
 EVAL_ERRORS = [
     ({"n": 0}, r"--n must be >= 1, got 0"),
@@ -352,6 +372,23 @@ EVAL_ERRORS = [
 def test_eval_option_errors_name_the_flag(changes, needle):
     with pytest.raises(ValueError, match=needle):
         EvalConfig(**{"model": "tiny", "data": "tiny:add", "n": 2, **changes}).validate()
+
+
+EVAL_RUN_ERRORS = [
+    ({"data": "tiny:add", "split": "test"}, r"task 'tiny:add' has no split 'test'; available: train, eval, all"),
+    ({"data": "jsonl:{f}", "split": "eval"}, r"has no split 'eval'.*eval_fraction>0"),
+    ({"data": "jsonl:{f}", "by": "levle"}, r"--by levle: no problem of .* has this field; fields: level, row"),
+]
+
+
+@pytest.mark.parametrize(("changes", "needle"), EVAL_RUN_ERRORS, ids=[str(c[0]) for c in EVAL_RUN_ERRORS])
+def test_eval_run_errors_name_the_flag(tmp_path, changes, needle):
+    f = tmp_path / "l.jsonl"
+    f.write_text(json.dumps({"problem": "What is 1+2?", "answer": "3", "level": 1}) + "\n")
+    changes = {k: v.format(f=f) for k, v in changes.items()}
+    with pytest.raises(ValueError, match=needle):
+        run_eval(EvalConfig(**{"model": "tiny", "n": 1, "max_new_tokens": 2, **changes}), tmp_path / "ev",
+                 progress=False)
 
 
 EVAL_KIND_ERRORS = [
@@ -392,10 +429,12 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, argv, needle):
 
 
 # --- the corpus, by verdict (docs/reliability.md states these counts) ---------------------------------------
+ERROR_LISTS = [SET_ERRORS, YAML_ERRORS, SPEC_ERRORS, DATA_ERRORS, FORMAT_ERRORS, TRAIN_ERRORS, EVAL_ERRORS,
+               EVAL_RUN_ERRORS, EVAL_KIND_ERRORS, CLI_ERRORS]
+SINGLE_ERRORS = 4  # config path is a directory; max_new_tokens past the positions; no prompt fits (train, eval)
 CORPUS = {
-    "clear error": len(SET_ERRORS) + len(YAML_ERRORS) + 1 + len(SPEC_ERRORS) + len(DATA_ERRORS) + len(FORMAT_ERRORS)
-    + 3 + len(EVAL_ERRORS) + len(EVAL_KIND_ERRORS) + len(CLI_ERRORS),  # +1 directory, +3 no-room/none-fits cases
-    "counted skip": 2,  # long prompts in training and in evaluation
+    "clear error": sum(map(len, ERROR_LISTS)) + SINGLE_ERRORS,
+    "counted skip": 2,  # prompts too long for the model, in training and in evaluation
     "accepted as valid": len(SET_VALID) + len(YAML_VALID) + len(DATA_VALID),
 }
 

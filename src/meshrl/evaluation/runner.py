@@ -115,6 +115,9 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     problems = task.problems(cfg.split)[: cfg.limit] if cfg.limit else task.problems(cfg.split)
     if not problems:
         raise ValueError(f"{cfg.data} split {cfg.split!r} has no problems")
+    if cfg.by is not None and not any(cfg.by in p.meta for p in problems):
+        fields = sorted({k for p in problems for k in p.meta})
+        raise ValueError(f"--by {cfg.by}: no problem of {cfg.data} has this field; fields: {', '.join(fields)}")
     samples_path = out_dir / "eval_samples.jsonl"
     done_rows = _valid_rows(samples_path, cfg)
     done_ids = {r["problem_id"] for r in done_rows}
