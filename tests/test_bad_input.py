@@ -61,7 +61,7 @@ SET_ERRORS = [
     ("checkpoint.every=0", r"checkpoint\.every=0"),
     ("checkpoint.keep_last=0", r"checkpoint\.keep_last=0"),
     ("log.samples_per_step=-2", r"log\.samples_per_step=-2"),
-    ("log.report_to=[mlflow]", r"log\.report_to: unknown tracker\(s\) \['mlflow'\]"),
+    ("log.report_to=[mlflow]", r"unknown --report-to target 'mlflow' \(log\.report_to\)"),
     ("log.report_to=3", r"log\.report_to must be a list"),
     ("failure.max_nonfinite=0", r"failure\.max_nonfinite=0"),
     ("eval.n=0", r"eval\.n=0"),

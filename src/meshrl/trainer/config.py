@@ -262,9 +262,9 @@ class RunConfig:
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"{key}={value!r}; known: {', '.join(allowed)}")
-        unknown = [x for x in self.log.report_to if x not in TRACKERS]
-        if unknown:
-            raise ValueError(f"log.report_to: unknown tracker(s) {unknown}; known: {', '.join(TRACKERS)}")
+        for target in self.log.report_to:
+            if target not in TRACKERS:
+                raise ValueError(f"unknown --report-to target {target!r} (log.report_to); known: {', '.join(TRACKERS)}")
 
     def _validate_mesh(self) -> None:
         m = self.mesh
