@@ -307,6 +307,21 @@ def test_training_skips_and_counts_prompts_too_long_for_the_model(tmp_path, capl
     assert not problems & {"long10k", "long1m"}
 
 
+def test_a_resume_past_skipped_prompts_draws_the_same_problems(tmp_path):
+    f = _long_file(tmp_path, long={"long10k": 10_000})
+    base = [*FAST, f"task=jsonl:{f}?kind=number", "log.samples_per_step=-1", "checkpoint.every=1"]
+    full = train(load_config(overrides=[*base, "steps=3"]), tmp_path / "full")
+    train(load_config(overrides=[*base, "steps=1"]), tmp_path / "part")
+    resumed = train(load_config(tmp_path / "part" / "config.yaml", ["steps=3"]), tmp_path / "part", resume=True)
+    assert [m["skipped/long_prompts"] for m in resumed] == [m["skipped/long_prompts"] for m in full[1:]]
+    assert sum(m["skipped/long_prompts"] for m in full) >= 1
+
+    def drawn(run):
+        return [(r["step"], r["problem_id"]) for r in read_jsonl(tmp_path / run / "samples.jsonl")]
+
+    assert drawn("part") == drawn("full")
+
+
 def test_training_refuses_when_no_prompt_fits(tmp_path):
     f = _long_file(tmp_path, n_short=0, long={"a": 10_000, "b": 10_000})
     cfg = load_config(overrides=[*FAST, f"task=jsonl:{f}", "steps=1"])
