@@ -428,8 +428,10 @@ CLI_ERRORS = [
     (["train", "--out", "{d}/r", "--set", "rollout.group_size=2.5"], r"rollout\.group_size must be an integer"),
     (["train", "--out", "{d}/r", "--set", "optim.lr.x=1"], r"optim\.lr is a value"),
     (["train", "--out", "{d}/r", "--config", "{d}/bad.yaml"], r"bad\.yaml, line 2, column 9: YAML syntax error"),
-    (["eval", "--model", "tiny", "--data", "jsonl:{d}/nan.jsonl?kind=number"], r"nan\.jsonl, line 1: field 'answer'"),
-    (["eval", "--model", "tiny", "--data", "tiny:add", "--k", "1,x"], r"--k must be a comma list of integers"),
+    (["eval", "--model", "tiny", "--data", "jsonl:{d}/nan.jsonl?kind=number", "--out", "{d}/ev"],
+     r"nan\.jsonl, line 1: field 'answer'"),
+    (["eval", "--model", "tiny", "--data", "tiny:add", "--k", "1,x", "--out", "{d}/ev"],
+     r"--k must be a comma list of integers"),
 ]
 
 
