@@ -107,3 +107,71 @@ def test_compare_rejects_non_eval_dirs(tmp_path, capsys):
     (tmp_path / "x").mkdir()
     assert cli_main(["compare", str(tmp_path / "x"), str(tmp_path / "x")]) == 2
     assert "neither an eval directory" in capsys.readouterr().err
+
+
+# --- reward kinds: eval grades as training did ------------------------------------------------------------
+
+def _sum_file(tmp_path):
+    f = tmp_path / "sums.jsonl"
+    rows = [{"id": f"s{a}{b}", "problem": f"What is {a}+{b}? Answer with just the number.", "answer": a + b}
+            for a in range(3) for b in range(3)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_eval_follows_the_task_kind_last_number(tmp_path):
+    from meshrl.rewards import grade
+    from meshrl.rewards.extract import extract_last_number
+    from meshrl.tasks import LAST_NUMBER_INSTRUCTION
+
+    f = _sum_file(tmp_path)
+    s = run_eval(EvalConfig(model="tiny", data=f"jsonl:{f}?kind=last_number", n=2, max_new_tokens=6), tmp_path / "ev",
+                 progress=False)
+    assert s["reward_kind"] == "last_number" and s["instruction"] == LAST_NUMBER_INSTRUCTION
+    rows = read_jsonl(tmp_path / "ev" / "eval_samples.jsonl")
+    assert len(rows) == 18
+    for r in rows:
+        assert r["extracted"] == extract_last_number(r["completion"])
+        assert r["score"] == grade(r["completion"], r["reference"], "last_number")
+
+
+def test_eval_kind_flag_overrides_the_task_kind(tmp_path, capsys):
+    f = _sum_file(tmp_path)
+    out = tmp_path / "ev"
+    rc = cli_main(["eval", "--model", "tiny", "--data", f"jsonl:{f}", "--kind", "last_number", "--n", "1",
+                   "--max-new-tokens", "4", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    summary = json.loads((out / "eval.json").read_text())
+    assert summary["reward_kind"] == "last_number" and summary["config"]["kind"] == "last_number"
+    rc = cli_main(["eval", "--model", "tiny", "--data", "tiny:add", "--kind", "last_number", "--out", str(out)])
+    assert rc == 2 and "own scorer" in capsys.readouterr().err
+
+
+def test_training_and_eval_agree_on_last_number_and_a_mismatch_is_named(tmp_path, caplog):
+    import yaml
+
+    from meshrl.tasks import LAST_NUMBER_INSTRUCTION
+
+    f = _sum_file(tmp_path)
+    spec = f"jsonl:{f}?kind=last_number"
+    cfg = load_config(overrides=["model=tiny", f"task={spec}", "steps=1", "log.progress=false",
+                                 "log.samples_per_step=-1", "rollout.max_new_tokens=4", "rollout.prompts_per_step=3",
+                                 "rollout.group_size=2", "train.update_workers=1"])
+    train(cfg, tmp_path / "run")
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["resolved_task"] == {"name": f"jsonl:{f}", "reward_kind": "last_number",
+                                      "instruction": LAST_NUMBER_INSTRUCTION}
+    # Every training reward equals the score eval's grader gives the same completion.
+    from meshrl.tasks import load_task
+
+    task = load_task(spec)
+    by_id = {p.id: p for p in task.problems("all")}
+    samples = read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert len(samples) == 6
+    assert all(task.score(r["completion"], by_id[r["problem_id"]]) == r["score"] for r in samples)
+    # Evaluating that run on the file without kind= grades with 'exact': said aloud, with the fix.
+    with caplog.at_level("WARNING", logger="meshrl"):
+        run_eval(EvalConfig(model=str(tmp_path / "run"), data=f"jsonl:{f}", n=1, limit=2, max_new_tokens=2),
+                 tmp_path / "ev", progress=False)
+    assert any("trained with reward kind 'last_number'" in r.getMessage() and "--kind last_number" in r.getMessage()
+               for r in caplog.records)

@@ -268,11 +268,11 @@ def test_exact_grade() -> None:
 
 
 def test_reward_kinds() -> None:
-    assert REWARD_KINDS == ("math", "number", "choice", "exact")
+    assert REWARD_KINDS == ("math", "number", "last_number", "choice", "exact")
 
 
 def test_unknown_kind_lists_kinds() -> None:
-    with pytest.raises(ValueError, match="math, number, choice, exact"):
+    with pytest.raises(ValueError, match="math, number, last_number, choice, exact"):
         grade(r"\boxed{1}", "1", "fuzzy")
 
 
@@ -295,7 +295,7 @@ def test_invalid_reference_for_kind() -> None:
 
 @pytest.mark.parametrize("kind", REWARD_KINDS)
 def test_grade_is_zero_or_one(kind: str) -> None:
-    ref = {"math": "2", "number": "2", "choice": "B", "exact": "2"}[kind]
+    ref = {"math": "2", "number": "2", "last_number": "2", "choice": "B", "exact": "2"}[kind]
     for completion in ("", "#### 2", r"\boxed{2}", r"\boxed{B}", "<answer>3</answer>"):
         assert grade(completion, ref, kind) in (0.0, 1.0)
 
@@ -312,3 +312,52 @@ def test_math_grade_works_off_the_main_thread() -> None:
     with ThreadPoolExecutor(2) as pool:
         out = list(pool.map(lambda a: grade(f"\\boxed{{{a}}}", r"\frac{1}{2}", "math"), ["0.5", "2/4", "0.4"]))
     assert out == [1.0, 1.0, 0.0]
+
+
+# --- last_number (the permissive kind) -------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("8", "8"),
+        ("7 + 1 = 8", "8"),
+        ("The sum is 8.", "8"),
+        (r"so \boxed{12} and then 3", "3"),  # the last number wins, even after a box
+        ("x = -3", "-3"),
+        ("5-3", "3"),  # a minus after a digit is a subtraction, not a sign
+        ("It costs 1,234 dollars", "1,234"),
+        ("1,23", "23"),  # malformed thousands groups are two numbers
+        ("pi is about 3.14", "3.14"),
+        ("\u22127", "-7"),  # unicode minus
+        ("no digits here", None),
+        ("", None),
+    ],
+)
+def test_extract_last_number(completion: str, expected: str | None) -> None:
+    from meshrl.rewards.extract import extract_last_number
+
+    assert extract_last_number(completion) == expected
+
+
+def test_last_number_scores_bare_answers_that_number_refuses() -> None:
+    # The cases: a bare "8" and "7 + 1 = 8" score 0 under the strict kind, 1 under last_number.
+    for completion in ("8", "7 + 1 = 8"):
+        assert grade(completion, "8", "number") == 0.0
+        assert grade(completion, "8", "last_number") == 1.0
+    assert grade("1,000", "1000", "last_number") == 1.0
+    assert grade("The answer is 8 because 5 + 3", "8", "last_number") == 0.0  # last number is 3
+
+
+def test_last_number_known_weakness_rewards_a_restated_question() -> None:
+    # What is 3 + 5? restated with a trailing number equal to the answer: rewarded (documented weakness).
+    assert grade("What is 3 + 5? Let me see, 5 + 3 and 8", "8", "last_number") == 1.0
+    assert grade("What is 3 + 5? Let me see, 5 + 3 and 8", "8", "number") == 0.0
+
+
+def test_last_number_reference_must_be_a_finite_number() -> None:
+    from meshrl.rewards.grading import check_reference
+
+    with pytest.raises(ValueError, match="not a number"):
+        grade("8", "eight", "last_number")
+    assert check_reference("nan", "last_number") and check_reference("inf", "number")
+    assert check_reference("8", "last_number") is None and check_reference("Z", "choice")

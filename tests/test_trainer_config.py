@@ -59,3 +59,15 @@ def test_parse_override_requires_equals():
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         load_config(tmp_path / "absent.yaml")
+
+
+def test_every_range_check_states_what_it_allows():
+    from meshrl.trainer.config import RANGES
+
+    assert set(RANGES) == set(load_config()._range_checks())
+
+
+def test_set_into_a_commented_out_section(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  # lr: 1\n")
+    assert load_config(f, ["optim.lr=0.5"]).optim.lr == 0.5

@@ -24,6 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "native", "vllm"],
                    help="rollout backend: auto = native for Llama-family models, else hf (transformers generate)")
+    p.add_argument("--kind", help="grade with this reward kind (math | number | last_number | choice | exact) "
+                   "instead of the task's own; e.g. the kind a run was trained with")
     p.add_argument("--by", help="problem meta field to break results down by (e.g. type, level)")
     p.add_argument("--out", type=Path, help="output directory (default eval_out/<data name>)")
     p.add_argument("--no-progress", action="store_true")
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--k must be a comma list of integers, got {args.k!r}") from e
     cfg = EvalConfig(model=args.model, data=args.data, n=args.n, ks=ks, split=args.split, limit=args.limit,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                     seed=args.seed, by=args.by, backend=args.backend)
+                     seed=args.seed, by=args.by, backend=args.backend, kind=args.kind)
     out = args.out or Path("eval_out") / args.data.split("?")[0].replace(":", "_").replace("/", "_")
     summary = run_eval(cfg, out, progress=not args.no_progress)
     print(json.dumps({"overall": summary["overall"], "out": str(out)}, indent=1))

@@ -1,7 +1,10 @@
 """Sampled evaluation: n samples per problem, strict grading, mean@k and unbiased pass@k.
 
 Every sample is written to ``eval_samples.jsonl`` with its extracted answer and verdict, so results can
-be re-graded without re-sampling; the summary goes to ``eval.json``. Problems are processed in fixed
+be re-graded without re-sampling; the summary goes to ``eval.json``. Grading uses the task's reward kind
+(``kind=`` in the spec) unless ``kind`` is given (``meshrl eval --kind``); the summary records the kind
+and the instruction. Problems whose prompt leaves no room for ``max_new_tokens`` in the model's positions
+are skipped, logged and listed in the summary (``skipped_long_prompts``). Problems are processed in fixed
 chunks whose sampling seed depends only on the chunk index, so an interrupted evaluation resumes where it
 stopped and gives the same samples as an uninterrupted one.
 """
@@ -9,6 +12,7 @@ stopped and gives the same samples as an uninterrupted one.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -16,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.progress import progress_bar
-from meshrl.trainer.rollout_step import CORRECT_AT
+from meshrl.trainer.rollout_step import CORRECT_AT, PromptBudget, context_limit
 from meshrl.trainer.runlog import JsonlWriter, read_jsonl
+
+log = logging.getLogger("meshrl")
 
 
 @dataclass
@@ -35,10 +41,20 @@ class EvalConfig:
     chunk_size: int = 8  # problems per generate call
     by: str | None = None  # meta field to break results down by (e.g. "type", "level")
     backend: str = "auto"  # rollout backend: auto (native for Llama-family models, else hf) | hf | native
+    kind: str | None = None  # reward kind to grade with (None: the task's own)
 
     def validate(self) -> EvalConfig:
-        if self.n < 1:
-            raise ValueError(f"--n must be >= 1, got {self.n}")
+        checks = {"--n": (self.n, self.n >= 1, ">= 1"),
+                  "--limit": (self.limit, self.limit is None or self.limit >= 1, ">= 1"),
+                  "--max-new-tokens": (self.max_new_tokens, self.max_new_tokens >= 1, ">= 1"),
+                  "--temperature": (self.temperature, self.temperature >= 0, ">= 0"),
+                  "--top-p": (self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+                  "chunk_size": (self.chunk_size, self.chunk_size >= 1, ">= 1")}
+        for name, (value, ok, allowed) in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {value}")
+        if not self.ks:
+            raise ValueError("--k needs at least one value")
         bad = [k for k in self.ks if k < 1 or k > self.n]
         if bad:
             raise ValueError(f"--k values {bad} must be between 1 and --n {self.n}")
@@ -82,7 +98,8 @@ def summarize(rows: list[dict[str, Any]], ks: list[int], by: str | None = None) 
 def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     """Sample, grade and summarise; resumes from ``out_dir/eval_samples.jsonl`` when present."""
     from meshrl.models import encode_prompt
-    from meshrl.rewards import RewardRunner, extract_answer
+    from meshrl.rewards import RewardRunner
+    from meshrl.rewards.grading import extract_for_kind
     from meshrl.rollout import SamplingParams, make_backend
     from meshrl.tasks import load_task
     from meshrl.trainer.policy import load_policy
@@ -90,13 +107,22 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     cfg.validate()
     out_dir.mkdir(parents=True, exist_ok=True)
     task = load_task(cfg.data, seed=cfg.seed)
+    if cfg.kind is not None:
+        from meshrl.tasks import with_kind
+
+        task = with_kind(task, cfg.kind)
+    _warn_on_kind_mismatch(cfg, task.reward_kind)
     problems = task.problems(cfg.split)[: cfg.limit] if cfg.limit else task.problems(cfg.split)
     if not problems:
         raise ValueError(f"{cfg.data} split {cfg.split!r} has no problems")
+    if cfg.by is not None and not any(cfg.by in p.meta for p in problems):
+        fields = sorted({k for p in problems for k in p.meta})
+        raise ValueError(f"--by {cfg.by}: no problem of {cfg.data} has this field; fields: {', '.join(fields)}")
     samples_path = out_dir / "eval_samples.jsonl"
     done_rows = _valid_rows(samples_path, cfg)
     done_ids = {r["problem_id"] for r in done_rows}
     model, tok, desc = load_policy(cfg.model, seed=cfg.seed)
+    budget = PromptBudget(context_limit(model, tok), cfg.max_new_tokens, "--max-new-tokens")
     backend = make_backend(cfg.backend, model, tok, batch_size=cfg.chunk_size * cfg.n)
     runner = RewardRunner(task.score, timeout_s=10.0)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -110,14 +136,19 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                 if all(p.id in done_ids for p in chunk):
                     advance()
                     continue
-                prompts = [encode_prompt(tok, task.format_prompt(p)) for p in chunk]
-                ro = backend.generate(prompts, params, seed=cfg.seed * 1_000_003 + ci)
-                probs = [chunk[i] for i in ro.prompt_index]
+                encoded = [(p, encode_prompt(tok, task.format_prompt(p))) for p in chunk]
+                encoded = [(p, ids) for p, ids in encoded if budget.fits(p.id, len(ids))]
+                if not encoded:
+                    advance()
+                    continue
+                ro = backend.generate([ids for _, ids in encoded], params, seed=cfg.seed * 1_000_003 + ci)
+                probs = [encoded[i][0] for i in ro.prompt_index]
                 scores = runner(ro.texts, probs)
                 counts: dict[str, int] = defaultdict(int)
                 for text, prob, score, trunc in zip(ro.texts, probs, scores, ro.truncated, strict=True):
                     row = {"problem_id": prob.id, "sample": counts[prob.id], "completion": text,
-                           "extracted": extract_answer(text), "reference": prob.answer, "score": score,
+                           "extracted": extract_for_kind(text, task.reward_kind), "reference": prob.answer,
+                           "score": score,
                            "correct": score >= CORRECT_AT, "truncated": bool(trunc)}
                     if cfg.by is not None:
                         row["group"] = prob.meta.get(cfg.by, "?")
@@ -128,12 +159,43 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                 advance()
     finally:
         writer.close()
-    wanted = {p.id for p in problems}
+    if len(budget.too_long) == len(problems):
+        raise ValueError(f"{cfg.data}: every problem's prompt is too long for the model ({budget.limit} positions "
+                         f"with --max-new-tokens {cfg.max_new_tokens}); nothing was evaluated")
+    wanted = {p.id for p in problems} - set(budget.too_long)
     summary = summarize([r for r in done_rows if r["problem_id"] in wanted], cfg.ks, cfg.by)
     summary.update({"config": asdict(cfg), "model_loaded": desc, "reward_stats": runner.pop_stats(),
-                    "seconds": time.perf_counter() - t0})
+                    "reward_kind": task.reward_kind, "instruction": task.instruction,
+                    "skipped_long_prompts": dict(budget.too_long), "seconds": time.perf_counter() - t0})
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def trained_kind(model: str) -> str | None:
+    """The reward kind a run directory (or one of its checkpoints) was trained with, from its config.yaml."""
+    import yaml
+
+    from meshrl.trainer.policy import is_run_dir
+
+    path = Path(model)
+    if path.name.startswith("step_"):
+        path = path.parent.parent
+    if not is_run_dir(path):
+        return None
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        return None  # load_policy reports a broken config.yaml itself
+    resolved = saved.get("resolved_task") if isinstance(saved, dict) else None
+    return resolved.get("reward_kind") if isinstance(resolved, dict) else None
+
+
+def _warn_on_kind_mismatch(cfg: EvalConfig, kind: str) -> None:
+    """Say so when a run trained under one reward kind is graded under another (e.g. last_number vs number)."""
+    trained = trained_kind(cfg.model)
+    if trained is not None and trained != kind and cfg.kind is None:
+        log.warning("%s was trained with reward kind %r but %s grades with %r; pass --kind %s to grade as in "
+                    "training", cfg.model, trained, cfg.data, kind, trained)
 
 
 def _valid_rows(path: Path, cfg: EvalConfig) -> list[dict[str, Any]]:

@@ -16,13 +16,18 @@ There is deliberately NO fallback to the raw completion or to "the last number i
 fallback rewards a completion that merely restates the question (whose numbers often include the
 answer), a well-known reward hack for RLVR. An unterminated ``\\boxed{`` or ``<answer>`` (a truncated
 completion) is ignored.
+
+The permissive alternative, for the reward kind ``last_number`` only, is :func:`extract_last_number`: the
+last number anywhere in the completion. It accepts a bare ``8`` or ``7 + 1 = 8``, and shares the weakness
+above: a completion that restates the question, or stops at an intermediate result, is read at whatever
+number happens to come last.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["TAIL_LINES", "extract_answer", "extract_boxed", "strip_math_delimiters"]
+__all__ = ["TAIL_LINES", "extract_answer", "extract_boxed", "extract_last_number", "strip_math_delimiters"]
 
 #: How many trailing non-empty lines may hold a final-answer statement (rule 3).
 TAIL_LINES = 3
@@ -38,6 +43,9 @@ _STATEMENTS = (
     ),
     re.compile(r"\banswer\s*(?:is|=)\s*:?\s*(?P<x>.+)$", re.IGNORECASE | re.MULTILINE),
 )
+# A plain decimal number: a minus sign only where it cannot be a subtraction (not after a digit, letter,
+# closing bracket or point), thousands separators in well-formed groups of three, optional decimals.
+_LAST_NUMBER = re.compile(r"(?:(?<![\w)\].])[-\u2212])?(?:\d{1,3}(?:,\d{3})+(?![\d,])|\d+)(?:\.\d+)?")
 # End of the first sentence: a full stop (or ! ?) followed by whitespace or the end, not a decimal point.
 _SENTENCE_END = re.compile(r"(?<=\S)[.!?](?=\s|$)")
 _DELIMS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("**", "**"), ("__", "__"), ("`", "`"))
@@ -166,3 +174,21 @@ def extract_answer(completion: str) -> str | None:
         ans = strip_math_delimiters(tags[-1])
         return ans or None
     return _statement_answer(completion)
+
+
+def extract_last_number(completion: str) -> str | None:
+    """The last plain decimal number in ``completion`` (``-3``, ``1,234``, ``2.5``), or ``None``.
+
+    Rule: numbers are read left to right with :data:`_LAST_NUMBER` and the last one wins, wherever it
+    stands (inside ``\\boxed{}``, after ``=``, alone). A minus sign counts only where it cannot be a
+    subtraction (``5-3`` ends with ``3``); ``1,23`` is ``1`` then ``23``; fractions and LaTeX (``\\frac{1}{2}``)
+    are read as their last integer. Known weakness: restated numbers or intermediate results that happen
+    to come last are taken as the answer (see the module docstring), so this is for the ``last_number``
+    reward kind only, never the default.
+    """
+    if not isinstance(completion, str):
+        raise ValueError(f"completion must be a str, got {type(completion).__name__}")
+    last = None
+    for last in _LAST_NUMBER.finditer(completion):  # noqa: B007 - the last match is the one wanted
+        pass
+    return None if last is None else last.group(0).replace("\u2212", "-")

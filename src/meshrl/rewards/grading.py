@@ -1,7 +1,7 @@
 """``grade(completion, reference, kind)``: the verifiable reward of one completion, in [0, 1].
 
-Every kind grades the *extracted* final answer (:func:`meshrl.rewards.extract_answer`), never the raw
-completion; a completion without a final answer scores 0. Kinds:
+Every kind but ``last_number`` grades the *extracted* final answer (:func:`meshrl.rewards.extract_answer`),
+never the raw completion; a completion without a final answer scores 0. Kinds:
 
 - ``math``: normalised-string equality (:func:`~meshrl.rewards.normalize.normalize_latex`), then
   math-verify (Hugging Face, ``parse`` + ``verify``) on the extracted answer and the reference, both
@@ -9,6 +9,11 @@ completion; a completion without a final answer scores 0. Kinds:
   math-verify reads a bare word as a product of symbols (``Evelyn`` == ``Nevely``).
 - ``number``: one real number (:func:`~meshrl.rewards.normalize.parse_number`), equal within
   ``rel_tol=1e-6`` / ``abs_tol=1e-9``; the GSM8K convention.
+- ``last_number``: the last plain decimal number anywhere in the completion
+  (:func:`~meshrl.rewards.extract.extract_last_number`), compared as ``number``. The permissive
+  alternative to ``number`` (a bare ``8`` or ``7 + 1 = 8`` scores), with a known weakness: it rewards a
+  completion whose last number is a restated number of the question or an intermediate result that happens
+  to equal the answer, so a policy can learn to end on a number rather than to state a result.
 - ``choice``: the option letter A-J (:func:`~meshrl.rewards.normalize.choice_letter`).
 - ``exact``: equal after :func:`~meshrl.rewards.normalize.normalize_exact`.
 
@@ -28,7 +33,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from meshrl.rewards.extract import extract_answer
+from meshrl.rewards.extract import extract_answer, extract_last_number
 from meshrl.rewards.normalize import (
     choice_letter,
     normalize_exact,
@@ -37,10 +42,11 @@ from meshrl.rewards.normalize import (
     unwrap_text,
 )
 
-__all__ = ["MAX_SYMBOLIC_CHARS", "REWARD_KINDS", "grade", "grade_answer", "math_equal", "symbolic_equal"]
+__all__ = ["MAX_SYMBOLIC_CHARS", "REWARD_KINDS", "check_reference", "extract_for_kind", "grade", "grade_answer",
+           "math_equal", "symbolic_equal"]
 
 #: The kinds :func:`grade` accepts.
-REWARD_KINDS: tuple[str, ...] = ("math", "number", "choice", "exact")
+REWARD_KINDS: tuple[str, ...] = ("math", "number", "last_number", "choice", "exact")
 
 #: Answers (or references) longer than this are compared as normalised strings only.
 MAX_SYMBOLIC_CHARS = 400
@@ -135,6 +141,7 @@ def _choice_equal(answer: str, reference: str) -> bool:
 _GRADERS: dict[str, Callable[[str, str], bool]] = {
     "math": math_equal,
     "number": _number_equal,
+    "last_number": _number_equal,
     "choice": _choice_equal,
     "exact": lambda a, r: normalize_exact(a) == normalize_exact(r),
 }
@@ -144,6 +151,22 @@ def _check_kind(kind: object) -> str:
     if not isinstance(kind, str) or kind not in _GRADERS:
         raise ValueError(f"unknown reward kind {kind!r}; known: {', '.join(REWARD_KINDS)}")
     return kind
+
+
+def extract_for_kind(completion: str, kind: str) -> str | None:
+    """The answer :func:`grade` compares for ``kind``: the last number for ``last_number``, else the strict
+    :func:`extract_answer` (also for kinds graded by a task's own scorer)."""
+    return extract_last_number(completion) if kind == "last_number" else extract_answer(completion)
+
+
+def check_reference(reference: str, kind: str) -> str | None:
+    """Why ``reference`` can never be matched under ``kind`` (``None`` when it can): ``number`` and
+    ``last_number`` need one finite real number (so ``NaN``/``inf`` are refused), ``choice`` a letter A-J."""
+    if kind in ("number", "last_number") and parse_number(reference) is None:
+        return f"is not a finite number (reward kind {kind!r}), got {reference!r}"
+    if kind == "choice" and choice_letter(reference) is None:
+        return f"is not a choice letter A-J (reward kind 'choice'), got {reference!r}"
+    return None
 
 
 def grade_answer(answer: str, reference: str, kind: str) -> float:
@@ -167,9 +190,9 @@ def grade(completion: str, reference: str, kind: str) -> float:
         raise ValueError(f"completion must be a str, got {type(completion).__name__}")
     if not isinstance(reference, str):
         raise ValueError(f"reference must be a str, got {type(reference).__name__}")
-    answer = extract_answer(completion)
+    answer = extract_for_kind(completion, kind)
     if answer is None:
-        if kind in ("number", "choice"):  # still reject an invalid reference loudly
+        if kind in ("number", "last_number", "choice"):  # still reject an invalid reference loudly
             grade_answer("", reference, kind)
         return 0.0
     return grade_answer(answer, reference, kind)

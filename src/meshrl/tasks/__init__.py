@@ -15,6 +15,8 @@ Options go as keyword arguments or in the spec: ``jsonl:data.jsonl?problem=quest
 from meshrl.tasks import files, formats, rg, tiny  # noqa: F401  (registers the built-in tasks)
 from meshrl.tasks.base import (
     BOXED_INSTRUCTION,
+    DEFAULT_INSTRUCTIONS,
+    LAST_NUMBER_INSTRUCTION,
     REWARD_KINDS,
     Problem,
     StaticTask,
@@ -23,6 +25,7 @@ from meshrl.tasks.base import (
     load_task,
     register_task,
     register_task_prefix,
+    with_kind,
 )
 from meshrl.tasks.files import FileTask, data_dir, load_file_task
 from meshrl.tasks.formats import CodeTask, build_program, load_aime, load_humaneval, load_mcq, option_permutation
@@ -31,6 +34,8 @@ from meshrl.tasks.tiny import AddTask, RepeatTask
 
 __all__ = [
     "BOXED_INSTRUCTION",
+    "DEFAULT_INSTRUCTIONS",
+    "LAST_NUMBER_INSTRUCTION",
     "REWARD_KINDS",
     "AddTask",
     "CodeTask",
@@ -51,4 +56,5 @@ __all__ = [
     "option_permutation",
     "register_task",
     "register_task_prefix",
+    "with_kind",
 ]

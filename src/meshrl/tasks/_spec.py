@@ -28,6 +28,21 @@ def coerce_value(text: str) -> Any:
     return text
 
 
+def int_option(task: str, key: str, value: Any, *, minimum: int | None = None) -> int:
+    """``value`` of option ``key`` as an integer (``3``, ``3.0``, ``"3"``), at least ``minimum``; anything else
+    raises ``ValueError`` naming the task and the option."""
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif (isinstance(value, float) and value.is_integer()) or (
+            isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+        number = int(value)
+    if number is None or (minimum is not None and number < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"task {task!r}: option {key} must be an integer{bound}, got {value!r}")
+    return number
+
+
 def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """Split ``"BASE?k=v&k2=v2"`` into ``("BASE", {"k": v, "k2": v2})`` with coerced values.
 

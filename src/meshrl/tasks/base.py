@@ -19,10 +19,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.tasks._spec import split_spec
+from meshrl.tasks._spec import int_option, split_spec
 
 BOXED_INSTRUCTION = "Put your final answer within \\boxed{}."
-REWARD_KINDS = ("math", "number", "choice", "exact", "custom")
+LAST_NUMBER_INSTRUCTION = "End your reply with the final answer as a number."
+REWARD_KINDS = ("math", "number", "last_number", "choice", "exact", "custom")
+#: The answer-format instruction a file task (``jsonl:``, ``parquet:``) appends to every prompt unless
+#: ``instruction=`` is given: the strict kinds need a ``\\boxed{}`` (or ``<answer>``, or "the answer is")
+#: statement, ``last_number`` only a number at the end.
+DEFAULT_INSTRUCTIONS: dict[str, str] = {"math": BOXED_INSTRUCTION, "number": BOXED_INSTRUCTION,
+                                        "choice": BOXED_INSTRUCTION, "exact": BOXED_INSTRUCTION,
+                                        "last_number": LAST_NUMBER_INSTRUCTION}
 
 TaskFactory = Callable[..., "Task"]
 PrefixFactory = Callable[..., "Task"]
@@ -186,7 +193,7 @@ def load_task(spec: str, *, seed: int = 0, **options: Any) -> Task:
     """
     base, query = split_spec(spec)
     opts = {**query, **options}
-    seed = int(opts.pop("seed", seed))
+    seed = int_option(spec, "seed", opts.pop("seed", seed))
     _import_provider(base)
     if base in _BUILTINS:
         return _BUILTINS[base](seed=seed, **opts)
@@ -214,9 +221,59 @@ def _import_provider(base: str) -> None:
         importlib.import_module(LAZY_PROVIDERS[family])
 
 
+def with_kind(task: Task, kind: str) -> Task:
+    """A copy of ``task`` graded with reward ``kind`` (``meshrl eval --kind``), its prompts unchanged.
+
+    Only tasks graded by kind (:meth:`Task.score` not overridden) can change it; every reference answer is
+    checked for the new kind first, so ``--kind number`` on LaTeX answers fails naming a problem instead of
+    counting every sample as a grading error.
+    """
+    import copy
+
+    from meshrl.rewards.grading import REWARD_KINDS as GRADED_KINDS
+    from meshrl.rewards.grading import check_reference
+
+    if kind not in GRADED_KINDS:
+        raise ValueError(f"unknown reward kind {kind!r}; known: {', '.join(GRADED_KINDS)}")
+    if type(task).score is not Task.score:
+        raise ValueError(f"task {task.name!r} is scored by its own scorer ({type(task).__name__}.score); a reward "
+                         f"kind applies only to tasks graded by kind (jsonl:, parquet:, math500, gsm8k, aime:, ...)")
+    for split in task.splits:
+        for problem in task.problems(split):
+            why = check_reference(problem.answer, kind)
+            if why:
+                raise ValueError(f"task {task.name!r}, problem {problem.id!r}: the reference answer {why}")
+    out = copy.copy(task)
+    out.reward_kind = kind
+    return out
+
+
 def take_options(task: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """Merge ``options`` into ``defaults``; an option not in ``defaults`` raises ``ValueError``."""
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise ValueError(f"task {task!r}: unknown option(s) {unknown}; known: {sorted(defaults)}")
-    return {**defaults, **options}
+    return {**defaults, **{key: _typed_option(task, key, value, defaults[key]) for key, value in options.items()}}
+
+
+def _typed_option(task: str, key: str, value: Any, default: Any) -> Any:
+    """``value`` checked against the type of the option's default (a ``None`` default takes anything): an
+    integer option needs an integer, a number option a finite number, a flag true/false; a text option takes
+    text, or a number as its text (spec values like ``answer=2024`` arrive as numbers), or ``None``."""
+    import math
+
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"task {task!r}: option {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        return int_option(task, key, value)
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"task {task!r}: option {key} must be a finite number, got {value!r}")
+        return float(value)
+    if isinstance(default, str) and value is not None and not isinstance(value, str):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"task {task!r}: option {key} must be text, got {value!r}")
+        return str(value)
+    return value

@@ -9,27 +9,33 @@ option              query alias     meaning
 ``answer_field``    ``answer``      column holding the reference answer (default ``answer``)
 ``id_field``        ``id``          column holding a unique id (default ``id``; optional: when
                                     the column is absent, ids are the 0-based row index)
-``kind``                            reward kind: ``math`` | ``number`` | ``choice`` | ``exact``
+``kind``                            reward kind: ``math`` | ``number`` | ``last_number`` |
+                                    ``choice`` | ``exact`` (default ``exact``)
 ``eval_fraction``                   fraction of rows held out as the ``eval`` split (default 0)
 ``limit``                           use only the first ``limit`` rows (before splitting)
-``instruction``                     answer-format instruction (default: ``\\boxed{}``)
+``instruction``                     answer-format instruction (default: the kind's, see
+                                    :data:`~meshrl.tasks.base.DEFAULT_INSTRUCTIONS`; empty = none)
 ==================  ==============  ===========================================================
 
 Every row is validated when the task is loaded, so a bad file fails before training starts: bad
-JSON, a missing field, or an empty / non-string problem or answer raise ``ValueError`` naming the
-file, the 1-based line (row) and the field.  Numeric answers are converted to strings.
+JSON, bytes that are not UTF-8, a missing field, an empty / non-string / non-finite (``NaN``) problem
+or answer, or a reference the kind can never match (``number``: not a finite number; ``choice``: not a
+letter) raise ``ValueError`` naming the file, the 1-based line (row) and the field.  Numeric answers are
+converted to strings.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from meshrl.tasks._spec import held_out_split
 from meshrl.tasks.base import (
-    BOXED_INSTRUCTION,
+    DEFAULT_INSTRUCTIONS,
     Problem,
     StaticTask,
     register_task,
@@ -37,7 +43,8 @@ from meshrl.tasks.base import (
     take_options,
 )
 
-FILE_KINDS = ("math", "number", "choice", "exact")
+FILE_KINDS = ("math", "number", "last_number", "choice", "exact")
+KIND_DEFAULT = "<the reward kind's default>"  # the instruction option's default: DEFAULT_INSTRUCTIONS[kind]
 _ALIASES = {"problem": "problem_field", "answer": "answer_field", "id": "id_field"}
 _DEFAULTS: dict[str, Any] = {
     "problem_field": "problem",
@@ -46,7 +53,7 @@ _DEFAULTS: dict[str, Any] = {
     "kind": "exact",
     "eval_fraction": 0.0,
     "limit": None,
-    "instruction": BOXED_INSTRUCTION,
+    "instruction": KIND_DEFAULT,
 }
 
 
@@ -77,6 +84,10 @@ def _resolve_options(name: str, options: dict[str, Any], defaults: dict[str, Any
         raise ValueError(f"task {name!r}: kind must be one of {FILE_KINDS}, got {opts['kind']!r}")
     if opts["limit"] is not None and (not isinstance(opts["limit"], int) or opts["limit"] < 1):
         raise ValueError(f"task {name!r}: limit must be a positive integer, got {opts['limit']!r}")
+    if opts["instruction"] == KIND_DEFAULT:
+        opts["instruction"] = DEFAULT_INSTRUCTIONS[opts["kind"]]
+    elif opts["instruction"] is not None and not isinstance(opts["instruction"], str):
+        raise ValueError(f"task {name!r}: instruction must be text, got {opts['instruction']!r}")
     return opts
 
 
@@ -86,6 +97,8 @@ def _field_text(value: Any, where: str, field: str, *, required: bool = True) ->
         raise ValueError(f"{where}: field {field!r} is missing (null)")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ValueError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: field {field!r} is {value!r}, not a finite number (JSON NaN / Infinity)")
     text = value if isinstance(value, str) else str(value)
     if not text.strip():
         raise ValueError(f"{where}: field {field!r} is empty")
@@ -101,6 +114,7 @@ def _row_problem(row: Any, index: int, where: str, opts: dict[str, Any]) -> Prob
             raise ValueError(f"{where}: missing field {field!r} (fields present: {sorted(row)})")
     prompt = _field_text(row[fields["problem"]], where, fields["problem"])
     answer = _field_text(row[fields["answer"]], where, fields["answer"])
+    check_answer(answer, opts["kind"], where, fields["answer"])
     id_field = opts["id_field"]
     has_id = id_field in row and row[id_field] is not None
     pid = _field_text(row[id_field], where, id_field) if has_id else str(index)
@@ -110,16 +124,42 @@ def _row_problem(row: Any, index: int, where: str, opts: dict[str, Any]) -> Prob
     return Problem(id=pid, prompt=prompt, answer=answer.strip(), meta=meta)
 
 
+def check_answer(answer: str, kind: str, where: str, field: str) -> None:
+    """Refuse a reference answer that ``kind`` can never match (``NaN`` for ``number``, ``7`` for ``choice``)."""
+    from meshrl.rewards.grading import check_reference
+
+    why = check_reference(answer.strip(), kind)
+    if why:
+        raise ValueError(f"{where}: field {field!r} {why}")
+
+
+def decoded_lines(path: Path, lines: Iterable[bytes]) -> Iterator[tuple[int, str]]:
+    """``(1-based line number, text)`` of UTF-8 byte lines; a byte-order mark on line 1 is dropped and bytes
+    that are not UTF-8 raise ``ValueError`` naming the file, the line and the byte offset in it."""
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}, line {lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                             f"{exc.start} of the line); re-encode the file as UTF-8") from None
+
+
+def parse_jsonl_line(path: Path, lineno: int, line: str) -> Any:
+    """One JSON value; malformed JSON raises ``ValueError`` naming the file and the line."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}, line {lineno}: malformed JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{path}, line {lineno}: JSON nested too deeply") from None
+
+
 def _iter_jsonl(path: Path):
-    """Yield ``(line_number, row)`` for each non-blank line; bad JSON raises ``ValueError``."""
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {lineno}: malformed JSON ({exc.msg})") from None
+    """Yield ``(line_number, row)`` for each non-blank line; bad JSON or bytes raise ``ValueError``."""
+    with path.open("rb") as handle:
+        for lineno, line in decoded_lines(path, handle):
+            if line.strip():
+                yield lineno, parse_jsonl_line(path, lineno, line)
 
 
 def _iter_parquet(path: Path):

@@ -35,16 +35,18 @@ import contextlib
 import csv
 import gzip
 import hashlib
+import io
 import json
 import random
 import re
 import textwrap
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from meshrl.tasks.base import BOXED_INSTRUCTION, Problem, register_task, register_task_prefix, take_options
-from meshrl.tasks.files import FileTask, _field_text, _iter_parquet
+from meshrl.tasks.files import FileTask, _field_text, _iter_parquet, decoded_lines, parse_jsonl_line
 
 LETTERS = "ABCDEFGHIJ"
 MCQ_INSTRUCTION = "Put only the letter of the correct option within \\boxed{}."
@@ -66,23 +68,26 @@ RowFn = Callable[[dict[str, Any], int, str], Problem]
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}, line {lineno}", json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {lineno}: malformed JSON ({exc.msg})") from None
+    try:
+        with opener(path, "rb") as handle:
+            for lineno, line in decoded_lines(path, handle):
+                if line.strip():
+                    yield f"{path}, line {lineno}", parse_jsonl_line(path, lineno, line)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise ValueError(f"{path}: not a readable gzip file ({exc or type(exc).__name__})") from None
 
 
 def _iter_csv(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8-sig", newline="") as handle:
-        reader = csv.DictReader(handle)
-        start = 2  # line 1 is the header
+    with path.open("rb") as handle:
+        text = "".join(line for _, line in decoded_lines(path, handle))
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    start = 2  # line 1 is the header
+    try:
         for row in reader:
             yield f"{path}, line {start}", {k: v for k, v in row.items() if k is not None}
             start = reader.line_num + 1
+    except csv.Error as exc:
+        raise ValueError(f"{path}, line {reader.line_num}: malformed CSV ({exc})") from None
 
 
 def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:

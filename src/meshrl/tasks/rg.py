@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshrl.tasks._spec import int_option
 from meshrl.tasks.base import Problem, StaticTask, register_task_prefix
 
 RG_INSTRUCTION = (
@@ -58,9 +59,9 @@ class ReasoningGymTask(StaticTask):
 
     def __init__(self, dataset_name: str, *, seed: int = 0, **options: Any) -> None:
         own = {key: options.pop(key, default) for key, default in _OWN_OPTIONS.items()}
-        size, eval_size = int(own["size"]), int(own["eval_size"])
-        if size < 1 or eval_size < 0:
-            raise ValueError(f"rg:{dataset_name}: size must be >= 1 and eval_size >= 0")
+        name = f"rg:{dataset_name}"
+        size = int_option(name, "size", own["size"], minimum=1)
+        eval_size = int_option(name, "eval_size", own["eval_size"], minimum=0)
         self.dataset_name = dataset_name
         self.config = dict(options)
         self.dataset = _create_dataset(dataset_name, seed, size + eval_size, self.config)

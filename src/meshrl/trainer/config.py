@@ -6,13 +6,16 @@ Unknown keys are errors that name the key (a typo must not silently fall back to
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 from meshrl.algos import RECIPES, Recipe, recipe
+from meshrl.trainer.schedule import SCHEDULES
 
 
 @dataclass
@@ -31,6 +34,8 @@ class RolloutConfig:
 class OptimConfig:
     lr: float = 1e-5
     warmup_steps: int = 0  # linear warm-up over training steps
+    schedule: str = "constant"  # after warm-up: constant | linear | cosine (meshrl.trainer.schedule)
+    min_lr_ratio: float = 0.0  # linear / cosine end at lr * min_lr_ratio at the last step
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     beta1: float = 0.9
@@ -94,6 +99,25 @@ class FailureConfig:
 
 
 MESH_RECIPES = ("mesh", "cp_only")
+ROLLOUT_BACKENDS = ("auto", "hf", "native", "vllm")
+LR_SCHEDULES = SCHEDULES
+DTYPES = ("float32", "bfloat16")
+TRACKERS = ("tensorboard", "wandb", "trackio")
+# What each range check of RunConfig.validate allows, said in the error.
+RANGES = {
+    "steps": ">= 0", "rollout.group_size": ">= 1", "rollout.prompts_per_step": ">= 1",
+    "rollout.max_new_tokens": ">= 1", "rollout.temperature": ">= 0", "rollout.top_p": "in (0, 1]",
+    "rollout.batch_size": ">= 1", "rollout.decode_workers": ">= 0", "optim.lr": "> 0",
+    "optim.warmup_steps": ">= 0", "optim.min_lr_ratio": "in [0, 1]", "optim.weight_decay": ">= 0",
+    "optim.max_grad_norm": "> 0", "optim.beta1": "in [0, 1)", "optim.beta2": "in [0, 1)", "optim.eps": "> 0",
+    "train.ppo_epochs": ">= 1", "train.mini_batches": ">= 1", "train.micro_batch_size": ">= 1",
+    "train.length_buckets": ">= 1", "train.update_workers": ">= 0", "train.lora_r": ">= 0",
+    "train.lora_alpha": "> 0", "reward.timeout_s": "> 0", "dynamic_sampling.max_rounds": ">= 1",
+    "eval.every": ">= 0", "eval.n": ">= 1", "eval.limit": ">= 0", "eval.temperature": ">= 0",
+    "eval.max_new_tokens": ">= 0", "checkpoint.every": ">= 1", "checkpoint.keep_last": ">= 1",
+    "log.samples_per_step": ">= -1 (-1 = all)", "failure.max_nonfinite": ">= 1", "diag.mei.every": ">= 0",
+    "diag.mei.patience": ">= 1",
+}
 
 
 @dataclass
@@ -180,29 +204,67 @@ class RunConfig:
             raise ValueError(f"unknown recipe {self.recipe!r}; known: {known}")
         if self.mesh_enabled and self.mesh.base in MESH_RECIPES:
             raise ValueError(f"mesh.base must be a base recipe, got {self.mesh.base!r}")
+        self.algo = _coerce_algo(self.algo)
         self.resolved_recipe()  # unknown algo fields and bases raise here
         self._validate_mesh()
-        checks = {
-            "steps": self.steps >= 0,
-            "rollout.group_size": self.rollout.group_size >= 1,
-            "rollout.prompts_per_step": self.rollout.prompts_per_step >= 1,
-            "rollout.max_new_tokens": self.rollout.max_new_tokens >= 1,
-            "rollout.temperature": self.rollout.temperature >= 0,
-            "rollout.top_p": 0 < self.rollout.top_p <= 1,
-            "optim.lr": self.optim.lr > 0,
-            "train.ppo_epochs": self.train.ppo_epochs >= 1,
-            "train.mini_batches": self.train.mini_batches >= 1,
-            "train.micro_batch_size": self.train.micro_batch_size >= 1,
-            "train.length_buckets": self.train.length_buckets >= 1,
-            "rollout.decode_workers": self.rollout.decode_workers >= 0,
-            "train.update_workers": self.train.update_workers >= 0,
-            "checkpoint.every": self.checkpoint.every >= 1,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
+        self._validate_choices()
+        bad = [k for k, ok in self._range_checks().items() if not ok]
         if bad:
-            raise ValueError(f"invalid config value(s): {', '.join(f'{k}={get_key(self, k)!r}' for k in bad)}")
+            raise ValueError(f"invalid config value(s): {', '.join(f'{k}={get_key(self, k)!r}' for k in bad)}"
+                             f" (allowed: {'; '.join(f'{k} {RANGES[k]}' for k in bad)})")
         return self
 
+    def _range_checks(self) -> dict[str, bool]:
+        r, o, t, e, m = self.rollout, self.optim, self.train, self.eval, self.diag.mei
+        return {
+            "steps": self.steps >= 0,
+            "rollout.group_size": r.group_size >= 1,
+            "rollout.prompts_per_step": r.prompts_per_step >= 1,
+            "rollout.max_new_tokens": r.max_new_tokens >= 1,
+            "rollout.temperature": r.temperature >= 0,
+            "rollout.top_p": 0 < r.top_p <= 1,
+            "rollout.batch_size": r.batch_size >= 1,
+            "rollout.decode_workers": r.decode_workers >= 0,
+            "optim.lr": o.lr > 0,
+            "optim.warmup_steps": o.warmup_steps >= 0,
+            "optim.min_lr_ratio": 0 <= o.min_lr_ratio <= 1,
+            "optim.weight_decay": o.weight_decay >= 0,
+            "optim.max_grad_norm": o.max_grad_norm > 0,
+            "optim.beta1": 0 <= o.beta1 < 1,
+            "optim.beta2": 0 <= o.beta2 < 1,
+            "optim.eps": o.eps > 0,
+            "train.ppo_epochs": t.ppo_epochs >= 1,
+            "train.mini_batches": t.mini_batches >= 1,
+            "train.micro_batch_size": t.micro_batch_size >= 1,
+            "train.length_buckets": t.length_buckets >= 1,
+            "train.update_workers": t.update_workers >= 0,
+            "train.lora_r": t.lora_r >= 0,
+            "train.lora_alpha": t.lora_alpha > 0,
+            "reward.timeout_s": self.reward.timeout_s > 0,
+            "dynamic_sampling.max_rounds": self.dynamic_sampling.max_rounds >= 1,
+            "eval.every": e.every >= 0,
+            "eval.n": e.n >= 1,
+            "eval.limit": e.limit >= 0,
+            "eval.temperature": e.temperature >= 0,
+            "eval.max_new_tokens": e.max_new_tokens >= 0,
+            "checkpoint.every": self.checkpoint.every >= 1,
+            "checkpoint.keep_last": self.checkpoint.keep_last >= 1,
+            "log.samples_per_step": self.log.samples_per_step >= -1,
+            "failure.max_nonfinite": self.failure.max_nonfinite >= 1,
+            "diag.mei.every": m.every >= 0,
+            "diag.mei.patience": m.patience >= 1,
+        }
+
+    def _validate_choices(self) -> None:
+        choices = {"rollout.backend": (self.rollout.backend, ROLLOUT_BACKENDS),
+                   "optim.schedule": (self.optim.schedule, LR_SCHEDULES),
+                   "train.dtype": (self.train.dtype, DTYPES)}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{key}={value!r}; known: {', '.join(allowed)}")
+        for target in self.log.report_to:
+            if target not in TRACKERS:
+                raise ValueError(f"unknown --report-to target {target!r} (log.report_to); known: {', '.join(TRACKERS)}")
 
     def _validate_mesh(self) -> None:
         m = self.mesh
@@ -232,40 +294,100 @@ def get_key(cfg: Any, dotted: str) -> Any:
     return obj
 
 
-def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+def _from_dict(cls: type, data: dict[str, Any] | None, where: str) -> Any:
+    if data is None:  # a YAML section whose keys are all commented out
+        data = {}
     if not isinstance(data, dict):
-        raise ValueError(f"config section {where or '<root>'} must be a mapping, got {type(data).__name__}")
+        raise ValueError(f"config key {where or '<root>'} is a section: it must be a mapping of keys, got "
+                         f"{type(data).__name__} {data!r}")
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
+    prefix = f"{where}." if where else ""
     if unknown:
-        raise ValueError(f"unknown config key(s) {[f'{where}{k}' for k in unknown]}; known: {sorted(known)}")
+        raise ValueError(f"unknown config key(s) {[f'{prefix}{k}' for k in unknown]}; known: {sorted(known)}")
+    hints = get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
         default = getattr(cls(), name)
         if is_dataclass(default):
-            kwargs[name] = _from_dict(type(default), value, f"{where}{name}.")
+            kwargs[name] = _from_dict(type(default), value, f"{prefix}{name}")
         else:
-            kwargs[name] = _coerce(value, default, f"{where}{name}")
+            kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}")
     return cls(**kwargs)
 
 
-def _coerce(value: Any, default: Any, key: str) -> Any:
-    """Make YAML scalars match the default's type (``1`` for a float field, ``"1e-5"`` strings...)."""
-    if isinstance(default, bool):
+def _coerce_algo(algo: dict[str, Any]) -> dict[str, Any]:
+    """Type-check ``algo.*`` overrides against the :class:`Recipe` fields (unknown names raise later)."""
+    hints = get_type_hints(Recipe)
+    return {k: _coerce(v, hints[k], f"algo.{k}") if k in hints else v for k, v in algo.items()}
+
+
+def _describe(hint: Any) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a finite number", str: "a string",
+             type(None): "null"}
+    if isinstance(hint, types.UnionType) or get_origin(hint) is Union:
+        return " or ".join(_describe(h) for h in get_args(hint))
+    if get_origin(hint) is list:
+        return "a list"
+    if get_origin(hint) is dict or hint is dict:
+        return "a mapping"
+    return names.get(hint, str(hint))
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check a YAML value against the field's type ``hint`` and convert what is unambiguous: ``1`` for a
+    float field, ``4.0`` for an int one, ``"1e-5"`` (YAML 1.1 reads it as a string) for a number, a comma
+    string for a list. Anything else raises ``ValueError`` naming the key, the expected type and the value."""
+    if get_origin(hint) is not dict and hint is not dict and hint is not Any and isinstance(value, dict):
+        raise ValueError(f"config key {key} is a value ({_describe(hint)}), not a section; got {value!r}")
+    if isinstance(hint, types.UnionType) or get_origin(hint) is Union:
+        options = get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(value, option, key)
+            except ValueError:
+                continue
+        raise ValueError(f"config key {key} must be {_describe(hint)}, got {value!r}")
+    converted = _convert(value, hint)
+    if converted is _INVALID:
+        raise ValueError(f"config key {key} must be {_describe(hint)}, got {value!r}")
+    return converted
+
+
+_INVALID = object()
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    """``value`` as type ``hint``, or ``_INVALID``."""
+    if hint is Any:
+        return value
+    if hint is bool:
+        return value if isinstance(value, bool) else _INVALID
+    if hint in (int, float):
         if isinstance(value, bool):
-            return value
-        raise ValueError(f"config key {key} must be true/false, got {value!r}")
-    if isinstance(default, int | float) and isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError as e:
-            raise ValueError(f"config key {key} must be a number, got {value!r}") from e
-    if isinstance(default, float) and isinstance(value, int | float):
-        return float(value)
-    if isinstance(default, int) and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(default, list) and isinstance(value, str):
-        return [v for v in value.split(",") if v]
+            return _INVALID
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                return _INVALID
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            return _INVALID
+        if hint is float:
+            return float(value)
+        return int(value) if float(value).is_integer() else _INVALID
+    if hint is str:
+        return value if isinstance(value, str) else _INVALID
+    if get_origin(hint) is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return _INVALID
+        return value
+    if get_origin(hint) is dict or hint is dict:
+        return value if isinstance(value, dict) else _INVALID
     return value
 
 
@@ -274,14 +396,23 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ValueError(f"--set expects key=value, got {text!r}")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ValueError(f"--set {text!r}: the key {key!r} is empty or has an empty part")
+    try:
+        return key, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"--set {key}: cannot parse the value {raw!r} as YAML ({problem})") from None
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
     for p in parts[:-1]:
-        node = node.setdefault(p, {})
+        if node.get(p) is None:  # absent, or a YAML section whose keys are all commented out
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
             raise ValueError(f"--set {key}: {p} is not a section")
     node[parts[-1]] = value
@@ -293,19 +424,63 @@ def load_config(
     """Build a validated :class:`RunConfig` from an optional YAML file, a base dict and overrides."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config file {p} must hold a mapping at the top level")
+        loaded = read_yaml_mapping(Path(path), "config file")
+        try:  # keys and types of the file alone first, so that its errors name the file
+            _from_dict(RunConfig, _without_derived(loaded), "")
+        except ValueError as e:
+            raise ValueError(f"config file {path}: {e}") from None
         data = _deep_merge(data, loaded)
     for text in overrides or []:
         key, value = parse_override(text)
         set_dotted(data, key, value)
-    data.pop("resolved_recipe", None)
-    data.pop("resolved_mesh", None)
-    return _from_dict(RunConfig, data, "").validate()
+    return _from_dict(RunConfig, _without_derived(data), "").validate()
+
+
+def _without_derived(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the derived records ``save_config`` adds (a saved config.yaml loads back)."""
+    return {k: v for k, v in data.items() if k not in ("resolved_recipe", "resolved_mesh", "resolved_task")}
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key repeated in one mapping (PyYAML keeps the last one silently)."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} repeats (first at line {seen[key] + 1})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    """Parse a YAML file holding a mapping; every failure is a ``ValueError`` naming the file (and line)."""
+    if not path.is_file():
+        raise ValueError(f"{what} not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{what} {path}, line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
+    try:
+        loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{what} {path}{where}: YAML syntax error: {problem}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{what} {path} must hold a mapping at the top level, got {type(loaded).__name__}")
+    return loaded
 
 
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -315,5 +490,10 @@ def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def save_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def save_config(cfg: RunConfig, path: Path, task: Any = None) -> None:
+    """Write the resolved config; with ``task``, also ``resolved_task``: the reward kind it grades with and the
+    answer-format instruction appended to every prompt (``null``: none), so a run records what it asked for."""
+    d = cfg.to_dict()
+    if task is not None:
+        d["resolved_task"] = {"name": task.name, "reward_kind": task.reward_kind, "instruction": task.instruction}
+    path.write_text(yaml.safe_dump(d, sort_keys=False))

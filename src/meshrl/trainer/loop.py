@@ -43,6 +43,7 @@ from meshrl.trainer.parallel_update import (
 from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData, strategy_figures
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
+from meshrl.trainer.schedule import lr_at
 
 log = logging.getLogger("meshrl")
 
@@ -166,10 +167,9 @@ class Trainer:
         return metrics
 
     def _set_lr(self) -> None:
-        warm = self.cfg.optim.warmup_steps
-        scale = min(1.0, (self.step_idx + 1) / warm) if warm > 0 else 1.0
+        lr = lr_at(self.cfg.optim, self.step_idx, self.cfg.steps)  # a pure function of the step: resumes exactly
         for g in self.optimizer.param_groups:
-            g["lr"] = self.cfg.optim.lr * scale
+            g["lr"] = lr
 
     @staticmethod
     def _rollout_metrics(data: StepData) -> dict[str, float]:
@@ -484,7 +484,7 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[s
         trainer.restore()
         for name in ("metrics.jsonl", "samples.jsonl", "events.jsonl", "evals.jsonl"):
             truncate_after_step(run_dir / name, trainer.step_idx)
-    save_config(cfg, run_dir / "config.yaml")
+    save_config(cfg, run_dir / "config.yaml", task=trainer.task)
     writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events", "evals")}
     trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
     history: list[dict[str, Any]] = []

@@ -1,11 +1,14 @@
 """One step's data: choose problems, sample G rollouts each, grade them, shape rewards, advantages.
 
 Problem order is a pure function of ``(seed, cursor)`` (an epoch-wise permutation), so a resumed run
-sees exactly the problems the uninterrupted run would have seen.
+sees exactly the problems the uninterrupted run would have seen. A problem whose prompt leaves no room for
+``rollout.max_new_tokens`` in the model's positions is skipped (its cursor position consumed, so resumes
+still agree), logged once with its id and counted in the step's ``skipped/long_prompts``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +19,43 @@ import torch
 from meshrl.algos import Recipe, dynamic_sampling_mask, group_advantages, overlong_penalty
 
 CORRECT_AT = 1.0 - 1e-6  # a rollout is "correct" when its task score reaches 1
+log = logging.getLogger("meshrl")
+# Prompts longer than this many characters per model position are measured from their head first: no
+# tokenizer averages more characters per token, so a head already past the limit settles it cheaply.
+PROBE_CHARS_PER_POSITION = 16
+
+
+def context_limit(model, tokenizer) -> int | None:
+    """The model's positions (``config.max_position_embeddings``, else the tokenizer's ``model_max_length``
+    when it is a real bound), or ``None`` when neither states one."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 0:
+        return limit
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 10**8 else None  # HF uses 1e30 for "unknown"
+
+
+class PromptBudget:
+    """Which prompts fit: prompt tokens + ``max_new_tokens`` must not exceed the model's ``limit`` positions
+    (past them the decoder would index beyond its position table, or preallocate a cache for the whole
+    prompt). Remembers each too-long problem (id -> prompt tokens) and logs it once."""
+
+    def __init__(self, limit: int | None, max_new_tokens: int, setting: str = "rollout.max_new_tokens") -> None:
+        if limit is not None and max_new_tokens >= limit:
+            raise ValueError(f"{setting}={max_new_tokens} leaves no room for a prompt in the model's {limit} "
+                             f"positions")
+        self.limit, self.max_new_tokens, self.setting = limit, max_new_tokens, setting
+        self.too_long: dict[str, int] = {}
+
+    def fits(self, problem_id: str, prompt_tokens: int) -> bool:
+        if self.limit is None or prompt_tokens + self.max_new_tokens <= self.limit:
+            return True
+        if problem_id not in self.too_long:
+            log.warning("problem %r skipped: its prompt has %d tokens (or more), and with %s=%d that exceeds the "
+                        "model's %d positions", problem_id, prompt_tokens, self.setting, self.max_new_tokens,
+                        self.limit)
+        self.too_long[problem_id] = prompt_tokens
+        return False
 
 
 def strategy_figures(task, samples: list[tuple[str, float, Any]], prefix: str = "") -> dict[str, float]:
@@ -106,6 +146,8 @@ class RolloutStep:
         self.task, self.problems, self.backend = task, problems, backend
         self.tokenizer, self.rewards, self.recipe, self.cfg = tokenizer, reward_runner, recipe, cfg
         self.sampler = ProblemSampler(len(problems), cfg.seed)
+        self.budget = PromptBudget(context_limit(getattr(backend, "model", None), tokenizer),
+                                   cfg.rollout.max_new_tokens)
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
         self._encode = encode_prompt
         self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
@@ -148,11 +190,49 @@ class RolloutStep:
         strategies = [*range(m), -1] if bare else list(range(m))
         return [(j, k) for j in range(len(chosen)) for k in strategies], n
 
-    def _sample(self, cursor: int, n_problems: int, seed: int) -> StepData:
+    def _fits(self, problem) -> bool:
+        """Whether every prompt of ``problem`` (each coach prefix, the bare one) fits the model's positions."""
+        arms, _ = self._arms([problem])
+        return all(self.budget.fits(problem.id, self._prompt_tokens(problem, k)) for _, k in arms)
+
+    def _prompt_tokens(self, problem, strategy: int) -> int:
+        """Token count of a prompt, or a lower bound past the model's positions: a very long text is first
+        encoded from its head only (bounded work for a 1M-character problem), and a prompt that cannot fit is
+        not kept in the cache."""
+        limit = self.budget.limit
+        text = self.task.format_prompt(problem)
+        if limit is not None and len(text) > PROBE_CHARS_PER_POSITION * limit:
+            extra = self.conditioning(problem, strategy) if strategy >= 0 else {}
+            head = len(self._encode(self.tokenizer, text[: PROBE_CHARS_PER_POSITION * limit], **extra))
+            if head > limit + 1:  # the whole prompt is at least head - 1 tokens long
+                return head
+        n = len(self.prompt_ids(problem, strategy))
+        if limit is not None and n + self.budget.max_new_tokens > limit:
+            self._prompt_cache.pop((problem.id, strategy), None)
+        return n
+
+    def _choose(self, cursor: int, n_problems: int) -> tuple[list, list[int], int]:
+        """``n_problems`` problems from ``cursor`` on, skipping those too long for the model: ``(problems,
+        their cursor positions, the next cursor)``."""
+        chosen, positions, pos = [], [], cursor
+        while len(chosen) < n_problems:
+            problem = self.problems[self.sampler.index(pos)]
+            if self._fits(problem):
+                chosen.append(problem)
+                positions.append(pos)
+            elif len(self.budget.too_long) >= len(self.problems):
+                longest = max(self.budget.too_long.values())
+                raise ValueError(f"every training problem's prompt is too long for the model ({self.budget.limit} "
+                                 f"positions, rollout.max_new_tokens={self.budget.max_new_tokens}; longest prompt "
+                                 f"{longest} tokens)")
+            pos += 1
+        return chosen, positions, pos
+
+    def _sample(self, cursor: int, n_problems: int, seed: int) -> tuple[StepData, int]:
         from meshrl.rollout import SamplingParams
 
         ro = self.cfg.rollout
-        chosen = [self.problems[self.sampler.index(cursor + j)] for j in range(n_problems)]
+        chosen, positions, next_cursor = self._choose(cursor, n_problems)
         arms, n = self._arms(chosen)
         params = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                                 top_p=ro.top_p, n=n)
@@ -167,11 +247,11 @@ class RolloutStep:
             data.texts.append(out.texts[r])
             data.truncated.append(bool(out.truncated[r]))
             data.problems.append(chosen[j])
-            data.query_ids.append(cursor + j)
+            data.query_ids.append(positions[j])
             data.strategy_ids.append(k)
-            data.group_ids.append(cursor + j if per_query else (cursor + j, k))
+            data.group_ids.append(positions[j] if per_query else (positions[j], k))
         data.scores = self.rewards(data.texts, data.problems)
-        return data
+        return data, next_cursor
 
     def run(self, step: int, cursor: int) -> tuple[StepData, int]:
         """Sample (and, for dynamic sampling, refill) one step; return the data and the new cursor."""
@@ -181,11 +261,12 @@ class RolloutStep:
         rounds = self.cfg.dynamic_sampling.max_rounds if rec.dynamic_sampling else 1
         batch, sampled, kept_groups, dropped = StepData(), 0, 0, 0
         sampled_reward = 0.0  # shaped reward of every sampled rollout, kept or filtered
+        start, drawn = cursor, 0
         for rnd in range(rounds):
             need = target - kept_groups
             seed = self.cfg.seed * 1_000_003 + step * 97 + rnd
-            data = self._sample(cursor, need, seed)
-            cursor += need
+            data, next_cursor = self._sample(cursor, need, seed)
+            cursor, drawn = next_cursor, drawn + need
             sampled += len(data)
             sampled_reward += float(self._shape(data).sum()) if len(data) else 0.0
             batch.seen.extend(zip(data.texts, data.scores, data.problems, strict=True))
@@ -210,6 +291,7 @@ class RolloutStep:
             "rollouts/kept": float(len(batch)),
             "rollouts/groups_dropped": float(dropped),
             "reward/sampled_mean": sampled_reward / sampled if sampled else float("nan"),
+            "skipped/long_prompts": float(cursor - start - drawn),  # problems too long for the model
             "time/rollout_s": time.perf_counter() - t0,
         }
         return batch, cursor
