@@ -363,7 +363,7 @@ def test_js_sampled_monte_carlo_gradient_matches_exact(gen: torch.Generator) -> 
 @given(st.lists(st.tuples(st.floats(-15, 0), st.floats(-15, 0)), min_size=1, max_size=20))
 def test_property_js_sampled_value_is_nonnegative(pairs) -> None:
     # f(y) = (p log(p/m) + q log(q/m)) / (2p) = (p + q)(log 2 - H(p / (p + q))) / (2p) >= 0 for every
-    # single sample, unlike the paper release's per-token "JS" (<= 0, DESIGN.md section 1.4).
+    # single sample, unlike the paper release's per-token "JS" (<= 0, docs/method.md §1.4).
     logp, ref = t64([a for a, _ in pairs]), t64([b for _, b in pairs])
     out = js_sampled(logp, ref)
     assert bool((out >= -1e-12).all())

@@ -22,12 +22,12 @@ from meshrl.algos import (
     recipe,
 )
 
-# DESIGN.md section 2 names these presets; "mesh" and "cp_only" wrap a base recipe elsewhere.
-DESIGN_NAMES = {"grpo", "grpo_kl", "grpo_js", "dapo", "gspo", "gspo_token"}
+# docs/method.md §2 names these presets; "mesh" and "cp_only" wrap a base recipe elsewhere.
+METHOD_NAMES = {"grpo", "grpo_kl", "grpo_js", "dapo", "gspo", "gspo_token"}
 
 
 def test_design_presets_exist() -> None:
-    assert set(RECIPES) >= DESIGN_NAMES
+    assert set(RECIPES) >= METHOD_NAMES
 
 
 def test_grpo_preset() -> None:

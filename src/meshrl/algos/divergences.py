@@ -87,7 +87,7 @@ def js_divergence(logits: torch.Tensor, ref_logits: torch.Tensor, *, chunk_size:
     zero iff ``p = q``. Computed in log space (``log m = logaddexp(log p, log q) - log 2``) and in chunks
     of ``chunk_size`` positions so peak memory is ``chunk_size x V`` floats, not ``B x T x V``.
     This replaces the paper release's "JS" term, which is <= 0 per token and so is not a divergence
-    (DESIGN.md §1.4).
+    (docs/method.md §1.4).
 
     Args:
         logits, ref_logits: ``[B, T, V]``.

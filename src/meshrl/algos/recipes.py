@@ -1,6 +1,6 @@
 """Recipe presets as data: each recipe is a set of switches over the same pure functions.
 
-Defaults follow DESIGN.md §2 and the cited papers; the trainer reads a :class:`Recipe` and never
+Defaults follow docs/method.md §2 and the cited papers; the trainer reads a :class:`Recipe` and never
 branches on its name.
 """
 

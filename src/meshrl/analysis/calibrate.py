@@ -1,4 +1,4 @@
-"""MEI threshold calibration on the model before RL (DESIGN §1.2): ``threshold = mean + 3 std``.
+"""MEI threshold calibration on the model before RL (docs/method.md §1.2): ``threshold = mean + 3 std``.
 
 For each of ``n_queries`` calibration queries the untrained policy samples ``group_size`` rollouts (hf
 backend, the run's sampling temperature); one forward pass over (prompt, rollout) gives the aligned

@@ -1,4 +1,4 @@
-"""Strategy census of logged rollouts (DESIGN §1.1): how many strategies each query's rollouts still span.
+"""Strategy census of logged rollouts (docs/method.md §1.1): how many strategies each query's rollouts still span.
 
 Input rows (JSONL, e.g. a run's ``samples.jsonl`` or any file written the same way), one rollout each:
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("mei", help="MEI early-warning tools (calibrate the threshold)",
-                       description="Mirrored Entanglement Index (DESIGN §1.2) tools.")
+                       description="Mirrored Entanglement Index (docs/method.md §1.2) tools.")
     mei_sub = p.add_subparsers(dest="mei_command", metavar="ACTION", required=True)
     c = mei_sub.add_parser(
         "calibrate", help="per-query MEI of the model before RL; threshold = mean + 3 std",

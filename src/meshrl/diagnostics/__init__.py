@@ -1,7 +1,7 @@
 """Pure diagnostics of strategy collapse: MEI feature maps, Fisher scores, coupling kernel, strategies.
 
 Layer 2: imports torch, numpy and ``meshrl.algos`` only; no trainer state. Every function documents
-its formula (DESIGN §1.1, §1.2), its source and its tensor shapes; bad inputs raise ``ValueError``
+its formula (docs/method.md §1.1, §1.2), its source and its tensor shapes; bad inputs raise ``ValueError``
 naming the argument.
 
 - :mod:`~meshrl.diagnostics.features`: ``bias_features`` (``[B, V]``) and ``head_gram`` (``[B, B]``,

@@ -6,7 +6,7 @@ full sequence), and ``mask[b, t] = 1`` marks the response tokens that count (coa
 padding positions are 0). Token ids at masked-out positions are ignored (they may be padding such as
 ``-100``). Everything runs without autograd: these are metrics, not loss terms.
 
-Feature maps (DESIGN §1.2; seed 000 §2.3 writes v_i for the bias feature)::
+Feature maps (docs/method.md §1.2; the Mesh Learning paper writes v_i for the bias feature)::
 
     bias:  phi_i = sum_t m_t (e_{y_t} - p_t)            in R^V
     head:  phi_i = sum_t m_t (e_{y_t} - p_t) h_t^T      in R^{V x D}
@@ -67,7 +67,7 @@ def bias_features(
 
     Equal to ``d/db sum_t m_t log softmax(logits_t / T + b)[y_t]`` at ``b = 0`` (a logit bias shared by
     all steps). The paper's release computes the same quantity with logits divided by the sampling
-    temperature and probabilities accumulated in chunks (DESIGN §1.4).
+    temperature and probabilities accumulated in chunks (docs/method.md §1.4).
 
     Memory: positions are processed ``chunk_size`` at a time, so the transient softmax holds at most
     ``B x chunk_size x V`` floats on top of the inputs.

@@ -1,6 +1,6 @@
-"""Coupling kernel of one query's rollouts, epsilon-strategies and strategy masses (DESIGN §1.1).
+"""Coupling kernel of one query's rollouts, epsilon-strategies and strategy masses (docs/method.md §1.1).
 
-Formulas (seed 000, the paper's definition of strategies from update geometry)::
+Formulas (docs/method.md §1.1, the Mesh Learning paper's definition of strategies from update geometry)::
 
     K_ij  = U_i . U_j                         U_i = grad_theta log pi(tau_i | Q)   (fisher_scores)
     K~_ij = K_ij / sqrt(K_ii K_jj)            cosine normalisation

@@ -1,6 +1,6 @@
 """MEI, the Mirrored Entanglement Index, per group of rollouts and as trainer metrics.
 
-Formula (DESIGN §1.2; seed 000 §2.3)::
+Formula (docs/method.md §1.2; the Mesh Learning paper, §2.3)::
 
     MEI = ||sum_i phi_i||^2 / sum_i ||phi_i||^2 = (1^T Phi 1) / tr(Phi),      Phi_ij = phi_i . phi_j
 
@@ -33,7 +33,7 @@ import torch
 from meshrl.algos import group_index
 from meshrl.algos._checks import check_tensor
 
-#: Standard feature-map names (DESIGN §1.2). ``mei_metrics`` accepts any name matching FEATURE_NAME_RE so
+#: Standard feature-map names (docs/method.md §1.2). ``mei_metrics`` accepts any name matching FEATURE_NAME_RE so
 #: that variants (``head_sketch``, ``full_subset``) can be recorded exactly.
 FEATURE_MAPS = ("bias", "head", "full")
 FEATURE_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")

@@ -1,4 +1,4 @@
-"""Mesh Learning (DESIGN.md §1.3): Strategy-Balancing Regularisation and Coach Prompting.
+"""Mesh Learning (docs/method.md §1.3): Strategy-Balancing Regularisation and Coach Prompting.
 
 Layer 2: imports torch, numpy, the standard library and :mod:`meshrl.algos` only; it works on the
 tensors, ids and queries it is handed.

@@ -1,7 +1,7 @@
-"""Strategy-Balancing Regularisation of Mesh Learning (DESIGN.md §1.3, §1.4).
+"""Strategy-Balancing Regularisation of Mesh Learning (docs/method.md §1.3, §1.4).
 
 For one query Q with strategies (coach prefixes) i = 1..M and the correct rollouts C_i of strategy i
-(seed 000, "Strategy-Balancing Regularization"; DESIGN.md §1.3)::
+(the Mesh Learning paper, "Strategy-Balancing Regularization"; docs/method.md §1.3)::
 
     z_i     = (1/|C_i|) sum_{tau in C_i} log pi_theta(tau | Q, prefix_i)   (sum over response tokens)
     z_i^ref = the same mean under the frozen reference policy (no gradient)
@@ -14,7 +14,7 @@ For one query Q with strategies (coach prefixes) i = 1..M and the correct rollou
 J_Q is 0 when m < 2 (nothing to balance). J_Q(r + c) = J_Q(r): the term only redistributes pressure
 between strategies; it never opposes all of them improving together.
 
-Differences from the authors' release (verl fork ``Ayanami-0123/Open-Mesh-Learning``; DESIGN.md §1.4),
+Differences from the authors' release (verl fork ``Ayanami-0123/Open-Mesh-Learning``; docs/method.md §1.4),
 on purpose:
 
 - groups are keyed by explicit ``query_ids`` and ``strategy_ids``; the release takes softmaxes over

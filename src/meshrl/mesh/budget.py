@@ -1,8 +1,8 @@
-"""Rollout budget of Coach Prompting: how many rollouts each strategy prefix gets (DESIGN.md §1.3).
+"""Rollout budget of Coach Prompting: how many rollouts each strategy prefix gets (docs/method.md §1.3).
 
 The paper says "16 rollouts per query" (§5.1) and "each prefix conditions a separate rollout group"
 (§4.1) without saying whether 16 is the total or the size of each group; the two readings lead to
-different conclusions (seed 000, "rollout 预算的口径没有说清"). meshrl makes the choice explicit:
+different conclusions (docs/method.md §1.3). meshrl makes the choice explicit:
 
 - ``matched``: the query's G rollouts are split into m prefix groups of G/m. Mesh and the baseline
   draw the same number of samples per query (the reading of the authors' release: 4 prefixes x

@@ -122,7 +122,7 @@ RANGES = {
 
 @dataclass
 class MeshConfig:
-    """Coach Prompting + Strategy-Balancing (recipes ``mesh`` and ``cp_only``; DESIGN.md §1.3)."""
+    """Coach Prompting + Strategy-Balancing (recipes ``mesh`` and ``cp_only``; docs/method.md §1.3)."""
 
     base: str = "grpo"  # the GRPO-family recipe underneath (the paper's Mesh is GRPO-based)
     prefixes: str | None = None  # prefixes.jsonl from `meshrl coach`; None = the task's rule strategies

@@ -1,4 +1,4 @@
-"""Offline prefix generation with a validated, resumable JSONL cache (DESIGN.md §1.3).
+"""Offline prefix generation with a validated, resumable JSONL cache (docs/method.md §1.3).
 
 Cache file (``out_path``), one JSON object per line, one line per distinct problem::
 

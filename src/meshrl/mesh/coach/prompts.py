@@ -1,4 +1,4 @@
-"""Texts of Coach Prompting: the request to the coach and the anti-hacking template (DESIGN.md §1.3).
+"""Texts of Coach Prompting: the request to the coach and the anti-hacking template (docs/method.md §1.3).
 
 All wording here is meshrl's own. ``COACH_PROMPT_VERSION`` and ``TEMPLATE_VERSION`` are written into
 the prefix cache and should be written into run configs: changing a text changes the experiment.
@@ -116,7 +116,7 @@ def wrap_prefix(prefix: str, placement: str = "system") -> str:
 
     The suggestion is marked untrusted and possibly misleading, and the model is told to check
     applicability, mechanism and alternatives before its final answer (the naive "here is a hint"
-    wording made models copy the coach; seed 000).
+    wording made models copy the coach; the Mesh Learning paper, docs/method.md §1.3).
 
     Args:
         prefix: the strategy text from the coach.

@@ -1,6 +1,6 @@
 """Parsing and validation of coach answers: every rejection comes with a reason string.
 
-Checks (DESIGN.md §1.3): the answer parses as JSON (code fences and a leading ``<think>`` block are
+Checks (docs/method.md §1.3): the answer parses as JSON (code fences and a leading ``<think>`` block are
 tolerated), holds exactly m prefixes, each within a length bound, pairwise distinct (exact after
 normalisation, and near-duplicates by token Jaccard similarity), and none leaks the reference answer.
 
