@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("verl")
 
-from verl.trainer.ppo import core_algos, rollout_corr_helper  # noqa: E402
 from verl.trainer.distillation.fsdp import losses as distill_losses  # noqa: E402
+from verl.trainer.ppo import core_algos, rollout_corr_helper  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 from meshrl.algos import (  # noqa: E402
