@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from meshrl.algos import RECIPES, Recipe, recipe
+from meshrl.trainer.plugins import PluginsConfig, validate_plugins
 
 
 @dataclass
@@ -149,6 +150,7 @@ class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     eval: EvalDuringTrainConfig = field(default_factory=EvalDuringTrainConfig)
     diag: DiagConfig = field(default_factory=DiagConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)  # docs/plugins.md
 
     @property
     def mesh_enabled(self) -> bool:
@@ -182,6 +184,7 @@ class RunConfig:
             raise ValueError(f"mesh.base must be a base recipe, got {self.mesh.base!r}")
         self.resolved_recipe()  # unknown algo fields and bases raise here
         self._validate_mesh()
+        validate_plugins(self.plugins, self.resolved_recipe().policy_loss)
         checks = {
             "steps": self.steps >= 0,
             "rollout.group_size": self.rollout.group_size >= 1,

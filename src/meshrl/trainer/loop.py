@@ -40,6 +40,7 @@ from meshrl.trainer.parallel_update import (
     update_worker_count,
 )
 from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
+from meshrl.trainer.plugins import TrainPlugins
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData, strategy_figures
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
 
@@ -104,6 +105,7 @@ class Trainer:
         self.update_workers = update_worker_count(cfg.train.update_workers, self.model)
         self._routed = routed_experts(self.model)
         self._workers: UpdateWorkers | None = None
+        self.plugins = TrainPlugins(cfg.plugins, cfg.seed)
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -348,8 +350,10 @@ class Trainer:
                 and not self._needs_every_row_here() and not self._routed)
 
     def _needs_every_row_here(self) -> bool:
-        """MEI collection and strategy balancing need every row's logits or graph in this process."""
-        return self._mei_collect or self.balance_w is not None or self.support_w is not None
+        """MEI collection and strategy balancing need every row's logits or graph in this process; the
+        ``plugins.*`` terms select tokens by statistics of the whole micro-batch."""
+        return (self._mei_collect or self.balance_w is not None or self.support_w is not None
+                or self.plugins.changes_loss)
 
     @torch.no_grad()
     def response_terms(self, mb) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,9 +445,13 @@ class Trainer:
         cfg = {"clip_low": rec.clip_low, "clip_high": rec.clip_high}
         if rec.policy_loss == "ppo_clip":
             cfg["clip_dual"] = rec.clip_dual
-        pg_mat, pg_stats = policy_loss(rec.policy_loss, logp, old, adv, mask, **cfg)
+        if self.plugins.changes_loss:
+            pg_mat, pg_stats, pg_mask = self.plugins.policy_term(self.step_idx, rec.policy_loss, logp, old, adv,
+                                                                 mask, entropy, cfg)
+        else:
+            (pg_mat, pg_stats), pg_mask = policy_loss(rec.policy_loss, logp, old, adv, mask, **cfg), mask
         norm = self.cfg.rollout.max_new_tokens
-        pg = aggregate(pg_mat, mask, rec.loss_agg, norm_len=norm)
+        pg = aggregate(pg_mat, pg_mask, rec.loss_agg, norm_len=norm)
         total = pg
         stats = {"loss/policy": float(pg.detach()), **{k: float(v) for k, v in pg_stats.items()}}
         stats["entropy/mean"] = float(masked_mean(entropy, mask))

@@ -1,0 +1,167 @@
+"""The ``plugins.*`` terms in the trainer: each runs end to end on the tiny model (with GRPO, DAPO, CISPO and
+Mesh), logs its metric, refuses bad settings by key, and turns off the worker split and the zero-advantage
+shortcut while staying equal to the plain update where its formula says so."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshrl.algos import aggregate, high_entropy_mask, ppo_clip_loss
+from meshrl.forkpool import fork_available
+from meshrl.trainer import Trainer, load_config, train
+from meshrl.trainer.batch import token_entropy, token_logprobs
+
+TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=6", "train.micro_batch_size=16", "log.progress=false", "checkpoint.every=100",
+        "optim.lr=1e-3"]
+PLUGIN_METRIC = {
+    "clip_cov": "clipcov/frac_tokens", "kl_cov": "klcov/penalty", "entropy_adv": "entadv/bonus_mean",
+    "fork": "fork/frac_tokens", "m2po": "m2po/masked_frac",
+}
+
+
+def _cfg(*extra: str, steps: int = 2):
+    return load_config(overrides=[*TINY, f"steps={steps}", *extra])
+
+
+def _trainer(tmp_path, name: str, *extra: str) -> Trainer:
+    return Trainer(_cfg(*extra), tmp_path / name)
+
+
+@pytest.mark.parametrize(("plugin", "extra"), [
+    ("clip_cov", ["recipe=dapo", "plugins.clip_cov.ratio=0.05"]),
+    ("kl_cov", ["recipe=grpo", "train.ppo_epochs=2", "train.mini_batches=2"]),
+    ("entropy_adv", ["recipe=grpo", "algo.policy_loss=cispo"]),
+    ("fork", ["recipe=mesh", "rollout.group_size=8", "mesh.m=2", "mesh.mu=0.1"]),
+    ("m2po", ["recipe=grpo", "train.ppo_epochs=2", "train.mini_batches=2"]),
+])
+def test_each_plugin_trains_and_logs_its_metric(tmp_path, plugin, extra):
+    hist = train(_cfg(*extra, f"plugins.{plugin}.enabled=true"), tmp_path / plugin)
+    assert [m["step"] for m in hist] == [1, 2]
+    key = PLUGIN_METRIC[plugin]
+    for m in hist:
+        assert key in m and math.isfinite(m[key]), key
+        assert math.isfinite(m["loss/total"]) and math.isfinite(m["grad/norm"])
+    if plugin == "fork":
+        assert 0 < hist[0][key] <= 1 and "mesh/balance_loss" in hist[-1]
+    if plugin == "kl_cov":  # several optimiser steps per batch: the penalised tokens moved off-policy
+        assert any(m[key] > 0 for m in hist)
+    assert "plugins:" in (tmp_path / plugin / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("plugins.clip_cov.ratio=0", "plugins.clip_cov.ratio"),
+    ("plugins.clip_cov.cov_ub=0.5", "plugins.clip_cov.cov_ub"),
+    ("plugins.kl_cov.coef=-1", "plugins.kl_cov.coef"),
+    ("plugins.entropy_adv.kappa=1", "plugins.entropy_adv.kappa"),
+    ("plugins.fork.top_frac=1.5", "plugins.fork.top_frac"),
+    ("plugins.fork.norm=tokens", "plugins.fork.norm"),
+    ("plugins.m2po.threshold=0", "plugins.m2po.threshold"),
+    ("plugins.fork.typo=1", "plugins.fork.typo"),
+])
+def test_bad_settings_name_the_key(override, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_incompatible_plugins_and_sequence_losses_are_refused():
+    with pytest.raises(ValueError, match=r"plugins\.clip_cov\.enabled and plugins\.kl_cov\.enabled"):
+        load_config(overrides=["plugins.clip_cov.enabled=true", "plugins.kl_cov.enabled=true"])
+    with pytest.raises(ValueError, match=r"plugins\.entropy_adv\.enabled needs a token-level policy loss.*gspo"):
+        load_config(overrides=["recipe=gspo", "plugins.entropy_adv.enabled=true"])
+
+
+def _some_zero_advantages(data, seed: int) -> None:
+    data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(seed))
+    data.advantages[:4] = 0.0  # one whole group
+
+
+@pytest.mark.parametrize("plugin", sorted(PLUGIN_METRIC))
+def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_path, plugin):
+    on = f"plugins.{plugin}.enabled=true"
+    workers = 2 if fork_available() else 1
+    plain = _trainer(tmp_path, "plain", on, "train.update_workers=1", "train.skip_zero_advantage=false")
+    fast = _trainer(tmp_path, "fast", on, f"train.update_workers={workers}")
+    try:
+        assert not fast.skips_zero_advantage()
+        params = [p for p in fast.model.parameters() if p.requires_grad]
+        assert fast._update_workers(params) is None
+        data, _ = plain.sampler.run(0, 0)
+        _some_zero_advantages(data, 0)
+        m_plain, m_fast = plain.update(data), fast.update(data)
+        assert set(m_plain) == set(m_fast) and PLUGIN_METRIC[plugin] in m_fast
+        for k, v in m_plain.items():
+            assert m_fast[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+        for p, q in zip(plain.model.parameters(), fast.model.parameters(), strict=True):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+    finally:
+        plain.close()
+        fast.close()
+    # and without the plug-in the shortcut is back
+    assert _trainer(tmp_path, "g", "train.update_workers=1").skips_zero_advantage()
+
+
+def _update_grads(trainer: Trainer, data) -> list[torch.Tensor]:
+    """Gradient of one single-pass update (taken before the optimiser step by a zero learning rate)."""
+    for g in trainer.optimizer.param_groups:
+        g["lr"] = 0.0
+    trainer.cfg.optim.lr = 0.0
+    trainer.update(data)
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("plugin", ["kl_cov", "m2po"])
+def test_on_policy_kl_cov_and_m2po_equal_plain_grpo(tmp_path, plugin):
+    # One optimiser step per batch: r = 1, so KL-Cov's penalty, M2PO's mask and the dropped clip change nothing.
+    plain = _trainer(tmp_path, "plain", "train.update_workers=1", "train.skip_zero_advantage=false")
+    plug = _trainer(tmp_path, "plug", f"plugins.{plugin}.enabled=true", "train.update_workers=1")
+    data, _ = plain.sampler.run(0, 0)
+    _some_zero_advantages(data, 1)
+    for a, b in zip(_update_grads(plain, data), _update_grads(plug, data), strict=True):
+        torch.testing.assert_close(b, a)
+
+
+def test_clip_cov_with_every_token_a_candidate_removes_the_whole_gradient(tmp_path):
+    # On-policy nothing is clipped, so with ratio 1 and an unbounded band every valid token is detached.
+    t = _trainer(tmp_path, "cc", "plugins.clip_cov.enabled=true", "plugins.clip_cov.ratio=1.0",
+                 "plugins.clip_cov.cov_lb=-1e9", "plugins.clip_cov.cov_ub=1e9", "train.update_workers=1")
+    data, _ = t.sampler.run(0, 0)
+    _some_zero_advantages(data, 2)
+    m = t.update(data)
+    assert m["grad/norm"] == 0.0 and m["clipcov/frac_tokens"] == pytest.approx(1.0)
+
+
+def test_fork_and_entropy_adv_micro_batch_loss_equals_the_formula(tmp_path):
+    t = _trainer(tmp_path, "f", "plugins.fork.enabled=true", "plugins.fork.top_frac=0.3",
+                 "plugins.entropy_adv.enabled=true", "plugins.entropy_adv.alpha=0.4", "train.update_workers=1")
+    data, _ = t.sampler.run(0, 0)
+    _some_zero_advantages(data, 3)
+    rows = list(range(len(data)))
+    (idx, mb), = list(t._micro_batches(rows, data))
+    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    with torch.no_grad():
+        logits = t.logits_of(t.model, mb)
+        logp = token_logprobs(logits, mb.response_ids, 1.0)
+        h = token_entropy(logits, 1.0)
+    mask = mb.response_mask
+    adv = data.advantages[idx][:, None].expand_as(logp)
+    shaped = adv + torch.minimum(0.4 * h, adv.abs() / 2.0)
+    keep = high_entropy_mask(h, mask, top_frac=0.3).to(logp.dtype)
+    pg, _ = ppo_clip_loss(logp, logp, shaped, mask)
+    want = aggregate(pg * keep, keep, "seq-mean-token-mean")  # grpo's aggregation over the kept tokens
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    assert stats["fork/frac_tokens"] == pytest.approx(float(keep.sum() / mask.sum()))
+    assert stats["entadv/bonus_mean"] > 0
+
+
+def test_clip_cov_draw_is_reproducible_across_runs(tmp_path):
+    extra = ["recipe=dapo", "plugins.clip_cov.enabled=true", "plugins.clip_cov.ratio=0.1",
+             "plugins.clip_cov.cov_lb=-1e9", "plugins.clip_cov.cov_ub=1e9"]
+    a = train(_cfg(*extra), tmp_path / "a")
+    b = train(_cfg(*extra), tmp_path / "b")
+    assert a[-1]["clipcov/n_tokens"] >= 1
+    for ma, mb in zip(a, b, strict=True):
+        assert ma["loss/total"] == mb["loss/total"] and ma["grad/norm"] == mb["grad/norm"]
