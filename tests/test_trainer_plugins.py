@@ -4,15 +4,17 @@ shortcut while staying equal to the plain update where its formula says so."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
-from meshrl.algos import aggregate, high_entropy_mask, ppo_clip_loss
+from meshrl.algos import aggregate, group_advantages, high_entropy_mask, luffy_off_policy_loss, ppo_clip_loss
 from meshrl.forkpool import fork_available
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_entropy, token_logprobs
+from meshrl.trainer.plugins import load_traces
 
 TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=6", "train.micro_batch_size=16", "log.progress=false", "checkpoint.every=100",
@@ -20,7 +22,7 @@ TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout
 PLUGIN_METRIC = {
     "clip_cov": "clipcov/frac_tokens", "kl_cov": "klcov/penalty", "entropy_adv": "entadv/bonus_mean",
     "fork": "fork/frac_tokens", "m2po": "m2po/masked_frac",
-}
+}  # luffy needs a traces file: its own tests below
 
 
 def _cfg(*extra: str, steps: int = 2):
@@ -31,11 +33,12 @@ def _trainer(tmp_path, name: str, *extra: str) -> Trainer:
     return Trainer(_cfg(*extra), tmp_path / name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("plugin", "extra"), [
-    ("clip_cov", ["recipe=dapo", "plugins.clip_cov.ratio=0.05"]),
+    ("clip_cov", ["recipe=dapo", "algo.dynamic_sampling=false", "plugins.clip_cov.ratio=0.05"]),
     ("kl_cov", ["recipe=grpo", "train.ppo_epochs=2", "train.mini_batches=2"]),
     ("entropy_adv", ["recipe=grpo", "algo.policy_loss=cispo"]),
-    ("fork", ["recipe=mesh", "rollout.group_size=8", "mesh.m=2", "mesh.mu=0.1"]),
+    ("fork", ["recipe=mesh", "rollout.prompts_per_step=2", "mesh.m=2", "mesh.mu=0.1"]),
     ("m2po", ["recipe=grpo", "train.ppo_epochs=2", "train.mini_batches=2"]),
 ])
 def test_each_plugin_trains_and_logs_its_metric(tmp_path, plugin, extra):
@@ -79,20 +82,27 @@ def _some_zero_advantages(data, seed: int) -> None:
     data.advantages[:4] = 0.0  # one whole group
 
 
-@pytest.mark.parametrize("plugin", sorted(PLUGIN_METRIC))
+@pytest.mark.parametrize("plugin", [*sorted(PLUGIN_METRIC), "luffy"])
 def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_path, plugin):
-    on = f"plugins.{plugin}.enabled=true"
+    on = [f"plugins.{plugin}.enabled=true"]
+    if plugin == "luffy":
+        from meshrl.tasks import load_task
+
+        on.append(f"plugins.luffy.traces={_traces(tmp_path, load_task('tiny:repeat', seed=0).problems('train'))}")
     workers = 2 if fork_available() else 1
-    plain = _trainer(tmp_path, "plain", on, "train.update_workers=1", "train.skip_zero_advantage=false")
-    fast = _trainer(tmp_path, "fast", on, f"train.update_workers={workers}")
+    plain = _trainer(tmp_path, "plain", *on, "train.update_workers=1", "train.skip_zero_advantage=false")
+    fast = _trainer(tmp_path, "fast", *on, f"train.update_workers={workers}")
     try:
         assert not fast.skips_zero_advantage()
         params = [p for p in fast.model.parameters() if p.requires_grad]
         assert fast._update_workers(params) is None
         data, _ = plain.sampler.run(0, 0)
+        data = plain.plugins.mix(plain, data)
+        fast.plugins.off_rows = set(plain.plugins.off_rows)
         _some_zero_advantages(data, 0)
         m_plain, m_fast = plain.update(data), fast.update(data)
-        assert set(m_plain) == set(m_fast) and PLUGIN_METRIC[plugin] in m_fast
+        metric = PLUGIN_METRIC.get(plugin, "offpolicy/frac_tokens")
+        assert set(m_plain) == set(m_fast) and metric in m_fast
         for k, v in m_plain.items():
             assert m_fast[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
         for p, q in zip(plain.model.parameters(), fast.model.parameters(), strict=True):
@@ -157,11 +167,74 @@ def test_fork_and_entropy_adv_micro_batch_loss_equals_the_formula(tmp_path):
     assert stats["entadv/bonus_mean"] > 0
 
 
-def test_clip_cov_draw_is_reproducible_across_runs(tmp_path):
-    extra = ["recipe=dapo", "plugins.clip_cov.enabled=true", "plugins.clip_cov.ratio=0.1",
-             "plugins.clip_cov.cov_lb=-1e9", "plugins.clip_cov.cov_ub=1e9"]
-    a = train(_cfg(*extra), tmp_path / "a")
-    b = train(_cfg(*extra), tmp_path / "b")
-    assert a[-1]["clipcov/n_tokens"] >= 1
-    for ma, mb in zip(a, b, strict=True):
-        assert ma["loss/total"] == mb["loss/total"] and ma["grad/norm"] == mb["grad/norm"]
+def test_clip_cov_draw_is_seeded_by_run_seed_and_step(tmp_path):
+    extra = ["plugins.clip_cov.enabled=true", "plugins.clip_cov.ratio=0.3", "plugins.clip_cov.cov_lb=-1e9",
+             "plugins.clip_cov.cov_ub=1e9", "train.update_workers=1"]
+    a, b = _trainer(tmp_path, "a", *extra), _trainer(tmp_path, "b", *extra)
+    data, _ = a.sampler.run(0, 0)
+    _some_zero_advantages(data, 4)
+    grads_a, grads_b = _update_grads(a, data), _update_grads(b, data)
+    for x, y in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    b.step_idx = 1  # another step draws other tokens
+    assert any(not torch.equal(x, y) for x, y in zip(grads_a, _update_grads(b, data), strict=True))
+
+
+def _traces(tmp_path, task_problems, completion=lambda p: p.answer) -> str:
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(json.dumps({"id": p.id, "completion": completion(p)}) + "\n" for p in task_problems))
+    return str(path)
+
+
+def test_luffy_mixes_one_trace_per_group_and_recomputes_advantages(tmp_path):
+    from meshrl.tasks import load_task
+
+    problems = load_task("tiny:repeat", seed=0).problems("train")
+    path = _traces(tmp_path, problems[: len(problems) // 2])  # half the problems have a trace
+    t = _trainer(tmp_path, "l", "plugins.luffy.enabled=true", f"plugins.luffy.traces={path}",
+                 "rollout.prompts_per_step=8", "train.update_workers=1")
+    data, _ = t.sampler.run(0, 0)
+    data = t.plugins.mix(t, data)
+    with_trace = {p.id for p in problems[: len(problems) // 2]}
+    expected_off = set()
+    for g in dict.fromkeys(data.group_ids):
+        rows = [i for i, x in enumerate(data.group_ids) if x == g]
+        if data.problems[rows[0]].id in with_trace:
+            expected_off.add(rows[-1])  # the group's last row, G - 1 stay on-policy
+    assert t.plugins.off_rows == expected_off and expected_off
+    for i in expected_off:
+        assert data.texts[i] == data.problems[i].answer and data.response_ids[i][-1] == t.tokenizer.eos_token_id
+        assert data.scores[i] == pytest.approx(t.task.score(data.texts[i], data.problems[i]))
+    torch.testing.assert_close(data.advantages, group_advantages(data.rewards, data.group_ids))
+    assert data.stats["offpolicy/rows"] == len(expected_off)
+    assert data.stats["offpolicy/groups_without_trace"] == 8 - len(expected_off)
+    # the micro-batch loss: LUFFY's on the trace rows, the recipe's elsewhere
+    idx, mb = next(iter(t._micro_batches(list(range(len(data))), data)))  # the first 16 rows
+    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    with torch.no_grad():
+        logp = token_logprobs(t.logits_of(t.model, mb), mb.response_ids, 1.0)
+    mask = mb.response_mask
+    off = torch.tensor([i in expected_off for i in idx])[:, None]
+    on_mat, _ = ppo_clip_loss(logp, logp, data.advantages[idx], mask)
+    off_mat, _ = luffy_off_policy_loss(logp, data.advantages[idx], mask, gamma=0.1)
+    want = aggregate(torch.where(off, off_mat, on_mat), mask, "seq-mean-token-mean")
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    assert stats["offpolicy/frac_tokens"] == pytest.approx(float((mask * off).sum() / mask.sum()))
+
+
+def test_luffy_trains_and_refuses_bad_trace_files(tmp_path):
+    from meshrl.tasks import load_task
+
+    path = _traces(tmp_path, load_task("tiny:repeat", seed=0).problems("train"))
+    hist = train(_cfg("plugins.luffy.enabled=true", f"plugins.luffy.traces={path}"), tmp_path / "run")
+    assert all(m["offpolicy/rows"] == 4 and m["offpolicy/frac_tokens"] > 0 for m in hist)
+    assert all(math.isfinite(m["loss/total"]) for m in hist)
+    with pytest.raises(ValueError, match=r"plugins\.luffy\.traces: no such file"):
+        load_config(overrides=["plugins.luffy.enabled=true", "plugins.luffy.traces=/nonexistent.jsonl"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "completion": "x"}\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: missing field 'completion'"):
+        load_traces(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: not JSON"):
+        load_traces(bad)

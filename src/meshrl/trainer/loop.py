@@ -136,6 +136,7 @@ class Trainer:
     def step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         data, self.cursor = self.sampler.run(self.step_idx, self.cursor)
+        data = self.plugins.mix(self, data)  # plugins.luffy: off-policy traces in each group
         self.last_data = data
         t1 = time.perf_counter()
         self._set_lr()
@@ -446,8 +447,8 @@ class Trainer:
         if rec.policy_loss == "ppo_clip":
             cfg["clip_dual"] = rec.clip_dual
         if self.plugins.changes_loss:
-            pg_mat, pg_stats, pg_mask = self.plugins.policy_term(self.step_idx, rec.policy_loss, logp, old, adv,
-                                                                 mask, entropy, cfg)
+            pg_mat, pg_stats, pg_mask = self.plugins.policy_term(self.step_idx, idx, rec.policy_loss, logp, old,
+                                                                 adv, mask, entropy, cfg)
         else:
             (pg_mat, pg_stats), pg_mask = policy_loss(rec.policy_loss, logp, old, adv, mask, **cfg), mask
         norm = self.cfg.rollout.max_new_tokens

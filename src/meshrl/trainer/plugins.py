@@ -6,7 +6,9 @@ recipes included, whose balancing term is separate):
 - ``plugins.entropy_adv``: advantages shaped by the token entropy (Cheng et al. 2025);
 - ``plugins.clip_cov`` / ``plugins.kl_cov``: covariance-based token selection (Cui et al. 2025);
 - ``plugins.fork``: policy gradient on the high-entropy "forking" tokens only (Wang et al. 2025);
-- ``plugins.m2po``: second-moment mask against the behaviour policy (Zheng et al. 2025).
+- ``plugins.m2po``: second-moment mask against the behaviour policy (Zheng et al. 2025);
+- ``plugins.luffy``: off-policy traces from a JSONL mixed into each group, shaped loss on them (Yan et al.
+  2025).
 
 The selections use statistics of the whole micro-batch (covariance means, an entropy quantile, a moment
 over tokens), so a micro-batch must not be split into parts: with any plug-in on, the trainer runs the
@@ -16,17 +18,22 @@ formulas live in :mod:`meshrl.algos.entropy_control` and :mod:`meshrl.algos.offp
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from meshrl.algos import (
+    OFF_POLICY_SHAPES,
     clip_cov_selection,
     entropy_advantage,
+    group_advantages,
     kl_cov_loss,
     kl_cov_penalty,
     kl_cov_selection,
+    luffy_off_policy_loss,
     m2po_mask,
     policy_loss,
     token_mask,
@@ -73,16 +80,28 @@ class M2poConfig:
 
 
 @dataclass
+class LuffyConfig:
+    enabled: bool = False
+    traces: str = ""  # JSONL, one {"id": problem id, "completion": text} per line
+    per_group: int = 1  # off-policy rows per advantage group (the rest stay on-policy)
+    gamma: float = 0.1  # f(p) = p / (p + gamma)
+    shape: str = "p_div_p"  # or "none": -A p
+
+
+PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy")
+
+
+@dataclass
 class PluginsConfig:
     clip_cov: ClipCovConfig = field(default_factory=ClipCovConfig)
     kl_cov: KlCovConfig = field(default_factory=KlCovConfig)
     entropy_adv: EntropyAdvConfig = field(default_factory=EntropyAdvConfig)
     fork: ForkConfig = field(default_factory=ForkConfig)
     m2po: M2poConfig = field(default_factory=M2poConfig)
+    luffy: LuffyConfig = field(default_factory=LuffyConfig)
 
     def enabled(self) -> list[str]:
-        return [name for name in ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po")
-                if getattr(self, name).enabled]
+        return [name for name in PLUGINS if getattr(self, name).enabled]
 
 
 def validate_plugins(plugins: PluginsConfig, policy_loss_name: str) -> None:
@@ -98,11 +117,17 @@ def validate_plugins(plugins: PluginsConfig, policy_loss_name: str) -> None:
         "plugins.fork.top_frac": 0 < p.fork.top_frac <= 1,
         "plugins.fork.norm": p.fork.norm in ("selected", "all"),
         "plugins.m2po.threshold": p.m2po.threshold > 0,
+        "plugins.luffy.per_group": p.luffy.per_group >= 1,
+        "plugins.luffy.gamma": p.luffy.gamma > 0,
+        "plugins.luffy.shape": p.luffy.shape in OFF_POLICY_SHAPES,
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
         values = ", ".join(f"{k}={_get(p, k)!r}" for k in bad)
         raise ValueError(f"invalid plug-in setting(s): {values} (see docs/plugins.md)")
+    if p.luffy.enabled and not Path(p.luffy.traces).is_file():
+        raise ValueError(f"plugins.luffy.traces: no such file {p.luffy.traces!r} (a JSONL of "
+                         '{"id": problem id, "completion": text} rows)')
     on = p.enabled()
     if "clip_cov" in on and "kl_cov" in on:
         raise ValueError("plugins.clip_cov.enabled and plugins.kl_cov.enabled exclude each other "
@@ -124,6 +149,8 @@ class TrainPlugins:
         self.cfg = plugins
         self.seed = seed
         self._step, self._calls = -1, 0
+        self.traces = load_traces(Path(plugins.luffy.traces)) if plugins.luffy.enabled else {}
+        self.off_rows: set[int] = set()  # rows of the current step that are off-policy traces
 
     @property
     def changes_loss(self) -> bool:
@@ -139,14 +166,16 @@ class TrainPlugins:
         return torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 10_007 + self._calls)
 
     def policy_term(
-        self, step: int, loss_name: str, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
-        mask: torch.Tensor, entropy: torch.Tensor, loss_cfg: dict[str, Any],
+        self, step: int, idx: list[int], loss_name: str, logp: torch.Tensor, old: torch.Tensor,
+        adv: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor, loss_cfg: dict[str, Any],
     ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         """``(loss_mat [n, T], metrics, aggregation mask [n, T])`` of the recipe's policy loss with the
-        enabled plug-ins; aggregate ``loss_mat`` over the returned mask with the recipe's mode.
+        enabled plug-ins for the micro-batch of step rows ``idx``; aggregate ``loss_mat`` over the returned
+        mask with the recipe's mode.
 
         Order: advantages shaped (entropy_adv) -> base loss (kl_cov's unclipped form replaces ``ppo_clip``;
-        M2PO drops the clip) -> Clip-Cov detach -> M2PO and forking masks (loss weights)."""
+        M2PO drops the clip) -> LUFFY's shaped loss on the off-policy rows -> Clip-Cov detach -> M2PO and
+        forking masks (loss weights)."""
         c = self.cfg
         stats: dict[str, float] = {}
         if c.entropy_adv.enabled:
@@ -169,6 +198,9 @@ class TrainPlugins:
                 s.update({"klcov/frac_tokens": float(chosen.sum()) / n,
                           "klcov/penalty": float((penalty.detach() * mask).sum()) / n})
         stats.update(s)
+        if c.luffy.enabled:
+            pg_mat, s = self._luffy(idx, logp, adv, mask, pg_mat)
+            stats.update(s)
         if c.clip_cov.enabled:
             pg_mat, s = self._clip_cov(step, logp, old, adv, mask, pg_mat, loss_cfg)
             stats.update(s)
@@ -194,3 +226,83 @@ class TrainPlugins:
         n = float(mask.sum().clamp(min=1))
         stats = {"clipcov/frac_tokens": float(chosen.sum()) / n, "clipcov/n_tokens": float(chosen.sum())}
         return pg_mat * (~chosen).to(pg_mat.dtype), stats
+
+    def _luffy(self, idx, logp, adv, mask, pg_mat) -> tuple[torch.Tensor, dict[str, float]]:
+        """The off-policy rows take LUFFY's shaped, unclipped loss; the others keep the recipe's."""
+        off = torch.tensor([j in self.off_rows for j in idx], dtype=torch.bool, device=logp.device)
+        off_mask = mask * off[:, None].to(mask.dtype)
+        shaped, s = luffy_off_policy_loss(logp, adv, off_mask, gamma=self.cfg.luffy.gamma,
+                                          shape=self.cfg.luffy.shape)
+        n = float(mask.sum().clamp(min=1))
+        stats = {"offpolicy/frac_tokens": float(off_mask.sum()) / n, **s}
+        return torch.where(off[:, None], shaped, pg_mat), stats
+
+    def mix(self, trainer: Any, data: Any) -> Any:
+        """LUFFY's mixed groups: in each advantage group, the last ``plugins.luffy.per_group`` rollouts are
+        replaced by off-policy traces of the problem (scored by the task like any rollout), and rewards and
+        advantages are recomputed over the mixed group. Groups without a trace for their problem, or with no
+        on-policy row left, stay on-policy; traces longer than ``rollout.max_new_tokens`` are skipped; both
+        are counted (``offpolicy/groups_without_trace``, ``offpolicy/skipped_long``)."""
+        self.off_rows = set()
+        if not self.cfg.luffy.enabled or not len(data):
+            return data
+        groups: dict[Any, list[int]] = {}
+        for i, g in enumerate(data.group_ids):
+            groups.setdefault(g, []).append(i)
+        k, missing, too_long = self.cfg.luffy.per_group, 0, 0
+        max_len = trainer.cfg.rollout.max_new_tokens
+        for rows in groups.values():
+            problem = data.problems[rows[0]]
+            texts = self.traces.get(str(problem.id))
+            if not texts or len(rows) <= k:
+                missing += 1
+                continue
+            for n, i in enumerate(rows[-k:]):
+                text = texts[(data.query_ids[i] + n) % len(texts)]
+                ids = trace_ids(trainer.tokenizer, text)
+                if len(ids) > max_len:
+                    too_long += 1
+                    continue
+                data.response_ids[i], data.texts[i], data.truncated[i] = ids, text, False
+                data.scores[i] = trainer.sampler.rewards([text], [problem])[0]
+                self.off_rows.add(i)
+        # The same shaping and advantages as RolloutStep.run, now over the mixed groups.
+        data.rewards = trainer.sampler._shape(data)
+        scale = "none" if trainer.recipe.adv_scale == "none" else "std"
+        data.advantages = group_advantages(data.rewards, data.group_ids, scale=scale)
+        off_scores = [data.scores[i] for i in self.off_rows]
+        data.stats.update({"offpolicy/rows": float(len(self.off_rows)),
+                           "offpolicy/score_mean": sum(off_scores) / len(off_scores) if off_scores else 0.0,
+                           "offpolicy/groups_without_trace": float(missing),
+                           "offpolicy/skipped_long": float(too_long)})
+        return data
+
+
+def trace_ids(tokenizer: Any, text: str) -> list[int]:
+    """Response token ids of an off-policy trace: its tokens and the eos that ends a finished rollout."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids + [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else ids
+
+
+def load_traces(path: Path) -> dict[str, list[str]]:
+    """``problem id -> [completion, ...]`` from a JSONL of ``{"id": ..., "completion": ...}`` rows; a bad row
+    raises ``ValueError`` naming the file, the line and the field."""
+    out: dict[str, list[str]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: a row must be a JSON object")
+        for key in ("id", "completion"):
+            if key not in row:
+                raise ValueError(f"{path}:{n}: missing field {key!r}")
+        if not isinstance(row["completion"], str) or not row["completion"]:
+            raise ValueError(f"{path}:{n}: field 'completion' must be a non-empty string")
+        out.setdefault(str(row["id"]), []).append(row["completion"])
+    if not out:
+        raise ValueError(f"{path}: no traces")
+    return out
