@@ -10,7 +10,14 @@ import math
 import pytest
 import torch
 
-from meshrl.algos import aggregate, group_advantages, high_entropy_mask, luffy_off_policy_loss, ppo_clip_loss
+from meshrl.algos import (
+    aggregate,
+    group_advantages,
+    high_entropy_mask,
+    luffy_off_policy_loss,
+    ppo_clip_loss,
+    topk_forward_kl,
+)
 from meshrl.forkpool import fork_available
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_entropy, token_logprobs
@@ -82,13 +89,15 @@ def _some_zero_advantages(data, seed: int) -> None:
     data.advantages[:4] = 0.0  # one whole group
 
 
-@pytest.mark.parametrize("plugin", [*sorted(PLUGIN_METRIC), "luffy"])
+@pytest.mark.parametrize("plugin", [*sorted(PLUGIN_METRIC), "luffy", "distill"])
 def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_path, plugin):
     on = [f"plugins.{plugin}.enabled=true"]
     if plugin == "luffy":
         from meshrl.tasks import load_task
 
         on.append(f"plugins.luffy.traces={_traces(tmp_path, load_task('tiny:repeat', seed=0).problems('train'))}")
+    if plugin == "distill":
+        on += ["plugins.distill.teacher=tiny", "plugins.distill.teacher_seed=1"]
     workers = 2 if fork_available() else 1
     plain = _trainer(tmp_path, "plain", *on, "train.update_workers=1", "train.skip_zero_advantage=false")
     fast = _trainer(tmp_path, "fast", *on, f"train.update_workers={workers}")
@@ -101,7 +110,7 @@ def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_p
         fast.plugins.off_rows = set(plain.plugins.off_rows)
         _some_zero_advantages(data, 0)
         m_plain, m_fast = plain.update(data), fast.update(data)
-        metric = PLUGIN_METRIC.get(plugin, "offpolicy/frac_tokens")
+        metric = PLUGIN_METRIC.get(plugin, {"luffy": "offpolicy/frac_tokens", "distill": "distill/loss"}.get(plugin))
         assert set(m_plain) == set(m_fast) and metric in m_fast
         for k, v in m_plain.items():
             assert m_fast[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
@@ -238,3 +247,41 @@ def test_luffy_trains_and_refuses_bad_trace_files(tmp_path):
     bad.write_text("not json\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: not JSON"):
         load_traces(bad)
+
+
+def test_distill_term_equals_the_formula_and_vanishes_for_the_policy_itself(tmp_path):
+    t = _trainer(tmp_path, "d", "plugins.distill.enabled=true", "plugins.distill.teacher=tiny",
+                 "plugins.distill.teacher_seed=1", "plugins.distill.topk=5", "plugins.distill.coef=0.5",
+                 "train.update_workers=1")
+    data, _ = t.sampler.run(0, 0)
+    _some_zero_advantages(data, 5)
+    idx, mb = next(iter(t._micro_batches(list(range(len(data))), data)))
+    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    with torch.no_grad():
+        logits = t.logits_of(t.model, mb)
+        t_logps = torch.log_softmax(t.logits_of(t.plugins.teacher(t, logits.shape[-1]), mb), -1)
+        top, ids = torch.topk(t_logps, 5, dim=-1)
+        mask = mb.response_mask
+        pg, _ = ppo_clip_loss(token_logprobs(logits, mb.response_ids, 1.0),
+                              token_logprobs(logits, mb.response_ids, 1.0), data.advantages[idx], mask)
+        kl, _ = topk_forward_kl(logits, top, ids, mask)
+        want = aggregate(pg, mask, "seq-mean-token-mean") + 0.5 * aggregate(kl, mask, "seq-mean-token-mean")
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    assert stats["distill/loss"] > 0 and stats["loss/total"] == pytest.approx(float(want), rel=1e-5)
+    # the policy as its own teacher over the whole vocabulary: KL(p || p) = 0
+    same = _trainer(tmp_path, "s", "plugins.distill.enabled=true", "plugins.distill.teacher=tiny",
+                    "plugins.distill.topk=100000", "train.update_workers=1")
+    _, s2, _, _ = same._micro_loss(idx, mb, data, None, None)
+    assert s2["distill/loss"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_distill_trains_and_names_its_keys(tmp_path):
+    hist = train(_cfg("plugins.distill.enabled=true", "plugins.distill.teacher=tiny",
+                      "plugins.distill.teacher_seed=3", "plugins.distill.topk=8"), tmp_path / "run")
+    assert all(m["distill/loss"] > 0 and math.isfinite(m["loss/total"]) for m in hist)
+    with pytest.raises(ValueError, match=r"plugins\.distill\.teacher="):
+        load_config(overrides=["plugins.distill.enabled=true"])
+    t = _trainer(tmp_path, "bad", "plugins.distill.enabled=true", "plugins.distill.teacher=/no/such/model")
+    data, _ = t.sampler.run(0, 0)
+    with pytest.raises(ValueError, match=r"plugins\.distill\.teacher: unknown model"):
+        t.update(data)

@@ -435,6 +435,7 @@ class Trainer:
             t = temp if temp > 0 else 1.0
             js_mat = js_divergence(logits / t, ref_logits / t)
         total, stats = self._loss_and_stats(idx, mask, data, logp, entropy, js_mat, old_logps, ref_logps)
+        total = self.plugins.extra_loss(self, mb, logits, total, stats)  # plugins.distill
         terms = (logp.detach(), entropy, None if js_mat is None else js_mat.detach())
         return total, stats, (logp * mask).sum(-1), terms
 

@@ -8,7 +8,8 @@ recipes included, whose balancing term is separate):
 - ``plugins.fork``: policy gradient on the high-entropy "forking" tokens only (Wang et al. 2025);
 - ``plugins.m2po``: second-moment mask against the behaviour policy (Zheng et al. 2025);
 - ``plugins.luffy``: off-policy traces from a JSONL mixed into each group, shaped loss on them (Yan et al.
-  2025).
+  2025);
+- ``plugins.distill``: a top-K forward-KL term to a teacher model on the rollouts (on-policy distillation).
 
 The selections use statistics of the whole micro-batch (covariance means, an entropy quantile, a moment
 over tokens), so a micro-batch must not be split into parts: with any plug-in on, the trainer runs the
@@ -27,6 +28,7 @@ import torch
 
 from meshrl.algos import (
     OFF_POLICY_SHAPES,
+    aggregate,
     clip_cov_selection,
     entropy_advantage,
     group_advantages,
@@ -37,6 +39,7 @@ from meshrl.algos import (
     m2po_mask,
     policy_loss,
     token_mask,
+    topk_forward_kl,
 )
 from meshrl.algos.entropy_control import _clipped_tokens
 
@@ -88,7 +91,18 @@ class LuffyConfig:
     shape: str = "p_div_p"  # or "none": -A p
 
 
-PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy")
+@dataclass
+class DistillConfig:
+    enabled: bool = False
+    teacher: str = ""  # model spec: a local Hugging Face directory or a built-in name (same vocabulary)
+    teacher_seed: int = 0  # weights of a built-in tiny teacher
+    topk: int = 128  # the teacher's top-K tokens per position (verl's default)
+    coef: float = 1.0  # weight of the distillation term in the loss
+    log_prob_min: float = -10.0  # both log-probs clamped from below (verl's log_prob_min_clamp)
+    loss_max: float = 10.0  # per-token loss clamped from above
+
+
+PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy", "distill")
 
 
 @dataclass
@@ -99,6 +113,7 @@ class PluginsConfig:
     fork: ForkConfig = field(default_factory=ForkConfig)
     m2po: M2poConfig = field(default_factory=M2poConfig)
     luffy: LuffyConfig = field(default_factory=LuffyConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def enabled(self) -> list[str]:
         return [name for name in PLUGINS if getattr(self, name).enabled]
@@ -120,6 +135,10 @@ def validate_plugins(plugins: PluginsConfig, policy_loss_name: str) -> None:
         "plugins.luffy.per_group": p.luffy.per_group >= 1,
         "plugins.luffy.gamma": p.luffy.gamma > 0,
         "plugins.luffy.shape": p.luffy.shape in OFF_POLICY_SHAPES,
+        "plugins.distill.teacher": bool(p.distill.teacher) or not p.distill.enabled,
+        "plugins.distill.topk": p.distill.topk >= 1,
+        "plugins.distill.coef": p.distill.coef > 0,
+        "plugins.distill.loss_max": p.distill.loss_max > 0,
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -151,6 +170,7 @@ class TrainPlugins:
         self._step, self._calls = -1, 0
         self.traces = load_traces(Path(plugins.luffy.traces)) if plugins.luffy.enabled else {}
         self.off_rows: set[int] = set()  # rows of the current step that are off-policy traces
+        self._teacher: torch.nn.Module | None = None
 
     @property
     def changes_loss(self) -> bool:
@@ -226,6 +246,46 @@ class TrainPlugins:
         n = float(mask.sum().clamp(min=1))
         stats = {"clipcov/frac_tokens": float(chosen.sum()) / n, "clipcov/n_tokens": float(chosen.sum())}
         return pg_mat * (~chosen).to(pg_mat.dtype), stats
+
+    def extra_loss(self, trainer: Any, mb: Any, logits: torch.Tensor, total: torch.Tensor,
+                   stats: dict[str, float]) -> torch.Tensor:
+        """``total`` plus the terms a plug-in adds beyond the policy loss (``plugins.distill``: ``coef`` times
+        the recipe's aggregation of the top-K forward KL to the teacher); updates ``loss/total``."""
+        d = self.cfg.distill
+        if not d.enabled:
+            return total
+        teacher = self.teacher(trainer, logits.shape[-1])
+        temp = trainer.cfg.rollout.temperature if trainer.cfg.rollout.temperature > 0 else 1.0
+        with torch.no_grad():
+            t_logps = torch.log_softmax(trainer.logits_of(teacher, mb).float() / temp, dim=-1)
+            t_top, t_ids = torch.topk(t_logps, min(d.topk, t_logps.shape[-1]), dim=-1)
+        mask = mb.response_mask
+        kl_mat, s = topk_forward_kl(logits / temp, t_top, t_ids, mask, log_prob_min=d.log_prob_min,
+                                    loss_max=d.loss_max)
+        kl = aggregate(kl_mat, mask, trainer.recipe.loss_agg, norm_len=trainer.cfg.rollout.max_new_tokens)
+        total = total + d.coef * kl
+        stats.update(s)
+        stats["distill/loss"] = float(kl.detach())
+        stats["loss/total"] = float(total.detach())
+        return total
+
+    def teacher(self, trainer: Any, vocab: int) -> torch.nn.Module:
+        """The frozen teacher of ``plugins.distill``, loaded on first use; its vocabulary must be the policy's."""
+        if self._teacher is None:
+            from meshrl.models import load_model
+
+            d = self.cfg.distill
+            try:
+                model, _ = load_model(d.teacher, dtype=trainer.cfg.train.dtype, seed=d.teacher_seed)
+            except ValueError as e:
+                raise ValueError(f"plugins.distill.teacher: {e}") from e
+            size = model.get_output_embeddings().weight.shape[0]
+            if size != vocab:
+                raise ValueError(f"plugins.distill.teacher {d.teacher!r} has a vocabulary of {size} tokens, the "
+                                 f"policy {vocab}: top-K distillation needs the same tokenizer")
+            device = next(trainer.model.parameters()).device
+            self._teacher = model.to(device).eval().requires_grad_(False)
+        return self._teacher
 
     def _luffy(self, idx, logp, adv, mask, pg_mat) -> tuple[torch.Tensor, dict[str, float]]:
         """The off-policy rows take LUFFY's shaped, unclipped loss; the others keep the recipe's."""
