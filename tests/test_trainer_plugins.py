@@ -285,3 +285,37 @@ def test_distill_trains_and_names_its_keys(tmp_path):
     data, _ = t.sampler.run(0, 0)
     with pytest.raises(ValueError, match=r"plugins\.distill\.teacher: unknown model"):
         t.update(data)
+
+
+def _random_terms(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(6, 9, generator=g, dtype=torch.float64) * 3
+    logp = (old + torch.randn(6, 9, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
+    adv = torch.randn(6, generator=g, dtype=torch.float64) * 3
+    mask = (torch.rand(6, 9, generator=g) > 0.2).to(torch.float64)
+    mask[2] = 0
+    entropy = torch.rand(6, 9, generator=g, dtype=torch.float64) * 2
+    return logp, old, adv, mask, entropy
+
+
+def test_policy_term_equals_the_algos_losses():
+    from meshrl.algos import clip_cov_loss, kl_cov_loss
+    from meshrl.trainer.plugins import PluginsConfig, TrainPlugins
+
+    logp, old, adv, mask, entropy = _random_terms(0)
+    cfg = {"clip_low": 0.2, "clip_high": 0.28, "clip_dual": None}
+    pc = PluginsConfig()
+    pc.clip_cov.enabled, pc.clip_cov.ratio = True, 0.2
+    plugins = TrainPlugins(pc, seed=5)
+    ours, stats, agg = plugins.policy_term(3, list(range(6)), "ppo_clip", logp, old, adv, mask, entropy, cfg)
+    same_draw = TrainPlugins(pc, seed=5)._generator(3)
+    want, wstats = clip_cov_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, ratio=0.2, generator=same_draw)
+    torch.testing.assert_close(ours, want)
+    assert stats["clipcov/n_tokens"] == wstats["clipcov/n_tokens"] >= 1 and torch.equal(agg, mask)
+    pk = PluginsConfig()
+    pk.kl_cov.enabled, pk.kl_cov.ratio, pk.kl_cov.coef = True, 0.1, 0.5
+    ours, stats, _ = TrainPlugins(pk, 0).policy_term(0, list(range(6)), "ppo_clip", logp, old, adv, mask, entropy,
+                                                     cfg)
+    want, wstats = kl_cov_loss(logp, old, adv, mask, ratio=0.1, coef=0.5)
+    torch.testing.assert_close(ours, want)
+    assert stats["klcov/penalty"] == pytest.approx(wstats["klcov/penalty"]) and stats["klcov/penalty"] > 0
