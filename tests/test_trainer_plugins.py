@@ -22,6 +22,7 @@ from meshrl.forkpool import fork_available
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_entropy, token_logprobs
 from meshrl.trainer.plugins import load_traces
+from meshrl.trainer.runlog import read_jsonl
 
 TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=6", "train.micro_batch_size=16", "log.progress=false", "checkpoint.every=100",
@@ -319,3 +320,31 @@ def test_policy_term_equals_the_algos_losses():
     want, wstats = kl_cov_loss(logp, old, adv, mask, ratio=0.1, coef=0.5)
     torch.testing.assert_close(ours, want)
     assert stats["klcov/penalty"] == pytest.approx(wstats["klcov/penalty"]) and stats["klcov/penalty"] > 0
+
+
+def test_replay_reuses_each_batch_against_its_sampling_policy(tmp_path):
+    hist = train(_cfg("plugins.replay.reuse_steps=2", "plugins.m2po.enabled=true", "optim.lr=1e-2", steps=4),
+                 tmp_path / "r")
+    assert [m["replay/age"] for m in hist] == [0.0, 1.0, 2.0, 0.0]
+    assert [m["rollouts/count"] > 0 for m in hist] == [True, False, False, True]
+    # single pass: at age 0 the ratio is exactly 1; a reused batch's ratio is against the policy that sampled it
+    assert hist[0]["m2po/m2"] == 0.0 and hist[3]["m2po/m2"] == 0.0
+    assert hist[1]["m2po/m2"] > 0 and hist[2]["m2po/m2"] > hist[1]["m2po/m2"]
+    assert {row["step"] for row in read_jsonl(tmp_path / "r" / "samples.jsonl")} == {1, 2, 3, 4}
+    with pytest.raises(ValueError, match=r"plugins\.replay\.reuse_steps"):
+        load_config(overrides=["plugins.replay.reuse_steps=-1"])
+
+
+def test_replay_batches_are_the_sampled_ones(tmp_path):
+    t = _trainer(tmp_path, "t", "plugins.replay.reuse_steps=1", "train.update_workers=1")
+    first, cursor = t.plugins.sample(t)
+    t.cursor = cursor
+    t.step_idx = 1
+    again, cursor2 = t.plugins.sample(t)
+    assert again.texts is first.texts and cursor2 == cursor and again.stats["rollouts/count"] == 0.0
+    stored = t.plugins.behaviour_logps(again, None)
+    assert stored is not None and len(stored) == len(first)
+    assert t.plugins.behaviour_logps(first, None) is None  # the fresh batch: the trainer's own (current policy)
+    t.step_idx = 2
+    fresh, _ = t.plugins.sample(t)
+    assert fresh.texts is not first.texts and fresh.stats["replay/age"] == 0.0

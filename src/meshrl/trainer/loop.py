@@ -135,8 +135,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        data, self.cursor = self.sampler.run(self.step_idx, self.cursor)
-        data = self.plugins.mix(self, data)  # plugins.luffy: off-policy traces in each group
+        data, self.cursor = self.plugins.sample(self)  # the sampler's, with plugins.luffy / plugins.replay
         self.last_data = data
         t1 = time.perf_counter()
         self._set_lr()
@@ -240,6 +239,7 @@ class Trainer:
         single_pass = tc.ppo_epochs == 1 and tc.mini_batches == 1
         # With one optimiser step per batch the old policy IS the current one: reuse logp.detach().
         old_logps = None if single_pass and not self.paper_balance else self._logps(self.model, data)
+        old_logps = self.plugins.behaviour_logps(data, old_logps)  # plugins.replay: a reused batch's sampler
         need_ref_logp = (rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled")
                          or (self.paper_balance and self.cfg.mesh.subtract_ref))
         ref_logps = self._ref_logps(data) if need_ref_logp else None

@@ -9,7 +9,9 @@ recipes included, whose balancing term is separate):
 - ``plugins.m2po``: second-moment mask against the behaviour policy (Zheng et al. 2025);
 - ``plugins.luffy``: off-policy traces from a JSONL mixed into each group, shaped loss on them (Yan et al.
   2025);
-- ``plugins.distill``: a top-K forward-KL term to a teacher model on the rollouts (on-policy distillation).
+- ``plugins.distill``: a top-K forward-KL term to a teacher model on the rollouts (on-policy distillation);
+- ``plugins.replay``: each batch of rollouts trained on at ``1 + reuse_steps`` consecutive steps, against the
+  log-probs of the policy that sampled it (the stale-rollout setting M2PO is made for).
 
 The selections use statistics of the whole micro-batch (covariance means, an entropy quantile, a moment
 over tokens), so a micro-batch must not be split into parts: with any plug-in on, the trainer runs the
@@ -19,6 +21,7 @@ formulas live in :mod:`meshrl.algos.entropy_control` and :mod:`meshrl.algos.offp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +105,11 @@ class DistillConfig:
     loss_max: float = 10.0  # per-token loss clamped from above
 
 
+@dataclass
+class ReplayConfig:
+    reuse_steps: int = 0  # S: new rollouts every S + 1 steps, each batch reused S times (0 = off)
+
+
 PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy", "distill")
 
 
@@ -114,6 +122,7 @@ class PluginsConfig:
     m2po: M2poConfig = field(default_factory=M2poConfig)
     luffy: LuffyConfig = field(default_factory=LuffyConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)  # not a loss term: not in enabled()
 
     def enabled(self) -> list[str]:
         return [name for name in PLUGINS if getattr(self, name).enabled]
@@ -139,6 +148,7 @@ def validate_plugins(plugins: PluginsConfig, policy_loss_name: str) -> None:
         "plugins.distill.topk": p.distill.topk >= 1,
         "plugins.distill.coef": p.distill.coef > 0,
         "plugins.distill.loss_max": p.distill.loss_max > 0,
+        "plugins.replay.reuse_steps": p.replay.reuse_steps >= 0,
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -171,6 +181,8 @@ class TrainPlugins:
         self.traces = load_traces(Path(plugins.luffy.traces)) if plugins.luffy.enabled else {}
         self.off_rows: set[int] = set()  # rows of the current step that are off-policy traces
         self._teacher: torch.nn.Module | None = None
+        # plugins.replay: (the batch, its behaviour log-probs, its LUFFY rows, the step it was sampled at)
+        self._replay: tuple[Any, list[torch.Tensor], set[int], int] | None = None
 
     @property
     def changes_loss(self) -> bool:
@@ -296,6 +308,30 @@ class TrainPlugins:
         n = float(mask.sum().clamp(min=1))
         stats = {"offpolicy/frac_tokens": float(off_mask.sum()) / n, **s}
         return torch.where(off[:, None], shaped, pg_mat), stats
+
+    def sample(self, trainer: Any) -> tuple[Any, int]:
+        """The step's rollouts and the new problem cursor: fresh from the sampler, or (``plugins.replay``) the
+        stored batch while it is younger than ``reuse_steps + 1`` steps. A fresh batch's behaviour log-probs
+        are scored here, before any update moves the policy; a reused one logs ``rollouts/count`` 0 and its
+        age (``replay/age``). The buffer is not checkpointed: a resumed run starts a new cycle."""
+        s = self.cfg.replay.reuse_steps
+        step = trainer.step_idx
+        if s > 0 and self._replay is not None and step - self._replay[3] <= s:
+            data, _, self.off_rows, born = self._replay
+            stats = {**data.stats, "rollouts/count": 0.0, "time/rollout_s": 0.0, "replay/age": float(step - born)}
+            return dataclasses.replace(data, stats=stats), trainer.cursor
+        data, cursor = trainer.sampler.run(step, trainer.cursor)
+        data = self.mix(trainer, data)
+        if s > 0:
+            data.stats["replay/age"] = 0.0
+            self._replay = (data, trainer._logps(trainer.model, data), set(self.off_rows), step)
+        return data, cursor
+
+    def behaviour_logps(self, data: Any, old_logps: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """``plugins.replay``: a reused batch's ratio is against the policy that sampled it, not the current one."""
+        if self._replay is not None and data.texts is self._replay[0].texts and data.stats.get("replay/age", 0) > 0:
+            return self._replay[1]
+        return old_logps
 
     def mix(self, trainer: Any, data: Any) -> Any:
         """LUFFY's mixed groups: in each advantage group, the last ``plugins.luffy.per_group`` rollouts are
