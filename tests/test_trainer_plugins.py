@@ -348,3 +348,36 @@ def test_replay_batches_are_the_sampled_ones(tmp_path):
     t.step_idx = 2
     fresh, _ = t.plugins.sample(t)
     assert fresh.texts is not first.texts and fresh.stats["replay/age"] == 0.0
+
+
+def test_prompt_filter_skips_uniform_problems_and_readmits_them():
+    from types import SimpleNamespace
+
+    from meshrl.trainer.plugins import FilteredProblems, PromptFilterConfig
+
+    problems = [SimpleNamespace(id=f"p{i}") for i in range(4)]
+    inner = SimpleNamespace(index=lambda c: c % 4)
+    f = FilteredProblems(inner, problems, PromptFilterConfig(enabled=True, window=1, readmit_after=2))
+    assert [f.index(c) for c in range(4)] == [0, 1, 2, 3]
+    # step 0: p0 all wrong, p1 all right, p2 mixed, p3 not sampled
+    seen = [("", 0.0, problems[0]), ("", 0.0, problems[0]), ("", 1.0, problems[1]), ("", 1.0, problems[1]),
+            ("", 1.0, problems[2]), ("", 0.0, problems[2])]
+    assert f.record(0, seen) == {"filter/skipped": 0.0, "filter/skipped_frac": 0.0}
+    assert [f.index(c) for c in range(4, 6)] == [2, 3]  # the next epoch: p0 and p1 skipped
+    stats = f.record(1, [("", 1.0, problems[2]), ("", 0.0, problems[2])])
+    assert stats["filter/skipped"] == 2 and stats["filter/skipped_frac"] == pytest.approx(2 / 3)
+    assert f.index(5) == 3 and f.index(2) == 2  # a mapped position keeps its problem
+    # step 2: two steps after their last group, p0 and p1 are readmitted
+    assert [f.index(c) for c in range(6, 8)] == [0, 1]
+
+
+def test_prompt_filter_in_training_logs_its_share(tmp_path, monkeypatch):
+    from meshrl.tasks.tiny import RepeatTask
+
+    monkeypatch.setattr(RepeatTask, "score", lambda self, completion, problem: 0.0)  # every group all wrong
+    hist = train(_cfg("plugins.prompt_filter.enabled=true", "plugins.prompt_filter.readmit_after=100",
+                      "task_options.size=8", steps=3), tmp_path / "f")
+    assert [m["filter/skipped"] for m in hist[:2]] == [0.0, 0.0]  # the first epoch: no history yet
+    assert hist[2]["filter/skipped"] > 0 and 0 < hist[2]["filter/skipped_frac"] <= 1
+    with pytest.raises(ValueError, match=r"plugins\.prompt_filter\.window"):
+        load_config(overrides=["plugins.prompt_filter.window=0"])

@@ -11,7 +11,9 @@ recipes included, whose balancing term is separate):
   2025);
 - ``plugins.distill``: a top-K forward-KL term to a teacher model on the rollouts (on-policy distillation);
 - ``plugins.replay``: each batch of rollouts trained on at ``1 + reuse_steps`` consecutive steps, against the
-  log-probs of the policy that sampled it (the stale-rollout setting M2PO is made for).
+  log-probs of the policy that sampled it (the stale-rollout setting M2PO is made for);
+- ``plugins.prompt_filter``: problems whose recent groups were all correct or all wrong are skipped before
+  sampling, and readmitted later (rollout-based prompt filtering, RIF-RFT).
 
 The selections use statistics of the whole micro-batch (covariance means, an entropy quantile, a moment
 over tokens), so a micro-batch must not be split into parts: with any plug-in on, the trainer runs the
@@ -110,6 +112,13 @@ class ReplayConfig:
     reuse_steps: int = 0  # S: new rollouts every S + 1 steps, each batch reused S times (0 = off)
 
 
+@dataclass
+class PromptFilterConfig:
+    enabled: bool = False
+    window: int = 1  # skip a problem when its last `window` groups were all correct or all wrong
+    readmit_after: int = 5  # ... for this many steps; then it is sampled again (its history cleared)
+
+
 PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy", "distill")
 
 
@@ -122,7 +131,8 @@ class PluginsConfig:
     m2po: M2poConfig = field(default_factory=M2poConfig)
     luffy: LuffyConfig = field(default_factory=LuffyConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
-    replay: ReplayConfig = field(default_factory=ReplayConfig)  # not a loss term: not in enabled()
+    replay: ReplayConfig = field(default_factory=ReplayConfig)  # not loss terms: not in enabled()
+    prompt_filter: PromptFilterConfig = field(default_factory=PromptFilterConfig)
 
     def enabled(self) -> list[str]:
         return [name for name in PLUGINS if getattr(self, name).enabled]
@@ -149,6 +159,8 @@ def validate_plugins(plugins: PluginsConfig, policy_loss_name: str) -> None:
         "plugins.distill.coef": p.distill.coef > 0,
         "plugins.distill.loss_max": p.distill.loss_max > 0,
         "plugins.replay.reuse_steps": p.replay.reuse_steps >= 0,
+        "plugins.prompt_filter.window": p.prompt_filter.window >= 1,
+        "plugins.prompt_filter.readmit_after": p.prompt_filter.readmit_after >= 1,
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -320,7 +332,12 @@ class TrainPlugins:
             data, _, self.off_rows, born = self._replay
             stats = {**data.stats, "rollouts/count": 0.0, "time/rollout_s": 0.0, "replay/age": float(step - born)}
             return dataclasses.replace(data, stats=stats), trainer.cursor
+        if self.cfg.prompt_filter.enabled and not isinstance(trainer.sampler.sampler, FilteredProblems):
+            trainer.sampler.sampler = FilteredProblems(trainer.sampler.sampler, trainer.problems,
+                                                       self.cfg.prompt_filter)
         data, cursor = trainer.sampler.run(step, trainer.cursor)
+        if isinstance(trainer.sampler.sampler, FilteredProblems):
+            data.stats.update(trainer.sampler.sampler.record(step, data.seen))
         data = self.mix(trainer, data)
         if s > 0:
             data.stats["replay/age"] = 0.0
@@ -402,3 +419,62 @@ def load_traces(path: Path) -> dict[str, list[str]]:
     if not out:
         raise ValueError(f"{path}: no traces")
     return out
+
+
+class FilteredProblems:
+    """The sampler's problem stream with RIF-RFT's filter: cursor position ``p`` maps to the ``p``-th problem
+    of the underlying stream that is not skipped when it comes up. A problem is skipped while its last
+    ``window`` groups were all correct or all wrong (it teaches nothing: its advantages are 0), until
+    ``readmit_after`` steps have passed since its last group; then its history is cleared and it is sampled
+    again. A position, once mapped, keeps its problem. The filter's state is not checkpointed."""
+
+    CORRECT_AT = 1.0 - 1e-6  # as meshrl.trainer.rollout_step: a rollout is correct when its score reaches 1
+
+    def __init__(self, inner: Any, problems: list[Any], cfg: PromptFilterConfig) -> None:
+        self.inner, self.problems, self.cfg = inner, problems, cfg
+        self.n = len(problems)
+        self._mapped: dict[int, int] = {}  # cursor position -> problem index, filled in order
+        self._next = 0  # next position of the underlying stream
+        self._history: dict[str, list[bool]] = {}  # problem id -> uniform (all right / all wrong) per group
+        self._last_seen: dict[str, int] = {}
+        self._step = 0
+        self._skipped_now = 0
+
+    def index(self, cursor: int) -> int:
+        while cursor not in self._mapped:
+            self._mapped[len(self._mapped)] = self._admit()
+        return self._mapped[cursor]
+
+    def _admit(self) -> int:
+        for _ in range(self.n):  # at most one pass over the problems, then admit anyway
+            i = self.inner.index(self._next)
+            self._next += 1
+            if not self._skip(str(self.problems[i].id)):
+                return i
+            self._skipped_now += 1
+        i = self.inner.index(self._next)
+        self._next += 1
+        return i
+
+    def _skip(self, pid: str) -> bool:
+        h = self._history.get(pid, [])
+        if len(h) < self.cfg.window or not all(h[-self.cfg.window:]):
+            return False
+        if self._step - self._last_seen[pid] >= self.cfg.readmit_after:
+            self._history.pop(pid)  # readmitted: judged again on its next groups
+            return False
+        return True
+
+    def record(self, step: int, seen: list[tuple[str, float, Any]]) -> dict[str, float]:
+        """Log the step's groups (every sampled rollout, before any dynamic-sampling drop); return
+        ``filter/skipped`` (problems skipped while this step was sampled) and ``filter/skipped_frac``."""
+        groups: dict[str, list[bool]] = {}
+        for _, score, problem in seen:
+            groups.setdefault(str(problem.id), []).append(score >= self.CORRECT_AT)
+        for pid, correct in groups.items():
+            self._history.setdefault(pid, []).append(all(correct) or not any(correct))
+            self._last_seen[pid] = step
+        skipped, self._skipped_now = self._skipped_now, 0
+        self._step = step + 1
+        admitted = len(groups)
+        return {"filter/skipped": float(skipped), "filter/skipped_frac": skipped / max(skipped + admitted, 1)}
