@@ -1,4 +1,5 @@
-"""Pure tensor functions of RLVR: advantages, policy losses, divergences, aggregation, recipes.
+"""Pure tensor functions of RLVR: advantages, policy losses, divergences, aggregation, recipes, and the
+plug-ins around them (entropy control, off-policy terms, preference and distillation losses).
 
 No trainer state; every function documents its formula, its source and its tensor shapes.
 """
@@ -15,6 +16,29 @@ from meshrl.algos.advantages import (
 )
 from meshrl.algos.aggregation import AGG_MODES, aggregate, masked_mean
 from meshrl.algos.divergences import KL_ESTIMATORS, js_divergence, js_sampled, kl_penalty
+from meshrl.algos.entropy_control import (
+    ADVANTAGE_SHAPERS,
+    COVARIANCE_LOSSES,
+    TOKEN_MASKS,
+    clip_cov_loss,
+    clip_cov_selection,
+    entropy_advantage,
+    high_entropy_mask,
+    kl_cov_loss,
+    kl_cov_penalty,
+    kl_cov_selection,
+    shape_advantages,
+    token_covariance,
+    token_mask,
+)
+from meshrl.algos.offpolicy import (
+    OFF_POLICY_SHAPES,
+    logprob_mismatch_stats,
+    luffy_off_policy_loss,
+    m2po_mask,
+    rollout_is_weights,
+    rollout_rejection_mask,
+)
 from meshrl.algos.policy_losses import (
     POLICY_LOSSES,
     cispo_loss,
@@ -24,10 +48,33 @@ from meshrl.algos.policy_losses import (
     ppo_clip_loss,
     register_policy_loss,
 )
+from meshrl.algos.preference import DPO_LOSSES, dpo_loss, topk_forward_kl
 from meshrl.algos.recipes import RECIPES, Recipe, recipe
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_SHAPERS",
+    "COVARIANCE_LOSSES",
+    "DPO_LOSSES",
+    "OFF_POLICY_SHAPES",
+    "TOKEN_MASKS",
+    "clip_cov_loss",
+    "clip_cov_selection",
+    "dpo_loss",
+    "entropy_advantage",
+    "high_entropy_mask",
+    "kl_cov_loss",
+    "kl_cov_penalty",
+    "kl_cov_selection",
+    "logprob_mismatch_stats",
+    "luffy_off_policy_loss",
+    "m2po_mask",
+    "rollout_is_weights",
+    "rollout_rejection_mask",
+    "shape_advantages",
+    "token_covariance",
+    "token_mask",
+    "topk_forward_kl",
     "AGG_MODES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",

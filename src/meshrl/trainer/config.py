@@ -15,6 +15,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from meshrl.algos import RECIPES, Recipe, recipe
+from meshrl.trainer.plugins import PluginsConfig, validate_plugins
 from meshrl.trainer.schedule import SCHEDULES
 
 
@@ -173,6 +174,7 @@ class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     eval: EvalDuringTrainConfig = field(default_factory=EvalDuringTrainConfig)
     diag: DiagConfig = field(default_factory=DiagConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)  # docs/plugins.md
 
     @property
     def mesh_enabled(self) -> bool:
@@ -208,6 +210,7 @@ class RunConfig:
         self.resolved_recipe()  # unknown algo fields and bases raise here
         self._validate_mesh()
         self._validate_choices()
+        validate_plugins(self.plugins, self.resolved_recipe().policy_loss)
         bad = [k for k, ok in self._range_checks().items() if not ok]
         if bad:
             raise ValueError(f"invalid config value(s): {', '.join(f'{k}={get_key(self, k)!r}' for k in bad)}"

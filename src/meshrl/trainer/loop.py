@@ -41,6 +41,7 @@ from meshrl.trainer.parallel_update import (
     update_worker_count,
 )
 from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
+from meshrl.trainer.plugins import TrainPlugins
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData, strategy_figures
 from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
 from meshrl.trainer.schedule import lr_at
@@ -106,6 +107,7 @@ class Trainer:
         self.update_workers = update_worker_count(cfg.train.update_workers, self.model)
         self._routed = routed_experts(self.model)
         self._workers: UpdateWorkers | None = None
+        self.plugins = TrainPlugins(cfg.plugins, cfg.seed)
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -135,7 +137,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        data, self.cursor = self.sampler.run(self.step_idx, self.cursor)
+        data, self.cursor = self.plugins.sample(self)  # the sampler's, with plugins.luffy / plugins.replay
         self.last_data = data
         t1 = time.perf_counter()
         self._set_lr()
@@ -243,6 +245,7 @@ class Trainer:
         single_pass = tc.ppo_epochs == 1 and tc.mini_batches == 1
         # With one optimiser step per batch the old policy IS the current one: reuse logp.detach().
         old_logps = None if single_pass and not self.paper_balance else self._logps(self.model, data)
+        old_logps = self.plugins.behaviour_logps(data, old_logps)  # plugins.replay: a reused batch's sampler
         need_ref_logp = (rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled")
                          or (self.paper_balance and self.cfg.mesh.subtract_ref))
         ref_logps = self._ref_logps(data) if need_ref_logp else None
@@ -354,8 +357,10 @@ class Trainer:
                 and not self._needs_every_row_here() and not self._routed)
 
     def _needs_every_row_here(self) -> bool:
-        """MEI collection and strategy balancing need every row's logits or graph in this process."""
-        return self._mei_collect or self.balance_w is not None or self.support_w is not None
+        """MEI collection and strategy balancing need every row's logits or graph in this process; the
+        ``plugins.*`` terms select tokens by statistics of the whole micro-batch."""
+        return (self._mei_collect or self.balance_w is not None or self.support_w is not None
+                or self.plugins.changes_loss)
 
     @torch.no_grad()
     def response_terms(self, mb) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,6 +441,7 @@ class Trainer:
             t = temp if temp > 0 else 1.0
             js_mat = js_divergence(logits / t, ref_logits / t)
         total, stats = self._loss_and_stats(idx, mask, data, logp, entropy, js_mat, old_logps, ref_logps)
+        total = self.plugins.extra_loss(self, mb, logits, total, stats)  # plugins.distill
         terms = (logp.detach(), entropy, None if js_mat is None else js_mat.detach())
         return total, stats, (logp * mask).sum(-1), terms
 
@@ -447,9 +453,13 @@ class Trainer:
         cfg = {"clip_low": rec.clip_low, "clip_high": rec.clip_high}
         if rec.policy_loss == "ppo_clip":
             cfg["clip_dual"] = rec.clip_dual
-        pg_mat, pg_stats = policy_loss(rec.policy_loss, logp, old, adv, mask, **cfg)
+        if self.plugins.changes_loss:
+            pg_mat, pg_stats, pg_mask = self.plugins.policy_term(self.step_idx, idx, rec.policy_loss, logp, old,
+                                                                 adv, mask, entropy, cfg)
+        else:
+            (pg_mat, pg_stats), pg_mask = policy_loss(rec.policy_loss, logp, old, adv, mask, **cfg), mask
         norm = self.cfg.rollout.max_new_tokens
-        pg = aggregate(pg_mat, mask, rec.loss_agg, norm_len=norm)
+        pg = aggregate(pg_mat, pg_mask, rec.loss_agg, norm_len=norm)
         total = pg
         stats = {"loss/policy": float(pg.detach()), **{k: float(v) for k, v in pg_stats.items()}}
         stats["entropy/mean"] = float(masked_mean(entropy, mask))

@@ -1,0 +1,383 @@
+"""The ``plugins.*`` terms in the trainer: each runs end to end on the tiny model (with GRPO, DAPO, CISPO and
+Mesh), logs its metric, refuses bad settings by key, and turns off the worker split and the zero-advantage
+shortcut while staying equal to the plain update where its formula says so."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from meshrl.algos import (
+    aggregate,
+    group_advantages,
+    high_entropy_mask,
+    luffy_off_policy_loss,
+    ppo_clip_loss,
+    topk_forward_kl,
+)
+from meshrl.forkpool import fork_available
+from meshrl.trainer import Trainer, load_config, train
+from meshrl.trainer.batch import token_entropy, token_logprobs
+from meshrl.trainer.plugins import load_traces
+from meshrl.trainer.runlog import read_jsonl
+
+TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=6", "train.micro_batch_size=16", "log.progress=false", "checkpoint.every=100",
+        "optim.lr=1e-3"]
+PLUGIN_METRIC = {
+    "clip_cov": "clipcov/frac_tokens", "kl_cov": "klcov/penalty", "entropy_adv": "entadv/bonus_mean",
+    "fork": "fork/frac_tokens", "m2po": "m2po/masked_frac",
+}  # luffy needs a traces file: its own tests below
+
+
+def _cfg(*extra: str, steps: int = 2):
+    return load_config(overrides=[*TINY, f"steps={steps}", *extra])
+
+
+def _trainer(tmp_path, name: str, *extra: str) -> Trainer:
+    return Trainer(_cfg(*extra), tmp_path / name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("plugin", "extra"), [
+    ("clip_cov", ["recipe=dapo", "algo.dynamic_sampling=false", "plugins.clip_cov.ratio=0.05"]),
+    ("kl_cov", ["recipe=grpo", "train.ppo_epochs=2", "train.mini_batches=2"]),
+    ("entropy_adv", ["recipe=grpo", "algo.policy_loss=cispo"]),
+    ("fork", ["recipe=mesh", "rollout.prompts_per_step=2", "mesh.m=2", "mesh.mu=0.1"]),
+    ("m2po", ["recipe=grpo", "train.ppo_epochs=2", "train.mini_batches=2"]),
+])
+def test_each_plugin_trains_and_logs_its_metric(tmp_path, plugin, extra):
+    hist = train(_cfg(*extra, f"plugins.{plugin}.enabled=true"), tmp_path / plugin)
+    assert [m["step"] for m in hist] == [1, 2]
+    key = PLUGIN_METRIC[plugin]
+    for m in hist:
+        assert key in m and math.isfinite(m[key]), key
+        assert math.isfinite(m["loss/total"]) and math.isfinite(m["grad/norm"])
+    if plugin == "fork":
+        assert 0 < hist[0][key] <= 1 and "mesh/balance_loss" in hist[-1]
+    if plugin == "kl_cov":  # several optimiser steps per batch: the penalised tokens moved off-policy
+        assert any(m[key] > 0 for m in hist)
+    assert "plugins:" in (tmp_path / plugin / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("plugins.clip_cov.ratio=0", "plugins.clip_cov.ratio"),
+    ("plugins.clip_cov.cov_ub=0.5", "plugins.clip_cov.cov_ub"),
+    ("plugins.kl_cov.coef=-1", "plugins.kl_cov.coef"),
+    ("plugins.entropy_adv.kappa=1", "plugins.entropy_adv.kappa"),
+    ("plugins.fork.top_frac=1.5", "plugins.fork.top_frac"),
+    ("plugins.fork.norm=tokens", "plugins.fork.norm"),
+    ("plugins.m2po.threshold=0", "plugins.m2po.threshold"),
+    ("plugins.fork.typo=1", "plugins.fork.typo"),
+])
+def test_bad_settings_name_the_key(override, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_incompatible_plugins_and_sequence_losses_are_refused():
+    with pytest.raises(ValueError, match=r"plugins\.clip_cov\.enabled and plugins\.kl_cov\.enabled"):
+        load_config(overrides=["plugins.clip_cov.enabled=true", "plugins.kl_cov.enabled=true"])
+    with pytest.raises(ValueError, match=r"plugins\.entropy_adv\.enabled needs a token-level policy loss.*gspo"):
+        load_config(overrides=["recipe=gspo", "plugins.entropy_adv.enabled=true"])
+
+
+def _some_zero_advantages(data, seed: int) -> None:
+    data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(seed))
+    data.advantages[:4] = 0.0  # one whole group
+
+
+@pytest.mark.parametrize("plugin", [*sorted(PLUGIN_METRIC), "luffy", "distill"])
+def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_path, plugin):
+    on = [f"plugins.{plugin}.enabled=true"]
+    if plugin == "luffy":
+        from meshrl.tasks import load_task
+
+        on.append(f"plugins.luffy.traces={_traces(tmp_path, load_task('tiny:repeat', seed=0).problems('train'))}")
+    if plugin == "distill":
+        on += ["plugins.distill.teacher=tiny", "plugins.distill.teacher_seed=1"]
+    workers = 2 if fork_available() else 1
+    plain = _trainer(tmp_path, "plain", *on, "train.update_workers=1", "train.skip_zero_advantage=false")
+    fast = _trainer(tmp_path, "fast", *on, f"train.update_workers={workers}")
+    try:
+        assert not fast.skips_zero_advantage()
+        params = [p for p in fast.model.parameters() if p.requires_grad]
+        assert fast._update_workers(params) is None
+        data, _ = plain.sampler.run(0, 0)
+        data = plain.plugins.mix(plain, data)
+        fast.plugins.off_rows = set(plain.plugins.off_rows)
+        _some_zero_advantages(data, 0)
+        m_plain, m_fast = plain.update(data), fast.update(data)
+        metric = PLUGIN_METRIC.get(plugin, {"luffy": "offpolicy/frac_tokens", "distill": "distill/loss"}.get(plugin))
+        assert set(m_plain) == set(m_fast) and metric in m_fast
+        for k, v in m_plain.items():
+            assert m_fast[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+        for p, q in zip(plain.model.parameters(), fast.model.parameters(), strict=True):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+    finally:
+        plain.close()
+        fast.close()
+    # and without the plug-in the shortcut is back
+    assert _trainer(tmp_path, "g", "train.update_workers=1").skips_zero_advantage()
+
+
+def _update_grads(trainer: Trainer, data) -> list[torch.Tensor]:
+    """Gradient of one single-pass update (taken before the optimiser step by a zero learning rate)."""
+    for g in trainer.optimizer.param_groups:
+        g["lr"] = 0.0
+    trainer.cfg.optim.lr = 0.0
+    trainer.update(data)
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("plugin", ["kl_cov", "m2po"])
+def test_on_policy_kl_cov_and_m2po_equal_plain_grpo(tmp_path, plugin):
+    # One optimiser step per batch: r = 1, so KL-Cov's penalty, M2PO's mask and the dropped clip change nothing.
+    plain = _trainer(tmp_path, "plain", "train.update_workers=1", "train.skip_zero_advantage=false")
+    plug = _trainer(tmp_path, "plug", f"plugins.{plugin}.enabled=true", "train.update_workers=1")
+    data, _ = plain.sampler.run(0, 0)
+    _some_zero_advantages(data, 1)
+    for a, b in zip(_update_grads(plain, data), _update_grads(plug, data), strict=True):
+        torch.testing.assert_close(b, a)
+
+
+def test_clip_cov_with_every_token_a_candidate_removes_the_whole_gradient(tmp_path):
+    # On-policy nothing is clipped, so with ratio 1 and an unbounded band every valid token is detached.
+    t = _trainer(tmp_path, "cc", "plugins.clip_cov.enabled=true", "plugins.clip_cov.ratio=1.0",
+                 "plugins.clip_cov.cov_lb=-1e9", "plugins.clip_cov.cov_ub=1e9", "train.update_workers=1")
+    data, _ = t.sampler.run(0, 0)
+    _some_zero_advantages(data, 2)
+    m = t.update(data)
+    assert m["grad/norm"] == 0.0 and m["clipcov/frac_tokens"] == pytest.approx(1.0)
+
+
+def test_fork_and_entropy_adv_micro_batch_loss_equals_the_formula(tmp_path):
+    t = _trainer(tmp_path, "f", "plugins.fork.enabled=true", "plugins.fork.top_frac=0.3",
+                 "plugins.entropy_adv.enabled=true", "plugins.entropy_adv.alpha=0.4", "train.update_workers=1")
+    data, _ = t.sampler.run(0, 0)
+    _some_zero_advantages(data, 3)
+    rows = list(range(len(data)))
+    (idx, mb), = list(t._micro_batches(rows, data))
+    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    with torch.no_grad():
+        logits = t.logits_of(t.model, mb)
+        logp = token_logprobs(logits, mb.response_ids, 1.0)
+        h = token_entropy(logits, 1.0)
+    mask = mb.response_mask
+    adv = data.advantages[idx][:, None].expand_as(logp)
+    shaped = adv + torch.minimum(0.4 * h, adv.abs() / 2.0)
+    keep = high_entropy_mask(h, mask, top_frac=0.3).to(logp.dtype)
+    pg, _ = ppo_clip_loss(logp, logp, shaped, mask)
+    want = aggregate(pg * keep, keep, "seq-mean-token-mean")  # grpo's aggregation over the kept tokens
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    assert stats["fork/frac_tokens"] == pytest.approx(float(keep.sum() / mask.sum()))
+    assert stats["entadv/bonus_mean"] > 0
+
+
+def test_clip_cov_draw_is_seeded_by_run_seed_and_step(tmp_path):
+    extra = ["plugins.clip_cov.enabled=true", "plugins.clip_cov.ratio=0.3", "plugins.clip_cov.cov_lb=-1e9",
+             "plugins.clip_cov.cov_ub=1e9", "train.update_workers=1"]
+    a, b = _trainer(tmp_path, "a", *extra), _trainer(tmp_path, "b", *extra)
+    data, _ = a.sampler.run(0, 0)
+    _some_zero_advantages(data, 4)
+    grads_a, grads_b = _update_grads(a, data), _update_grads(b, data)
+    for x, y in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    b.step_idx = 1  # another step draws other tokens
+    assert any(not torch.equal(x, y) for x, y in zip(grads_a, _update_grads(b, data), strict=True))
+
+
+def _traces(tmp_path, task_problems, completion=lambda p: p.answer) -> str:
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(json.dumps({"id": p.id, "completion": completion(p)}) + "\n" for p in task_problems))
+    return str(path)
+
+
+def test_luffy_mixes_one_trace_per_group_and_recomputes_advantages(tmp_path):
+    from meshrl.tasks import load_task
+
+    problems = load_task("tiny:repeat", seed=0).problems("train")
+    path = _traces(tmp_path, problems[: len(problems) // 2])  # half the problems have a trace
+    t = _trainer(tmp_path, "l", "plugins.luffy.enabled=true", f"plugins.luffy.traces={path}",
+                 "rollout.prompts_per_step=8", "train.update_workers=1")
+    data, _ = t.sampler.run(0, 0)
+    data = t.plugins.mix(t, data)
+    with_trace = {p.id for p in problems[: len(problems) // 2]}
+    expected_off = set()
+    for g in dict.fromkeys(data.group_ids):
+        rows = [i for i, x in enumerate(data.group_ids) if x == g]
+        if data.problems[rows[0]].id in with_trace:
+            expected_off.add(rows[-1])  # the group's last row, G - 1 stay on-policy
+    assert t.plugins.off_rows == expected_off and expected_off
+    for i in expected_off:
+        assert data.texts[i] == data.problems[i].answer and data.response_ids[i][-1] == t.tokenizer.eos_token_id
+        assert data.scores[i] == pytest.approx(t.task.score(data.texts[i], data.problems[i]))
+    torch.testing.assert_close(data.advantages, group_advantages(data.rewards, data.group_ids))
+    assert data.stats["offpolicy/rows"] == len(expected_off)
+    assert data.stats["offpolicy/groups_without_trace"] == 8 - len(expected_off)
+    # the micro-batch loss: LUFFY's on the trace rows, the recipe's elsewhere
+    idx, mb = next(iter(t._micro_batches(list(range(len(data))), data)))  # the first 16 rows
+    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    with torch.no_grad():
+        logp = token_logprobs(t.logits_of(t.model, mb), mb.response_ids, 1.0)
+    mask = mb.response_mask
+    off = torch.tensor([i in expected_off for i in idx])[:, None]
+    on_mat, _ = ppo_clip_loss(logp, logp, data.advantages[idx], mask)
+    off_mat, _ = luffy_off_policy_loss(logp, data.advantages[idx], mask, gamma=0.1)
+    want = aggregate(torch.where(off, off_mat, on_mat), mask, "seq-mean-token-mean")
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    assert stats["offpolicy/frac_tokens"] == pytest.approx(float((mask * off).sum() / mask.sum()))
+
+
+def test_luffy_trains_and_refuses_bad_trace_files(tmp_path):
+    from meshrl.tasks import load_task
+
+    path = _traces(tmp_path, load_task("tiny:repeat", seed=0).problems("train"))
+    hist = train(_cfg("plugins.luffy.enabled=true", f"plugins.luffy.traces={path}"), tmp_path / "run")
+    assert all(m["offpolicy/rows"] == 4 and m["offpolicy/frac_tokens"] > 0 for m in hist)
+    assert all(math.isfinite(m["loss/total"]) for m in hist)
+    with pytest.raises(ValueError, match=r"plugins\.luffy\.traces: no such file"):
+        load_config(overrides=["plugins.luffy.enabled=true", "plugins.luffy.traces=/nonexistent.jsonl"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "completion": "x"}\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: missing field 'completion'"):
+        load_traces(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: not JSON"):
+        load_traces(bad)
+
+
+def test_distill_term_equals_the_formula_and_vanishes_for_the_policy_itself(tmp_path):
+    t = _trainer(tmp_path, "d", "plugins.distill.enabled=true", "plugins.distill.teacher=tiny",
+                 "plugins.distill.teacher_seed=1", "plugins.distill.topk=5", "plugins.distill.coef=0.5",
+                 "train.update_workers=1")
+    data, _ = t.sampler.run(0, 0)
+    _some_zero_advantages(data, 5)
+    idx, mb = next(iter(t._micro_batches(list(range(len(data))), data)))
+    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    with torch.no_grad():
+        logits = t.logits_of(t.model, mb)
+        t_logps = torch.log_softmax(t.logits_of(t.plugins.teacher(t, logits.shape[-1]), mb), -1)
+        top, ids = torch.topk(t_logps, 5, dim=-1)
+        mask = mb.response_mask
+        pg, _ = ppo_clip_loss(token_logprobs(logits, mb.response_ids, 1.0),
+                              token_logprobs(logits, mb.response_ids, 1.0), data.advantages[idx], mask)
+        kl, _ = topk_forward_kl(logits, top, ids, mask)
+        want = aggregate(pg, mask, "seq-mean-token-mean") + 0.5 * aggregate(kl, mask, "seq-mean-token-mean")
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    assert stats["distill/loss"] > 0 and stats["loss/total"] == pytest.approx(float(want), rel=1e-5)
+    # the policy as its own teacher over the whole vocabulary: KL(p || p) = 0
+    same = _trainer(tmp_path, "s", "plugins.distill.enabled=true", "plugins.distill.teacher=tiny",
+                    "plugins.distill.topk=100000", "train.update_workers=1")
+    _, s2, _, _ = same._micro_loss(idx, mb, data, None, None)
+    assert s2["distill/loss"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_distill_trains_and_names_its_keys(tmp_path):
+    hist = train(_cfg("plugins.distill.enabled=true", "plugins.distill.teacher=tiny",
+                      "plugins.distill.teacher_seed=3", "plugins.distill.topk=8"), tmp_path / "run")
+    assert all(m["distill/loss"] > 0 and math.isfinite(m["loss/total"]) for m in hist)
+    with pytest.raises(ValueError, match=r"plugins\.distill\.teacher="):
+        load_config(overrides=["plugins.distill.enabled=true"])
+    t = _trainer(tmp_path, "bad", "plugins.distill.enabled=true", "plugins.distill.teacher=/no/such/model")
+    data, _ = t.sampler.run(0, 0)
+    with pytest.raises(ValueError, match=r"plugins\.distill\.teacher: unknown model"):
+        t.update(data)
+
+
+def _random_terms(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(6, 9, generator=g, dtype=torch.float64) * 3
+    logp = (old + torch.randn(6, 9, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
+    adv = torch.randn(6, generator=g, dtype=torch.float64) * 3
+    mask = (torch.rand(6, 9, generator=g) > 0.2).to(torch.float64)
+    mask[2] = 0
+    entropy = torch.rand(6, 9, generator=g, dtype=torch.float64) * 2
+    return logp, old, adv, mask, entropy
+
+
+def test_policy_term_equals_the_algos_losses():
+    from meshrl.algos import clip_cov_loss, kl_cov_loss
+    from meshrl.trainer.plugins import PluginsConfig, TrainPlugins
+
+    logp, old, adv, mask, entropy = _random_terms(0)
+    cfg = {"clip_low": 0.2, "clip_high": 0.28, "clip_dual": None}
+    pc = PluginsConfig()
+    pc.clip_cov.enabled, pc.clip_cov.ratio = True, 0.2
+    plugins = TrainPlugins(pc, seed=5)
+    ours, stats, agg = plugins.policy_term(3, list(range(6)), "ppo_clip", logp, old, adv, mask, entropy, cfg)
+    same_draw = TrainPlugins(pc, seed=5)._generator(3)
+    want, wstats = clip_cov_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, ratio=0.2, generator=same_draw)
+    torch.testing.assert_close(ours, want)
+    assert stats["clipcov/n_tokens"] == wstats["clipcov/n_tokens"] >= 1 and torch.equal(agg, mask)
+    pk = PluginsConfig()
+    pk.kl_cov.enabled, pk.kl_cov.ratio, pk.kl_cov.coef = True, 0.1, 0.5
+    ours, stats, _ = TrainPlugins(pk, 0).policy_term(0, list(range(6)), "ppo_clip", logp, old, adv, mask, entropy,
+                                                     cfg)
+    want, wstats = kl_cov_loss(logp, old, adv, mask, ratio=0.1, coef=0.5)
+    torch.testing.assert_close(ours, want)
+    assert stats["klcov/penalty"] == pytest.approx(wstats["klcov/penalty"]) and stats["klcov/penalty"] > 0
+
+
+def test_replay_reuses_each_batch_against_its_sampling_policy(tmp_path):
+    hist = train(_cfg("plugins.replay.reuse_steps=2", "plugins.m2po.enabled=true", "optim.lr=1e-2", steps=4),
+                 tmp_path / "r")
+    assert [m["replay/age"] for m in hist] == [0.0, 1.0, 2.0, 0.0]
+    assert [m["rollouts/count"] > 0 for m in hist] == [True, False, False, True]
+    # single pass: at age 0 the ratio is exactly 1; a reused batch's ratio is against the policy that sampled it
+    assert hist[0]["m2po/m2"] == 0.0 and hist[3]["m2po/m2"] == 0.0
+    assert hist[1]["m2po/m2"] > 0 and hist[2]["m2po/m2"] > hist[1]["m2po/m2"]
+    assert {row["step"] for row in read_jsonl(tmp_path / "r" / "samples.jsonl")} == {1, 2, 3, 4}
+    with pytest.raises(ValueError, match=r"plugins\.replay\.reuse_steps"):
+        load_config(overrides=["plugins.replay.reuse_steps=-1"])
+
+
+def test_replay_batches_are_the_sampled_ones(tmp_path):
+    t = _trainer(tmp_path, "t", "plugins.replay.reuse_steps=1", "train.update_workers=1")
+    first, cursor = t.plugins.sample(t)
+    t.cursor = cursor
+    t.step_idx = 1
+    again, cursor2 = t.plugins.sample(t)
+    assert again.texts is first.texts and cursor2 == cursor and again.stats["rollouts/count"] == 0.0
+    stored = t.plugins.behaviour_logps(again, None)
+    assert stored is not None and len(stored) == len(first)
+    assert t.plugins.behaviour_logps(first, None) is None  # the fresh batch: the trainer's own (current policy)
+    t.step_idx = 2
+    fresh, _ = t.plugins.sample(t)
+    assert fresh.texts is not first.texts and fresh.stats["replay/age"] == 0.0
+
+
+def test_prompt_filter_skips_uniform_problems_and_readmits_them():
+    from types import SimpleNamespace
+
+    from meshrl.trainer.plugins import FilteredProblems, PromptFilterConfig
+
+    problems = [SimpleNamespace(id=f"p{i}") for i in range(4)]
+    inner = SimpleNamespace(index=lambda c: c % 4)
+    f = FilteredProblems(inner, problems, PromptFilterConfig(enabled=True, window=1, readmit_after=2))
+    assert [f.index(c) for c in range(4)] == [0, 1, 2, 3]
+    # step 0: p0 all wrong, p1 all right, p2 mixed, p3 not sampled
+    seen = [("", 0.0, problems[0]), ("", 0.0, problems[0]), ("", 1.0, problems[1]), ("", 1.0, problems[1]),
+            ("", 1.0, problems[2]), ("", 0.0, problems[2])]
+    assert f.record(0, seen) == {"filter/skipped": 0.0, "filter/skipped_frac": 0.0}
+    assert [f.index(c) for c in range(4, 6)] == [2, 3]  # the next epoch: p0 and p1 skipped
+    stats = f.record(1, [("", 1.0, problems[2]), ("", 0.0, problems[2])])
+    assert stats["filter/skipped"] == 2 and stats["filter/skipped_frac"] == pytest.approx(2 / 3)
+    assert f.index(5) == 3 and f.index(2) == 2  # a mapped position keeps its problem
+    # step 2: two steps after their last group, p0 and p1 are readmitted
+    assert [f.index(c) for c in range(6, 8)] == [0, 1]
+
+
+def test_prompt_filter_in_training_logs_its_share(tmp_path, monkeypatch):
+    from meshrl.tasks.tiny import RepeatTask
+
+    monkeypatch.setattr(RepeatTask, "score", lambda self, completion, problem: 0.0)  # every group all wrong
+    hist = train(_cfg("plugins.prompt_filter.enabled=true", "plugins.prompt_filter.readmit_after=100",
+                      "task_options.size=8", steps=3), tmp_path / "f")
+    assert [m["filter/skipped"] for m in hist[:2]] == [0.0, 0.0]  # the first epoch: no history yet
+    assert hist[2]["filter/skipped"] > 0 and 0 < hist[2]["filter/skipped_frac"] <= 1
+    with pytest.raises(ValueError, match=r"plugins\.prompt_filter\.window"):
+        load_config(overrides=["plugins.prompt_filter.window=0"])
