@@ -10,8 +10,10 @@ Replies are plain JSON (a number, a type name or an exception's type and message
 
 The child ignores SIGINT and SIGTERM (a Ctrl-C or a preemption signal is for the trainer, which decides
 when to stop; a scorer dying mid-step would change that step's rewards) and dies with its parent
-(``PR_SET_PDEATHSIG``). It should not use torch: forking a process whose OpenMP pool is running can
-deadlock in the child.
+(``PR_SET_PDEATHSIG``). The child runs torch on one thread: the trainer's OpenMP (and MKL) pool does not
+survive the fork, and the first parallel region in the child would wait forever for its threads (every
+reward of a torch-using scorer then timed out). Other libraries with a thread pool that is not fork-safe
+have the same hazard; numpy's OpenBLAS re-initialises its pool after a fork.
 """
 
 from __future__ import annotations
@@ -108,8 +110,18 @@ def _close_pool_pipes() -> None:
             conn.close()
 
 
+def _single_threaded_torch() -> None:
+    """One intra-op thread for torch in this forked child, if the parent loaded torch: with one thread torch
+    runs its kernels inline and never enters the parent's OpenMP pool, whose threads the fork did not copy."""
+    torch = sys.modules.get("torch")  # not imported here: a scorer that never uses torch pays nothing
+    set_threads = getattr(torch, "set_num_threads", None)
+    if set_threads is not None:
+        set_threads(1)
+
+
 def _serve(score_fn: Callable[[str, Any], Any], request_fd: int, reply_fd: int) -> None:
     _close_pool_pipes()
+    _single_threaded_torch()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
