@@ -340,3 +340,17 @@ def test_torch_scorer_in_the_process_after_the_parent_used_threads() -> None:
         assert torch.get_num_threads() == 2  # only the child went single-threaded
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_reaped_scorer_process_is_never_signalled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the runner reaped its dead child, that pid (and group id) may belong to another process: the
+    runner used to SIGKILL it (process group included) anyway when it replaced the child."""
+    from meshrl.rewards import scorer_process
+
+    signalled: list[int] = []
+    monkeypatch.setattr(scorer_process, "_kill", signalled.append)  # records only: nothing is signalled here
+    runner = RewardRunner(exiting, timeout_s=5.0, isolation="process")
+    assert runner(["os._exit", "fine"], [P("a"), P("b")]) == [0.0, 0.5]
+    assert signalled == [] and runner._process.starts == 2  # type: ignore[union-attr]
+    monkeypatch.undo()
+    runner.close()
