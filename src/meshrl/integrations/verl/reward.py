@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshrl.integrations.verl.settings import CORRECT_AT  # "acc" as meshrl's trainer counts a rollout correct
 from meshrl.rewards import RewardRunner
 from meshrl.tasks import load_task
-
-CORRECT_AT = 1.0 - 1e-6  # "acc" as meshrl counts a rollout correct
 
 
 class TaskScorer:
