@@ -158,6 +158,21 @@ def test_strategy_collapse_first_crossing_and_lag_to_accuracy_fall():
     assert f.evidence["first_crossing"] == {"mei/query": 11} and f.severity == "info"
 
 
+def test_metrics_logged_only_as_nan_do_not_crash_the_checks():
+    """A metric present on every step but never finite (an engine logging NaN) used to crash the whole
+    diagnosis (fmean of nothing, [-1] of an empty series) in the learning-signal and strategy checks."""
+    nan = float("nan")
+    rec = records(group__flat_frac=1.0, reward__mean=0.5, reward__std=nan, mei__query=[1.0] * 10 + [3.0] * 10,
+                  mei__effective_dirs_median=nan, acc__mean=0.5, config={"mei_threshold": 2.0})
+    diag = diagnose_records(rec, TH)
+    signal = next(f for f in diag.findings if f.id == "no_learning_signal")
+    assert signal.evidence["reward_std_mean"] is None
+    strategy = next(f for f in diag.findings if f.id == "strategy_collapse")
+    assert "mei/effective_dirs_median" not in strategy.evidence
+    emptied = records(rollouts__kept=0.0, reward__mean=0.0)  # nothing sampled, nothing kept: nothing to judge
+    assert "no_learning_signal" in [u.id for u in diagnose_records(emptied, TH).unchecked]
+
+
 def test_reward_errors_and_parser_failures_from_samples():
     assert ids(records(reward__errors=[0] * 19 + [20], rollouts__count=16)) == ["reward_errors"]  # 20/320 > 5%
     assert ids(records(reward__errors=[0] * 19 + [10], rollouts__count=16)) == []

@@ -115,3 +115,19 @@ def test_meshrl_cli_and_export_import_no_verl():
     code = ("import sys, meshrl.cli, meshrl.integrations.verl.export, meshrl.integrations.verl.reward\n"
             "assert 'verl' not in sys.modules, sorted(m for m in sys.modules if m.startswith('verl'))\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_reward_module_scores_a_failing_scorer_zero_as_meshrl_does(tmp_path):
+    """verl's reward worker got the task's exception (one bad completion ended the step) or its NaN; meshrl's
+    trainer scores both 0, counted and logged, and clamps into [0, 1]."""
+    from meshrl.integrations.verl.reward import TaskScorer
+
+    summary = export_verl(TASK, tmp_path / "out")
+    row = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()[0]
+    kwargs = {"data_source": row["data_source"], "ground_truth": "", "extra_info": dict(row["extra_info"])}
+    scorer = TaskScorer(summary["task"])
+    task, _ = scorer.problem(row["extra_info"]["query_id"], row["extra_info"]["split"])
+    outcomes = {"raise": lambda: 1 / 0, "nan": lambda: float("nan"), "big": lambda: 7.0, "good": lambda: 1.0}
+    task.score = lambda completion, problem: outcomes[completion]()  # this scorer's task object only
+    assert [scorer(solution_str=k, **kwargs)["score"] for k in outcomes] == [0.0, 0.0, 1.0, 1.0]
+

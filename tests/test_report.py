@@ -222,6 +222,19 @@ def test_diagnosis_section_lists_each_runs_findings(inputs: dict[str, Path], tmp
     assert "not checked (" in text and "mesh&lt;b&gt;" in text and "<b>run" not in text
 
 
+def test_a_failing_doctor_costs_the_diagnosis_not_the_report(inputs: dict[str, Path], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check that raised (a metric logged only as NaN made one call fmean on nothing) ended `meshrl report`."""
+    import meshrl.doctor
+
+    def broken(*args, **kwargs):
+        raise ArithmeticError("a check failed")
+
+    monkeypatch.setattr(meshrl.doctor, "diagnose", broken)
+    text = _diagnosed_page(inputs, tmp_path / "rep").read_text()
+    assert "not diagnosed: the doctor failed (ArithmeticError: a check failed)" in text
+
+
 def test_effective_directions_plot_says_which_reading_it_shows(inputs: dict[str, Path], tmp_path: Path) -> None:
     (run,), _ = load_inputs([inputs["grpo"]])
     assert run.has("mei/effective_dirs_median") and run.has("mei/effective_dirs_of_mean")

@@ -310,3 +310,47 @@ def test_runner_first_used_in_a_finished_thread_still_scores_without_errors() ->
     assert runner(["b", "c"], [P("y"), P("z")]) == [1.0, 1.0]
     assert runner.pop_stats() == {"reward/errors": 0, "reward/timeouts": 0}
     runner.close()
+
+
+def torch_scorer(completion: str, problem: P) -> float:
+    """A parallel elementwise op and a matrix product: both enter torch's OpenMP/MKL pool when it has threads."""
+    import torch
+
+    x = torch.linspace(0.0, 1.0, 400_000)
+    m = torch.ones(256, 256)
+    return float(torch.sin(x).sum() * 0 + (m @ m)[0, 0] / 256)
+
+
+def test_torch_scorer_in_the_process_after_the_parent_used_threads() -> None:
+    """The parent's OpenMP pool is not copied by fork: a torch scorer deadlocked in the child and every reward
+    timed out (0, counted as a timeout) until the child was set to one thread."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.linspace(0.0, 1.0, 400_000)
+        for _ in range(5):  # start the parent's thread pool
+            torch.sin(x).sum()
+            (torch.ones(256, 256) @ torch.ones(256, 256)).sum()
+        runner = RewardRunner(torch_scorer, timeout_s=3.0, isolation="process")
+        assert runner(["a", "b"], [P("t1"), P("t2")]) == [1.0, 1.0]
+        assert runner.pop_stats() == {"reward/errors": 0, "reward/timeouts": 0}
+        runner.close()
+        assert torch.get_num_threads() == 2  # only the child went single-threaded
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_reaped_scorer_process_is_never_signalled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the runner reaped its dead child, that pid (and group id) may belong to another process: the
+    runner used to SIGKILL it (process group included) anyway when it replaced the child."""
+    from meshrl.rewards import scorer_process
+
+    signalled: list[int] = []
+    monkeypatch.setattr(scorer_process, "_kill", signalled.append)  # records only: nothing is signalled here
+    runner = RewardRunner(exiting, timeout_s=5.0, isolation="process")
+    assert runner(["os._exit", "fine"], [P("a"), P("b")]) == [0.0, 0.5]
+    assert signalled == [] and runner._process.starts == 2  # type: ignore[union-attr]
+    monkeypatch.undo()
+    runner.close()

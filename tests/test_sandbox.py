@@ -323,3 +323,52 @@ def test_a_crash_is_an_error_with_a_negative_signal():
     code = "import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
     res = run_code(code, tests=CHECK, entry_point="add")
     assert res.status == "error" and res.returncode == -11 and "exited" in res.stderr
+
+
+def _processes_with_home(workdir: str) -> list[int]:
+    """Pids whose environment says HOME=workdir (the sandbox gives its harness and program that HOME); read-only."""
+    found = []
+    marker = f"HOME={workdir}".encode()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as fh:
+                    if marker in fh.read().split(b"\0"):
+                        found.append(int(name))
+            except OSError:
+                continue
+    return found
+
+
+def _sleeping_run(pidfile: str, isolate: bool) -> float:
+    with open(pidfile, "w") as fh:
+        fh.write(str(os.getpid()))
+    return float(run_code("import time\ntime.sleep(30)\ndef f():\n    return 1\n", tests="def check(c):\n    pass\n",
+                          entry_point="f", timeout_s=20, isolate=isolate).passed)
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_caller_killed_mid_run_leaves_no_process_and_its_workdir_is_swept(tmp_path, isolate):
+    """A scorer process killed at the reward's limit (5 s by default, shorter than the sandbox's 10 s) never
+    reached run_code's clean-up: its working directory and cgroup stayed, and without bubblewrap the program
+    (and the harness waiting on it) lived on."""
+    import glob
+
+    from meshrl.rewards import RewardRunner
+
+    pidfile = str(tmp_path / "scorer.pid")
+    runner = RewardRunner(lambda c, p: _sleeping_run(pidfile, isolate), timeout_s=2.0, isolation="process")
+    assert runner(["x"], [{"id": "slow"}]) == [0.0]
+    assert runner.pop_stats()["reward/timeouts"] == 1
+    import tempfile
+    from pathlib import Path
+
+    scorer_pid = int(Path(pidfile).read_text())
+    left = glob.glob(os.path.join(tempfile.gettempdir(), f"meshrl-sandbox-{scorer_pid}-*"))
+    assert len(left) == 1
+    deadline = time.monotonic() + 5
+    while _processes_with_home(left[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with_home(left[0]) == []
+    assert run_code("x = 1\n", timeout_s=5).passed  # the next run sweeps what the dead caller left
+    assert not os.path.exists(left[0])

@@ -211,6 +211,31 @@ def test_redefining_a_helper_the_tests_use_does_not_pass():
     assert run_code(solution, tests=tests, entry_point="find_zero", trusted_code=prompt).passed
 
 
+@pytest.mark.parametrize(("tests", "hack"), [
+    ("def check(candidate):\n    assert abs(candidate(3.5) - 0.5) < 1e-6\n",
+     "def abs(x):\n    return 0\ndef f(x):\n    return 7\n"),
+    ("def check(candidate):\n    assert set(candidate([1, 2])) == set([2, 3])\n",
+     "def set(*args):\n    return 0\ndef f(x):\n    return []\n"),
+    ("def check(candidate):\n    assert sorted(candidate([3, 1])) == [1, 3]\n",
+     "def sorted(x):\n    return [1, 3]\ndef f(x):\n    return None\n"),
+])
+def test_redefining_a_builtin_the_tests_use_does_not_pass(tests, hack):
+    """The program's own ``abs``/``set``/``sorted`` were bound in the tests' namespace, so the tests' calls went
+    to the program and these wrong solutions passed."""
+    res = run_code(hack, tests=tests, entry_point="f", timeout_s=10)
+    assert not res.passed and res.status in ("failed", "error"), res
+    honest = {"abs": "def f(x):\n    return x - 3\n", "set": "def f(x):\n    return [v + 1 for v in x]\n",
+              "sorted": "def f(x):\n    return x\n"}[hack.split("(")[0].removeprefix("def ")]
+    assert run_code(honest, tests=tests, entry_point="f", timeout_s=10).passed
+
+
+def test_an_entry_point_named_like_a_builtin_is_still_the_program_s():
+    """The one exception to the rule above: tests that call the entry point by its name reach the program's."""
+    tests = "def check(candidate):\n    assert candidate([1, 2]) == 42 and max([5]) == 42\n"
+    res = run_code("def max(xs):\n    return 42\n", tests=tests, entry_point="max")
+    assert res.passed, res
+
+
 def test_codetask_scores_the_helper_redefinition_zero():
     task, (problem,) = _humaneval_problems({"HumanEval/32"})
     hack = "```python\ndef poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 0.0\n```"

@@ -115,6 +115,32 @@ def test_sampled_js_term_and_no_op_settings():
     torch.testing.assert_close(plain, base)
 
 
+def test_js_metric_over_micro_batches_is_the_mini_batch_mean_as_the_engine_normalises():
+    """verl's FSDP engine always sets ``batch_num_tokens`` (the mini-batch's), so each micro-batch's JS term is
+    its share of the mini-batch mean and the shares must be added: the metric was averaged on one GPU (half
+    the true value for two micro-batches)."""
+    mesh = MeshSettings(mu=0.0, js_coef=0.1, subtract_ref=False)
+    model_output, data, leaf, mask, ref = micro_batch(seed=7)
+    halves = [slice(0, 4), slice(4, 8)]
+    tokens = int(mask.sum())
+    combined = None
+    for rows in halves:
+        part_output = {"log_probs": nested(list(model_output["log_probs"].unbind())[rows])}
+        part = tu.get_tensordict({k: nested(list(data[k].unbind())[rows]) for k in (
+            "prompts", "responses", "response_mask", "old_log_probs", "advantages", "ref_log_prob")})
+        tu.assign_non_tensor(part, dp_size=1, batch_num_tokens=tokens, global_batch_size=None)
+        cfg = config()
+        _, metrics = mesh_loss(part_output, part, config=cfg, mesh=mesh)
+        _, base_metrics = ppo_loss(cfg, part_output, part)
+        assert metrics["meshrl/js"].aggregation == base_metrics["actor/pg_loss"].aggregation
+        if combined is None:
+            combined = metrics["meshrl/js"]
+        else:
+            combined.append(metrics["meshrl/js"])
+    whole = agg_loss(loss_mat=js_sampled(leaf, ref), loss_mask=mask.bool(), loss_agg_mode="token-mean")
+    assert combined.aggregate() == pytest.approx(float(whole))
+
+
 def test_missing_fields_are_errors_naming_them():
     model_output, data, _leaf, _mask, _ref = micro_batch()
     with pytest.raises(ValueError, match="no field 'meshrl_balance_weight'.*trainer_mode=meshrl"):

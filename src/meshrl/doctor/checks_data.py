@@ -220,6 +220,8 @@ def check_signal(rec: RunRecords, th: Thresholds) -> Result:
         if r.get("rollouts/kept") == 0 and r.get("rollouts/count", 0) > 0:
             values[int(r["step"])] = 1.0
     xs, ys = sorted(values), [values[x] for x in sorted(values)]
+    if not ys:  # only steps that kept nothing out of nothing sampled
+        return Unchecked("no_learning_signal", "rollouts/kept is 0 but no step logged rollouts/count > 0")
     flat = [x for x, y in zip(xs, ys, strict=True) if y >= th.flat_group_share]
     share = len(flat) / len(ys)
     if share < th.flat_step_share:
@@ -232,7 +234,7 @@ def check_signal(rec: RunRecords, th: Thresholds) -> Result:
                     {"metric": key, "mean": fmt(statistics.fmean(ys)), "steps_flat": len(flat), "steps": len(ys),
                      "reward_mean": fmt(statistics.fmean(reward)) if reward else None,
                      "reward_std_mean": fmt(statistics.fmean(rec.series("reward/std")[1]))
-                     if rec.has("reward/std") else None},
+                     if rec.first_of("reward/std") else None},
                     "check that the reward varies at all (a constant reward is a bug); pick problems the model "
                     "solves sometimes; raise rollout.group_size; dynamic sampling (recipe dapo)",
                     confidence(share / th.flat_step_share, len(ys), th), sample_texts(rec, flat[-1:]))]
@@ -278,7 +280,7 @@ def check_strategy(rec: RunRecords, th: Thresholds) -> Result:
                                                      None)
         evidence["mei/query"] = {"threshold": mei_threshold, "max": fmt(max(ys)) if ys else None}
         for k in ("mei/effective_dirs_median", "mei/effective_dirs_of_mean"):
-            if rec.has(k):
+            if rec.first_of(k):  # a finite value somewhere (a logged NaN is not one)
                 evidence[k] = {"last": fmt(rec.series(k)[1][-1])}
         if hit is not None:
             crossings["mei/query"] = hit

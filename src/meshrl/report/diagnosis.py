@@ -37,6 +37,10 @@ def diagnose_runs(runs: Sequence[RunData]) -> list[tuple[str, Any]]:
         except (ValueError, OSError) as err:
             log.info("%s: doctor could not read the run (%s)", run.path, err)
             out.append((run.label, f"not diagnosed: {err}"))
+        except Exception as err:  # noqa: BLE001 - a failing check costs this run's section, not the report
+            log.warning("%s: doctor failed (%s: %s); the report has no diagnosis for it", run.path,
+                        type(err).__name__, err, exc_info=True)
+            out.append((run.label, f"not diagnosed: the doctor failed ({type(err).__name__}: {err})"))
     return out
 
 

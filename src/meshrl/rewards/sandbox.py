@@ -23,6 +23,9 @@ Limits enforced on the program (Linux):
   set to "that user's current tasks + max_procs" and binds only when the program runs as non-root. A
   root caller also gets a ``pids`` cgroup with ``pids.max = max_procs`` when the cgroup file system is
   writable; the parent kills every process left in it afterwards.
+- **A killed caller** (a scorer process SIGKILLed at the reward's time limit): the harness, ``unshare`` and an
+  un-namespaced program die with it (``PR_SET_PDEATHSIG``; bubblewrap's ``--die-with-parent``), and the next
+  :func:`run_code` removes the working directory and cgroup it left (their names carry the creator's pid).
 - **Environment**: no inherited variables (no secrets, no ``PYTHONPATH``); ``python -I -B``; a fresh
   temporary working directory (also ``HOME``/``TMPDIR``) removed afterwards; stdin ``/dev/null``; the
   code arrives on an anonymous file, never on the command line. At most ``max_output_bytes`` of stdout
@@ -127,8 +130,8 @@ def _make_cgroup(max_procs: int) -> str | None:
     """A fresh cgroup with ``pids.max = max_procs`` (v1 ``pids`` hierarchy or cgroup v2), root only."""
     if os.geteuid() != 0:
         return None
-    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        path = os.path.join(base, f"meshrl-sandbox-{uuid.uuid4().hex[:12]}")
+    for base in _CGROUP_BASES:
+        path = os.path.join(base, f"{_OWNED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
             os.mkdir(path)
         except OSError:
@@ -156,6 +159,48 @@ def _remove_cgroup(path: str) -> None:
             return
         except OSError:
             time.sleep(0.005)
+
+
+_OWNED_PREFIX = "meshrl-sandbox-"  # + the creating process's pid + "-": who must clean it up
+_OWNED = re.compile(rf"^{_OWNED_PREFIX}(\d+)-")
+_CGROUP_BASES = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only, nothing is sent
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _orphans(base: str) -> list[str]:
+    """Working directories or cgroups in ``base`` whose creating process is gone without removing them."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _OWNED.match(name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            found.append(os.path.join(base, name))
+    return found
+
+
+def _sweep_orphans() -> None:
+    """Remove what killed callers left: a scorer process SIGKILLed at the reward's time limit (shorter than the
+    sandbox's own) never reaches :func:`run_code`'s clean-up, so its working directory (with whatever the program
+    wrote) and its cgroup stayed. Its processes died with it (``PR_SET_PDEATHSIG``, ``--die-with-parent``)."""
+    for path in _orphans(tempfile.gettempdir()):
+        _rmtree(path)
+    if os.geteuid() == 0:
+        for base in _CGROUP_BASES:
+            for path in _orphans(base):
+                if os.path.isfile(os.path.join(path, "pids.max")):
+                    _remove_cgroup(path)
 
 
 def _rmtree(path: str) -> None:
@@ -371,7 +416,8 @@ def run_code(
 
     HumanEval convention: ``tests`` defines ``check(candidate)`` and the harness calls it with the
     program's function named ``entry_point``; the tests also see every other top-level function of the
-    code (and its top-level literal values) by name. Without ``entry_point`` the tests are module-level
+    code (and its top-level literal values) by name, except names of built-ins (a program's ``abs`` or
+    ``set`` would answer the tests' own calls). Without ``entry_point`` the tests are module-level
     code (bare asserts); without ``tests`` the program passes when its code runs to completion.
 
     Statuses: ``passed``; ``failed``: an ``AssertionError``, or the program exited (``sys.exit``,
@@ -408,7 +454,8 @@ def run_code(
     limits = {resource.RLIMIT_CPU: (cpu, cpu + 1), resource.RLIMIT_AS: (memory_mb << 20, memory_mb << 20),
               resource.RLIMIT_FSIZE: (max_file_mb << 20, max_file_mb << 20), resource.RLIMIT_CORE: (0, 0)}
     harness_limits = {**limits, resource.RLIMIT_AS: (max(memory_mb, 512) << 20,) * 2}
-    workdir = tempfile.mkdtemp(prefix="meshrl-sandbox-")
+    _sweep_orphans()
+    workdir = tempfile.mkdtemp(prefix=f"{_OWNED_PREFIX}{os.getpid()}-")
     cgroup = _make_cgroup(max_procs)
     start = time.monotonic()
     run = None

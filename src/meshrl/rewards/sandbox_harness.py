@@ -120,15 +120,27 @@ def _load(remote: Remote) -> dict:
     return loaded
 
 
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+def _may_bind(name: Any, *, entry_point: str | None) -> bool:
+    """Whether a name the program defined may be bound in the tests' namespace. Never a built-in's name (other
+    than the entry point's): a program defining ``abs`` or ``set`` would otherwise answer the tests' own
+    ``assert abs(candidate(x) - y) < 1e-6`` or ``set(candidate(x)) == set(y)`` and pass them, and the trusted
+    helpers that call built-ins would call it too."""
+    return type(name) is str and name.isidentifier() and (name == entry_point or name not in _BUILTIN_NAMES)
+
+
 def run_tests(payload: dict, remote: Remote) -> str:
     """The verdict for the program behind ``remote`` under ``payload``'s tests (module docstring)."""
     try:
         loaded = _load(remote)
         ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         for name, value in loaded["values"].items():
-            ns[str(name)] = decode_value(value)
+            if _may_bind(name, entry_point=payload["entry_point"]):
+                ns[name] = decode_value(value)
         for name in loaded["callables"]:
-            if type(name) is str and name.isidentifier():
+            if _may_bind(name, entry_point=payload["entry_point"]):
                 ns[name] = remote.proxy(name)
         tests, entry_point, trusted = payload["tests"], payload["entry_point"], payload.get("trusted_code")
         if trusted is not None:  # e.g. the problem's prompt: its helpers win over the program's copies

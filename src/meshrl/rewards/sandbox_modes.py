@@ -22,6 +22,7 @@ The label of the mechanism used is recorded in every :class:`~meshrl.rewards.san
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import logging
@@ -35,6 +36,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+# Resolved here, not in preexec_fn: loading a library in a child forked from a threaded parent can deadlock.
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
 
 _UNSHARE = ("unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc")
 _SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -172,6 +180,8 @@ def limiter(limits: dict[int, tuple[int, int]], cgroup: str | None, mode: Mode |
     """``preexec_fn``: lower the rlimits (never above the current hard limit), join the cgroup (needs
     root), then switch user if the mode says so."""
 
+    parent = os.getpid()
+
     def apply() -> None:
         for res, (soft, hard) in limits.items():
             current = resource.getrlimit(res)[1]
@@ -188,8 +198,20 @@ def limiter(limits: dict[int, tuple[int, int]], cgroup: str | None, mode: Mode |
             os.setgroups([])
             os.setgid(mode.gid)
             os.setuid(mode.uid)
+        _die_with(parent)
 
     return apply
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when ``parent`` dies (after the user switch, which would clear it): a caller killed
+    mid-run (a scorer process at the reward's time limit) must not leave the harness, ``unshare`` or an
+    un-namespaced program behind. bubblewrap has ``--die-with-parent`` for the same."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, 9)  # SIGKILL
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
 
 
 def child_env(home: str) -> dict[str, str]:

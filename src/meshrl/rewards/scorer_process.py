@@ -10,8 +10,10 @@ Replies are plain JSON (a number, a type name or an exception's type and message
 
 The child ignores SIGINT and SIGTERM (a Ctrl-C or a preemption signal is for the trainer, which decides
 when to stop; a scorer dying mid-step would change that step's rewards) and dies with its parent
-(``PR_SET_PDEATHSIG``). It should not use torch: forking a process whose OpenMP pool is running can
-deadlock in the child.
+(``PR_SET_PDEATHSIG``). The child runs torch on one thread: the trainer's OpenMP (and MKL) pool does not
+survive the fork, and the first parallel region in the child would wait forever for its threads (every
+reward of a torch-using scorer then timed out). Other libraries with a thread pool that is not fork-safe
+have the same hazard; numpy's OpenBLAS re-initialises its pool after a fork.
 """
 
 from __future__ import annotations
@@ -108,8 +110,18 @@ def _close_pool_pipes() -> None:
             conn.close()
 
 
+def _single_threaded_torch() -> None:
+    """One intra-op thread for torch in this forked child, if the parent loaded torch: with one thread torch
+    runs its kernels inline and never enters the parent's OpenMP pool, whose threads the fork did not copy."""
+    torch = sys.modules.get("torch")  # not imported here: a scorer that never uses torch pays nothing
+    set_threads = getattr(torch, "set_num_threads", None)
+    if set_threads is not None:
+        set_threads(1)
+
+
 def _serve(score_fn: Callable[[str, Any], Any], request_fd: int, reply_fd: int) -> None:
     _close_pool_pipes()
+    _single_threaded_torch()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
@@ -145,6 +157,7 @@ class ScorerProcess:
         self.pid: int | None = None
         self.fds: tuple[int, int] = (-1, -1)
         self.starts = 0
+        self._child: _Child | None = None
         self._finalizer: weakref.finalize | None = None
 
     def _start(self) -> None:
@@ -162,7 +175,8 @@ class ScorerProcess:
         os.close(request_r)
         os.close(reply_w)
         self.pid, self.fds, self.starts = pid, (request_w, reply_r), self.starts + 1
-        self._finalizer = weakref.finalize(self, _shutdown, pid, self.fds)
+        self._child = _Child(pid, self.fds)
+        self._finalizer = weakref.finalize(self, _shutdown, self._child)
 
     def close(self) -> None:
         """Stop the child (a later :meth:`score` forks a new one)."""
@@ -206,9 +220,12 @@ class ScorerProcess:
         """Whether the idle child is gone (``PR_SET_PDEATHSIG`` fires when the THREAD that forked it ends,
         so a runner first used in a finished thread finds its child killed): not the next item's fault."""
         try:
-            return os.waitpid(self.pid, os.WNOHANG)[0] != 0  # type: ignore[arg-type]
+            ended = os.waitpid(self.pid, os.WNOHANG)[0] != 0  # type: ignore[arg-type]
         except ChildProcessError:
-            return True
+            ended = True
+        if ended:
+            self._child.reaped = True  # type: ignore[union-attr]
+        return ended
 
     def _died(self) -> float:
         pid = self.pid
@@ -216,14 +233,25 @@ class ScorerProcess:
         if pid is not None:
             with contextlib.suppress(ChildProcessError):
                 _, status = os.waitpid(pid, 0)
+            self._child.reaped = True  # type: ignore[union-attr]
         self.close()
         how = "" if status is None else (f" (signal {os.WTERMSIG(status)})" if os.WIFSIGNALED(status)
                                          else f" (exit status {os.WEXITSTATUS(status)})")
         raise ScorerDied(f"the scorer's process ended during the call{how}")
 
 
-def _shutdown(pid: int, fds: tuple[int, int]) -> None:
-    for fd in fds:
+class _Child:
+    """A forked scorer: its pid, the parent's pipe ends, and whether it was reaped. A reaped child's pid (and
+    process group id) is free for the system to reuse, so it is never signalled again."""
+
+    def __init__(self, pid: int, fds: tuple[int, int]) -> None:
+        self.pid, self.fds, self.reaped = pid, fds, False
+
+
+def _shutdown(child: _Child) -> None:
+    for fd in child.fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _kill(pid)
+    if not child.reaped:
+        _kill(child.pid)
+        child.reaped = True

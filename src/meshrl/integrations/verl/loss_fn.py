@@ -65,6 +65,20 @@ def balance_surrogate(log_prob: torch.Tensor, response_mask: torch.Tensor, weigh
     return float(dp_size) * (weights.detach().to(seq_logp.dtype) * seq_logp).sum()
 
 
+def _metric_aggregation(data: Any, config: Any) -> AggregationType:
+    """How verl must combine a loss term's per-micro-batch metric, by ``ppo_loss``'s own rule: once any global
+    batch figure is set (the FSDP engine always sets ``batch_num_tokens``), each micro-batch's term is its
+    share of the global mean, so the shares add up (SUM); without them each is a local mean (MEAN)."""
+    shares = (_non_tensor(data, "dp_size", 1) > 1 or _non_tensor(data, "batch_num_tokens") is not None
+              or _non_tensor(data, "global_batch_size") is not None
+              or getattr(config, "loss_scale_factor", None) is not None)
+    return AggregationType.SUM if shares else AggregationType.MEAN
+
+
+def _non_tensor(data: Any, key: str, default: Any = None) -> Any:
+    return data[key] if key in data else default  # noqa: SIM401 - TensorDict.get wraps non-tensor values
+
+
 def mei_sketch_outputs(student_logits: torch.Tensor, data: Any, mesh: MeshSettings) -> dict[str, torch.Tensor]:
     """The logits-processor answer: one ``[1, nnz]`` per-token field per sketch bucket (see
     :mod:`meshrl.integrations.verl.mei`); the engine stores them as model outputs of the old-log-prob pass."""
@@ -110,7 +124,7 @@ def mesh_loss(
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     mask = _padded(data, "response_mask", "verl's response mask").to(log_prob.dtype)
     dp_size = int(data["dp_size"]) if "dp_size" in data else 1
-    agg = AggregationType.SUM if dp_size > 1 else AggregationType.MEAN
+    agg = _metric_aggregation(data, config)
     if mesh.mu > 0:
         weights = _field(data, BALANCE_WEIGHT, "strategy balancing is on (meshrl.mu > 0): run verl with "
                          "trainer.v1.trainer_mode=meshrl, which writes it")

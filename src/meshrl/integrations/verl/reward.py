@@ -5,7 +5,12 @@ verl's default reward manager (``naive``, 0.9.1) calls
 dataset row's ``extra_info``; a dict return puts ``score`` in the reward and every other key in
 ``reward_extra_info``. :class:`TaskScorer` scores a completion exactly as meshrl's trainer does: the task's own
 ``score(completion, problem)`` on the problem named by ``extra_info["query_id"]`` (tasks may grade beyond the
-reference string: dense rewards, code execution, reasoning-gym's scorers). The task is loaded once per process.
+reference string: dense rewards, code execution, reasoning-gym's scorers) under meshrl's reward rules
+(:class:`meshrl.rewards.RewardRunner`: a time limit, an exception, a NaN or a non-number scores 0 and is logged,
+a score outside [0, 1] is clamped), so that one bad completion neither crashes verl's reward worker nor hands it
+a NaN. The scorer runs in this process (``isolation="inline"``: no fork inside verl's worker, and no lock when
+verl scores from several threads); its time limit then holds in the main thread only. The task is loaded once
+per process.
 The export writes a small module that builds one (``reward.py`` next to the parquet files); point verl's
 ``reward.custom_reward_function.path`` at it, ``name=compute_score``.
 """
@@ -14,17 +19,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshrl.integrations.verl.settings import CORRECT_AT  # "acc" as meshrl's trainer counts a rollout correct
+from meshrl.rewards import RewardRunner
 from meshrl.tasks import load_task
-
-CORRECT_AT = 1.0 - 1e-6  # "acc" as meshrl counts a rollout correct
 
 
 class TaskScorer:
     """``compute_score`` for verl, bound to the task (spec and seed) the data was exported from."""
 
-    def __init__(self, task: str, seed: int = 0) -> None:
-        self.task_spec, self.seed = task, seed
+    def __init__(self, task: str, seed: int = 0, timeout_s: float | None = 10.0, isolation: str = "inline") -> None:
+        self.task_spec, self.seed, self.timeout_s, self.isolation = task, seed, timeout_s, isolation
         self._task: Any = None
+        self._runner: RewardRunner | None = None
         self._problems: dict[str, dict[str, Any]] = {}
 
     def problem(self, query_id: str, split: str) -> tuple[Any, Any]:
@@ -47,5 +53,7 @@ class TaskScorer:
             raise ValueError(f"reward: a row of {data_source!r} has no extra_info 'query_id'/'split'; "
                              "was it written by `meshrl export verl`?")
         task, problem = self.problem(str(info["query_id"]), str(info["split"]))
-        score = float(task.score(solution_str, problem))
+        if self._runner is None:
+            self._runner = RewardRunner(task.score, timeout_s=self.timeout_s, isolation=self.isolation)
+        score = self._runner.score_one(solution_str, problem)
         return {"score": score, "acc": score >= CORRECT_AT}

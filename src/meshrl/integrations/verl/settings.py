@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from meshrl.mesh import REDUCTIONS
+from meshrl.trainer.rollout_step import CORRECT_AT
 
 #: Per-sample fields the meshrl trainer writes into each verl batch row and the loss wrapper reads.
 QUERY_ID = "meshrl_query_id"
@@ -21,8 +22,9 @@ BALANCE_WEIGHT = "meshrl_balance_weight"
 #: Keys of a dataset row's ``extra_info`` that carry the ids (written by ``meshrl export verl``).
 EXTRA_QUERY_ID = "query_id"
 EXTRA_STRATEGY_ID = "strategy_id"
-#: A rollout is correct when its score reaches 1 (the same cut as meshrl's own trainer).
-CORRECT_AT = 1.0 - 1e-6
+#: A rollout is correct when its score reaches ``CORRECT_AT`` (meshrl's own trainer's cut, imported from it).
+__all__ = ["BALANCE_WEIGHT", "CORRECT", "CORRECT_AT", "EXTRA_QUERY_ID", "EXTRA_STRATEGY_ID", "QUERY_ID",
+           "STRATEGY_ID", "MeshSettings", "settings_from_config"]
 
 
 @dataclass(frozen=True)
