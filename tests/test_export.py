@@ -242,10 +242,10 @@ def test_export_names_a_base_model_that_cannot_be_found(full_run, tmp_path):
 
 def test_a_failed_export_leaves_nothing_behind(full_run, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
-        raise RuntimeError("the exported model does not reproduce the checkpoint")
+        raise ValueError("the exported model does not reproduce the checkpoint")
 
     monkeypatch.setattr(export_mod, "verify_export", broken)
-    with pytest.raises(RuntimeError, match="does not reproduce"):
+    with pytest.raises(ValueError, match="does not reproduce"):
         export_model(full_run, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []  # neither the output nor its hidden temporary directory
 
@@ -256,7 +256,7 @@ def test_verification_catches_an_export_that_does_not_reproduce_the_policy(full_
     ids = export_mod.probe_ids(tok)
     expected = export_mod.probe_logits(model, ids)
     assert export_mod.verify_export(tmp_path / "hf", ids, expected, tok) == 0.0
-    with pytest.raises(RuntimeError, match="does not reproduce the checkpoint"):
+    with pytest.raises(ValueError, match="does not reproduce the checkpoint"):
         export_mod.verify_export(tmp_path / "hf", ids, expected + 0.5, tok)
 
 

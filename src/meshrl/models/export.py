@@ -280,7 +280,7 @@ def verify_export(path: Path, ids: list[int], expected: torch.Tensor, tokenizer,
 
     loaded_tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if probe_ids(loaded_tok) != ids:
-        raise RuntimeError(f"the exported tokenizer in {path} encodes the probe prompt differently from the run's")
+        raise ValueError(f"the exported tokenizer in {path} encodes the probe prompt differently from the run's")
     if adapter_base is None:
         loaded = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
     else:
@@ -293,7 +293,7 @@ def verify_export(path: Path, ids: list[int], expected: torch.Tensor, tokenizer,
     dtype = next(loaded.parameters()).dtype
     limit = LOGIT_RTOL.get(dtype, 3e-2) * (1.0 + float(expected.abs().max()))
     if not diff <= limit:
-        raise RuntimeError(f"the exported model in {path} does not reproduce the checkpoint: max |logit "
+        raise ValueError(f"the exported model in {path} does not reproduce the checkpoint: max |logit "
                            f"difference| {diff:.3g} > {limit:.3g} on the probe prompt")
     return diff
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from meshrl.doctor.records import read_jsonl
+
 log = logging.getLogger("meshrl.report")
 
 STRATEGY_MASS_PREFIX = "strategy/mass/"
@@ -28,27 +30,6 @@ def as_number(value: Any) -> float | None:
         return None
     f = float(value)
     return f if math.isfinite(f) else None
-
-
-def read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
-    """Objects of a JSONL file; unreadable lines and non-object lines are skipped and counted in ``notes``."""
-    rows: list[dict[str, Any]] = []
-    bad = 0
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(obj, dict):
-            rows.append(obj)
-        else:
-            bad += 1
-    if bad:
-        notes.append(f"{path.name}: skipped {bad} unreadable line(s)")
-    return rows
 
 
 def _read_mapping(path: Path, notes: list[str], loader: str) -> dict[str, Any]:
