@@ -91,6 +91,7 @@ class LogConfig:
 @dataclass
 class FailureConfig:
     max_nonfinite: int = 3  # abort after this many consecutive non-finite steps
+    max_stalled: int = 3  # stop after this many steps in a row with zero gradient, non-zero advantages
 
 
 MESH_RECIPES = ("mesh", "cp_only")
@@ -197,6 +198,7 @@ class RunConfig:
             "rollout.decode_workers": self.rollout.decode_workers >= 0,
             "train.update_workers": self.train.update_workers >= 0,
             "checkpoint.every": self.checkpoint.every >= 1,
+            "failure.max_stalled": self.failure.max_stalled >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
