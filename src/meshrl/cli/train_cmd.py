@@ -58,12 +58,13 @@ def _resume_config(run_dir: Path, args: argparse.Namespace):
         raise ValueError(f"--resume {run_dir}: no config.yaml there (not a meshrl run directory)")
     if args.config is not None or args.recipe or args.model or args.task:
         raise ValueError("--resume takes the run's own config; only --steps and --set may change it")
-    try:
-        return load_config(cfg_file, _flag_overrides(args))
-    except yaml.YAMLError as e:  # a file damaged on disk (the trainer writes it atomically)
+    try:  # the file alone first, so that its own faults name it (the trainer writes it atomically)
+        load_config(cfg_file)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"--resume {run_dir}: {cfg_file} is corrupt ({' '.join(str(e).split())})") from e
     except ValueError as e:
         raise ValueError(f"--resume {run_dir}: {cfg_file}: {e}") from e
+    return load_config(cfg_file, _flag_overrides(args))
 
 
 def _stopped(err: BaseException, prefix: str = "") -> int:

@@ -270,7 +270,8 @@ def save_checkpoint(
         atomic_write_text(root / "latest", name)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, Exception) and _is_space_error(err):
+        # torch's zip writer does not always say why a write failed: a disk now too full says it
+        if isinstance(err, Exception) and (_is_space_error(err) or shutil.disk_usage(root).free < needed):
             raise _space_error(root, step, needed, err) from err
         raise
     _prune(root, keep_last, keep=name)

@@ -10,11 +10,18 @@ its checkpoint (and a partial last line) and the checkpoints of the abandoned st
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import yaml
 
-from meshrl.trainer.checkpoint import atomic_write_text, read_pointer, remove_after, remove_temporaries, step_dirs
+from meshrl.trainer.checkpoint import (
+    atomic_write_text,
+    latest_checkpoint,
+    remove_after,
+    remove_temporaries,
+    step_dirs,
+)
 from meshrl.trainer.runlog import truncate_after_step
 
 log = logging.getLogger("meshrl")
@@ -46,19 +53,23 @@ def prepare_fresh(run_dir: Path) -> None:
     root = run_dir / "checkpoints"
     remove_temporaries(root)
     _remove_record_temporaries(run_dir)
-    pointed = read_pointer(run_dir)  # refuses a pointer that leads outside the run directory
-    found = step_dirs(root)
-    if pointed is not None or found:
-        last = found[-1].name if found else pointed.name
-        raise ValueError(f"{run_dir} already holds a run (checkpoint {last}); continue it with --resume "
+    last = latest_checkpoint(run_dir)  # refuses a pointer that leads outside the run directory
+    if last is not None:
+        raise ValueError(f"{run_dir} already holds a run (checkpoint {last.name}); continue it with --resume "
                          f"{run_dir}, or choose another --out")
     stale = [name for name in (*RECORDS, *DERIVED) if (run_dir / name).exists()]
+    stale += [f"checkpoints/{p.name}" for p in step_dirs(root)]  # none complete (no state.json)
+    stale += ["checkpoints/latest"] if (root / "latest").exists() else []
     if stale:
         log.warning("%s holds the records of a run that stopped before its first checkpoint (%s): there is "
                     "nothing to resume, so the run starts again from step 0 and replaces them", run_dir,
                     ", ".join(stale))
         for name in stale:
-            (run_dir / name).unlink()
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def prepare_resume(run_dir: Path) -> None:
@@ -77,6 +88,9 @@ def rewind_records(run_dir: Path, step: int) -> None:
     if gone:
         log.warning("resuming from step %d: removed the later checkpoint(s) %s of the abandoned steps",
                     step, ", ".join(gone))
+    pointer, name = run_dir / "checkpoints" / "latest", f"step_{step:06d}"
+    if not pointer.is_file() or pointer.read_text().strip() != name:  # it named a damaged one: never a missing one
+        atomic_write_text(pointer, name)
 
 
 def write_config(config: dict, run_dir: Path) -> None:
