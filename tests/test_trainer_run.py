@@ -111,10 +111,11 @@ def test_nonfinite_loss_skips_then_aborts_with_checkpoint(tmp_path, monkeypatch)
     with pytest.raises(NonFiniteAbort, match="consecutive"):
         train(_cfg("failure.max_nonfinite=2", steps=5), tmp_path / "nan")
     events = read_jsonl(tmp_path / "nan" / "events.jsonl")
-    assert [e["event"] for e in events].count("nonfinite_skip") == 1
+    assert [e["event"] for e in events].count("nonfinite_skip") == 2
     assert events[-1]["event"] == "nonfinite_abort"
-    metrics = read_jsonl(tmp_path / "nan" / "metrics.jsonl")
-    assert metrics[0]["skipped/nonfinite"] == 1.0
+    metrics = read_jsonl(tmp_path / "nan" / "metrics.jsonl")  # the aborting step's metrics are written too
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["skipped/nonfinite"] == 1.0 for m in metrics)
+    assert events[-1]["checkpoint"].endswith("step_000002")
 
 
 def test_interrupt_saves_a_checkpoint(tmp_path, monkeypatch):

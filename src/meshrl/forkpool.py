@@ -70,16 +70,51 @@ class WorkerDied(RuntimeError):
 _PARENT_ENDS: weakref.WeakSet = weakref.WeakSet()
 
 
+# A scheduler's SIGTERM reaches the whole process group. A worker then keeps serving the requests that follow
+# within TERM_GRACE_S (the parent finishes its step with every worker, as without the signal) and ends once it
+# has been idle that long; a worker idle in the wait when the signal comes checks the same.
+TERM_GRACE_S = 5.0
+_term = {"received": False, "waiting": False}
+
+
+class _Terminated(BaseException):
+    """Raised by the worker's SIGTERM handler while it waits (no message half-read) for a request."""
+
+
+def _worker_sigterm(signum: int, frame: object) -> None:
+    _term["received"] = True
+    if _term["waiting"]:
+        raise _Terminated
+
+
+def _next_request(conn) -> bool:
+    """Wait for a request (or EOF); False when the worker must end: SIGTERM and no request within the grace."""
+    while True:
+        if _term["received"]:
+            return bool(conn.poll(TERM_GRACE_S))
+        _term["waiting"] = True
+        try:
+            if not _term["received"]:  # (a signal between the check above and here raises no exception)
+                conn.poll(None)
+                return True
+        except _Terminated:
+            continue
+        finally:
+            _term["waiting"] = False
+
+
 def _worker_main(conn, fn: Callable) -> None:
     """Serve ``fn(*args)`` requests until the parent closes the pipe."""
     for inherited in list(_PARENT_ENDS):
         with contextlib.suppress(OSError):
             inherited.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's SIGTERM-as-Ctrl-C handler
+    signal.signal(signal.SIGTERM, _worker_sigterm)
     torch.set_num_threads(1)
     while True:
         try:
+            if not _next_request(conn):
+                return
             args = conn.recv()
         except (EOFError, OSError):
             return

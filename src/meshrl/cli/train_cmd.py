@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
+
 from meshrl.algos import RECIPES
 from meshrl.trainer.config import MESH_RECIPES
 
@@ -48,27 +50,61 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
     return out + list(args.overrides)
 
 
+def _resume_config(run_dir: Path, args: argparse.Namespace):
+    from meshrl.trainer import load_config
+
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise ValueError(f"--resume {run_dir}: no config.yaml there (not a meshrl run directory)")
+    if args.config is not None or args.recipe or args.model or args.task:
+        raise ValueError("--resume takes the run's own config; only --steps and --set may change it")
+    try:  # the file alone first, so that its own faults name it (the trainer writes it atomically)
+        load_config(cfg_file)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"--resume {run_dir}: {cfg_file} is corrupt ({' '.join(str(e).split())})") from e
+    except ValueError as e:
+        raise ValueError(f"--resume {run_dir}: {cfg_file}: {e}") from e
+    return load_config(cfg_file, _flag_overrides(args))
+
+
+def _stopped(err: BaseException, prefix: str = "") -> int:
+    """One line (rc 1) for a run that stopped before its last step, with the checkpoint it can continue from."""
+    ckpt = getattr(err, "checkpoint", None)
+    where = f"; checkpoint saved: {ckpt}" if ckpt else ""
+    text = " ".join(str(err).split()) or type(err).__name__
+    print(f"meshrl train: error: {prefix}{text}{where}", file=sys.stderr)
+    return 1
+
+
 def run(args: argparse.Namespace) -> int:
-    from meshrl.trainer import load_config, train
+    from meshrl.rewards import RewardError
+    from meshrl.trainer import NonFiniteAbort, load_config, train
+    from meshrl.trainer.failure import StalledRun
+    from meshrl.trainer.signals import RunInterrupted
 
     if args.resume is not None:
         run_dir = args.resume
-        cfg_file = run_dir / "config.yaml"
-        if not cfg_file.is_file():
-            raise ValueError(f"--resume {run_dir}: no config.yaml there (not a meshrl run directory)")
-        if args.config is not None or args.recipe or args.model or args.task:
-            raise ValueError("--resume takes the run's own config; only --steps and --set may change it")
-        cfg = load_config(cfg_file, _flag_overrides(args))
+        if not run_dir.is_dir():
+            raise ValueError(f"--resume {run_dir}: no such run directory")
+        cfg = _resume_config(run_dir, args)
         resume = True
     else:
         if args.out is None:
             raise ValueError("--out RUN_DIR is required (or --resume RUN_DIR)")
         run_dir = args.out
-        if (run_dir / "checkpoints" / "latest").exists():
-            raise ValueError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ValueError(f"--out {run_dir} is a file, not a directory; give a new or existing directory")
         cfg = load_config(args.config, _flag_overrides(args))
         resume = False
-    history = train(cfg, run_dir, resume=resume)
+    try:
+        history = train(cfg, run_dir, resume=resume)
+    except RunInterrupted as err:
+        print(f"meshrl train: {err}; continue with: meshrl train --resume {run_dir}", file=sys.stderr)
+        return 128 + err.signum
+    except (NonFiniteAbort, StalledRun) as err:
+        return _stopped(err)
+    except RewardError as err:
+        return _stopped(err, prefix="reward function failed (reward.strict / --strict-rewards): ")
     if history:
         last = history[-1]
         print(f"done: step {last['step']} reward/mean {last.get('reward/mean', float('nan')):.4f} "

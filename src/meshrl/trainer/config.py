@@ -97,6 +97,7 @@ class LogConfig:
 @dataclass
 class FailureConfig:
     max_nonfinite: int = 3  # abort after this many consecutive non-finite steps
+    max_stalled: int = 3  # stop after this many steps in a row with zero gradient, non-zero advantages
 
 
 MESH_RECIPES = ("mesh", "cp_only")
@@ -116,7 +117,8 @@ RANGES = {
     "train.lora_alpha": "> 0", "reward.timeout_s": "> 0", "dynamic_sampling.max_rounds": ">= 1",
     "eval.every": ">= 0", "eval.n": ">= 1", "eval.limit": ">= 0", "eval.temperature": ">= 0",
     "eval.max_new_tokens": ">= 0", "checkpoint.every": ">= 1", "checkpoint.keep_last": ">= 1",
-    "log.samples_per_step": ">= -1 (-1 = all)", "failure.max_nonfinite": ">= 1", "diag.mei.every": ">= 0",
+    "log.samples_per_step": ">= -1 (-1 = all)", "failure.max_nonfinite": ">= 1",
+    "failure.max_stalled": ">= 0 (0 = off)", "diag.mei.every": ">= 0",
     "diag.mei.patience": ">= 1",
 }
 
@@ -254,6 +256,7 @@ class RunConfig:
             "checkpoint.keep_last": self.checkpoint.keep_last >= 1,
             "log.samples_per_step": self.log.samples_per_step >= -1,
             "failure.max_nonfinite": self.failure.max_nonfinite >= 1,
+            "failure.max_stalled": self.failure.max_stalled >= 0,
             "diag.mei.every": m.every >= 0,
             "diag.mei.patience": m.patience >= 1,
         }
@@ -440,7 +443,7 @@ def load_config(
 
 
 def _without_derived(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` without the derived records ``save_config`` adds (a saved config.yaml loads back)."""
+    """``data`` without the derived records ``config_record`` adds (a saved config.yaml loads back)."""
     return {k: v for k, v in data.items() if k not in ("resolved_recipe", "resolved_mesh", "resolved_task")}
 
 
@@ -493,10 +496,11 @@ def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def save_config(cfg: RunConfig, path: Path, task: Any = None) -> None:
-    """Write the resolved config; with ``task``, also ``resolved_task``: the reward kind it grades with and the
-    answer-format instruction appended to every prompt (``null``: none), so a run records what it asked for."""
+def config_record(cfg: RunConfig, task: Any = None) -> dict[str, Any]:
+    """The resolved config as written to ``config.yaml``; with ``task``, also ``resolved_task``: the reward kind it
+    grades with and the answer-format instruction appended to every prompt (``null``: none), so a run records what
+    it asked for."""
     d = cfg.to_dict()
     if task is not None:
         d["resolved_task"] = {"name": task.name, "reward_kind": task.reward_kind, "instruction": task.instruction}
-    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return d

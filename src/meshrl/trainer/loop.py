@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import signal
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,8 +28,9 @@ from meshrl.doctor.grouping import grouping_metrics
 from meshrl.forkpool import WorkerDied
 from meshrl.progress import progress_bar
 from meshrl.trainer.batch import collate, micro_weight, response_logits, token_entropy, token_logprobs
-from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from meshrl.trainer.config import RunConfig, save_config
+from meshrl.trainer.checkpoint import restore_checkpoint, rng_state, save_checkpoint
+from meshrl.trainer.config import RunConfig, config_record
+from meshrl.trainer.failure import NonFiniteAbort, RunHealth, StalledRun, record_stop
 from meshrl.trainer.mei_monitor import MeiMonitor
 from meshrl.trainer.mesh_support import balance_row_weights, prepare_prefixes, support_backward, support_row_weights
 from meshrl.trainer.parallel_update import (
@@ -43,14 +43,14 @@ from meshrl.trainer.parallel_update import (
 from meshrl.trainer.periodic_eval import PeriodicEval, write_summary
 from meshrl.trainer.plugins import TrainPlugins
 from meshrl.trainer.rollout_step import CORRECT_AT, RolloutStep, StepData, strategy_figures
-from meshrl.trainer.runlog import JsonlWriter, Trackers, truncate_after_step
+from meshrl.trainer.run_dir import prepare_fresh, prepare_resume, rewind_records, write_config
+from meshrl.trainer.runlog import JsonlWriter, Trackers
 from meshrl.trainer.schedule import lr_at
+from meshrl.trainer.signals import RunInterrupted, StopRequests
+
+__all__ = ["NonFiniteAbort", "StalledRun", "Trainer", "train"]
 
 log = logging.getLogger("meshrl")
-
-
-class NonFiniteAbort(RuntimeError):
-    """Raised after ``failure.max_nonfinite`` consecutive steps with a non-finite loss or gradient."""
 
 
 class Trainer:
@@ -101,6 +101,11 @@ class Trainer:
         self.pending_events: list[dict[str, Any]] = []
         self._mei_collect = False
         self.step_idx, self.cursor, self.bad_in_row = 0, 0, 0
+        # A checkpoint holds a step boundary: ``dirty`` is True from the moment a step starts changing the
+        # trainer until its records are written; ``boundary_rng`` is the RNG state at the start of the step.
+        self.dirty, self.boundary_rng, self.saved_step = False, None, None
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        self.health = RunHealth(cfg.failure.max_nonfinite, cfg.failure.max_stalled, vocab)
         self.last_data = StepData()
         self.balance_w: torch.Tensor | None = None  # per-row balancing weights of the current step
         self.support_w: torch.Tensor | None = None
@@ -118,18 +123,29 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        state = {"cursor": self.cursor, "bad_in_row": self.bad_in_row,
+        """Checkpoint the last step boundary (once per step: the state has not changed since)."""
+        if self.dirty:
+            raise RuntimeError(f"step {self.step_idx}: a checkpoint must hold a step boundary, not a step under way")
+        path = self.run_dir / "checkpoints" / f"step_{self.step_idx:06d}"
+        if self.saved_step == self.step_idx and path.is_dir():
+            return path
+        state = {"cursor": self.cursor, "bad_in_row": self.bad_in_row, "stalled_in_row": self.health.stalled_in_row,
                  "mei": self.mei.state_dict() if self.mei else None}
-        return save_checkpoint(self.run_dir, self.step_idx, self.model, self.optimizer, state,
-                               keep_last=self.cfg.checkpoint.keep_last)
+        path = save_checkpoint(self.run_dir, self.step_idx, self.model, self.optimizer, state,
+                               keep_last=self.cfg.checkpoint.keep_last, rng=self.boundary_rng)
+        self.saved_step = self.step_idx
+        return path
+
+    def end_step(self) -> None:
+        """The step's records are written: the trainer is at a step boundary again."""
+        self.dirty, self.boundary_rng = False, None
 
     def restore(self) -> None:
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
-            raise ValueError(f"no checkpoint to resume from in {self.run_dir}/checkpoints")
-        state = load_checkpoint(path, self.model, self.optimizer)
+        _, state = restore_checkpoint(self.run_dir, self.model, self.optimizer)
         self.step_idx, self.cursor = int(state["step"]), int(state["cursor"])
         self.bad_in_row = int(state.get("bad_in_row", 0))
+        self.health.stalled_in_row = int(state.get("stalled_in_row", 0))
+        self.saved_step = self.step_idx
         if self.mei and state.get("mei"):
             self.mei.load_state_dict(state["mei"])
         self.backend.sync_weights(self.model)
@@ -137,9 +153,12 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        data, self.cursor = self.plugins.sample(self)  # the sampler's, with plugins.luffy / plugins.replay
+        self.boundary_rng = rng_state()
+        # the sampler's rollouts (with plugins.luffy / plugins.replay); no change to the trainer's state yet
+        data, cursor = self.plugins.sample(self)
         self.last_data = data
         t1 = time.perf_counter()
+        self.dirty = True
         self._set_lr()
         mei_now = bool(self.mei and self.mei.active(self.step_idx) and len(data))
         self._mei_collect = mei_now
@@ -153,7 +172,7 @@ class Trainer:
             self._mei_collect = False
         self.backend.sync_weights(self.model)
         t2 = time.perf_counter()
-        self.step_idx += 1
+        self.step_idx, self.cursor = self.step_idx + 1, cursor
         n_tokens = sum(len(p) + len(r) for p, r in zip(data.prompt_ids, data.response_ids, strict=True))
         metrics.update(self._rollout_metrics(data))
         metrics.update(self._strategy_metrics(data))
@@ -287,16 +306,12 @@ class Trainer:
             return self._logps(self.model, data)
 
     def _skip_step(self, sums: dict[str, float], n_updates: int) -> dict[str, Any]:
+        """The step's update is skipped; :class:`RunHealth` stops the run after ``failure.max_nonfinite`` in a
+        row, once the step's records are written."""
         self.optimizer.zero_grad(set_to_none=True)
         self.bad_in_row += 1
-        log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)",
+        log.warning("step %d: non-finite loss, gradient or log-prob, update skipped (%d in a row)",
                     self.step_idx + 1, self.bad_in_row)
-        if self.bad_in_row >= self.cfg.failure.max_nonfinite:
-            raise NonFiniteAbort(
-                f"{self.bad_in_row} consecutive steps had a non-finite loss or gradient (last at step "
-                f"{self.step_idx + 1}); aborting. Lower optim.lr or check the reward/model; the last good "
-                f"state is saved in {self.run_dir / 'checkpoints'}"
-            )
         out = {k: v / max(n_updates, 1) for k, v in sums.items()}
         out["skipped/nonfinite"] = 1.0
         return out
@@ -431,6 +446,9 @@ class Trainer:
         logits = self.logits_of(self.model, mb)
         logp = token_logprobs(logits, mb.response_ids, temp)
         mask = mb.response_mask
+        if not bool(torch.isfinite(logp.detach()[mask > 0]).all()):  # skipped as a non-finite loss is
+            nan = torch.tensor(float("nan"))
+            return nan, {}, (logp * mask).sum(-1), (logp.detach(), token_entropy(logits.detach(), temp), None)
         if self._mei_collect:
             self.mei.add(idx, logits.detach(), mb.response_ids, mask, temp)
         entropy = token_entropy(logits.detach(), temp)
@@ -487,56 +505,65 @@ def _pad_rows(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- entry point
 def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
-    """Run (or resume) training into ``run_dir``; return the metrics of the steps run now."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Run (or resume) training into ``run_dir``; return the metrics of the steps run now.
+
+    SIGTERM / Ctrl-C finish the step, save it and raise :class:`RunInterrupted`; see ``docs/reliability.md``.
+    """
+    (prepare_resume if resume else prepare_fresh)(run_dir)
     trainer = Trainer(cfg, run_dir)
     if resume:
         trainer.restore()
-        for name in ("metrics.jsonl", "samples.jsonl", "events.jsonl", "evals.jsonl"):
-            truncate_after_step(run_dir / name, trainer.step_idx)
-    save_config(cfg, run_dir / "config.yaml", task=trainer.task)
+        rewind_records(run_dir, trainer.step_idx)
+    write_config(config_record(cfg, trainer.task), run_dir)
     writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events", "evals")}
     trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
     history: list[dict[str, Any]] = []
-    try:
-        with progress_bar("train", cfg.steps, cfg.log.progress, start=trainer.step_idx) as advance, \
-                _sigterm_as_interrupt():
-            while trainer.step_idx < cfg.steps:
-                metrics = trainer.step()
-                if trainer.evaluator and (trainer.step_idx % cfg.eval.every == 0 or trainer.step_idx == cfg.steps):
-                    ev = trainer.evaluator(trainer.step_idx)
-                    metrics.update(ev)
-                    writers["evals"].write({"step": trainer.step_idx, **ev})
-                _write_samples(writers["samples"], trainer, metrics["step"])
-                writers["metrics"].write(metrics)
-                trackers.log(metrics, metrics["step"])
-                history.append(metrics)
-                for event in trainer.pending_events:
-                    writers["events"].write(event)
-                trainer.pending_events.clear()
-                if "skipped/nonfinite" in metrics:
-                    writers["events"].write({"step": metrics["step"], "event": "nonfinite_skip"})
-                if trainer.step_idx % cfg.checkpoint.every == 0 or trainer.step_idx == cfg.steps:
-                    trainer.save()
-                advance(description=f"reward {metrics.get('reward/mean', float('nan')):.3f} "
-                                    f"acc {metrics.get('acc/mean', float('nan')):.3f}")
-    except KeyboardInterrupt:
-        path = trainer.save()
-        writers["events"].write({"step": trainer.step_idx, "event": "interrupted", "checkpoint": str(path)})
-        log.warning("interrupted: checkpoint saved at %s; continue with --resume %s", path, run_dir)
-        raise
-    except NonFiniteAbort:
-        # Skipped steps never touched the weights, so the current state is the last good one.
-        path = trainer.save()
-        writers["events"].write({"step": trainer.step_idx, "event": "nonfinite_abort", "checkpoint": str(path)})
-        raise
-    finally:
-        trainer.close()
-        for w in writers.values():
-            w.close()
-        trackers.close()
-        write_summary(run_dir)
+    with StopRequests() as stops:
+        try:
+            with progress_bar("train", cfg.steps, cfg.log.progress, start=trainer.step_idx) as advance:
+                while trainer.step_idx < cfg.steps and not stops.requested:
+                    metrics = _step_and_record(trainer, writers, trackers)
+                    history.append(metrics)
+                    failure = trainer.health.verdict(metrics, trainer.bad_in_row, run_dir)
+                    if failure is not None:
+                        raise failure
+                    if trainer.step_idx % cfg.checkpoint.every == 0 or trainer.step_idx == cfg.steps:
+                        with stops.critical():
+                            trainer.save()
+                    advance(description=f"reward {metrics.get('reward/mean', float('nan')):.3f} "
+                                        f"acc {metrics.get('acc/mean', float('nan')):.3f}")
+            if stops.requested:
+                raise RunInterrupted(stops.signum)
+        except BaseException as err:
+            record_stop(trainer, writers["events"], err, stops)
+            raise
+        finally:
+            trainer.close()
+            for w in writers.values():
+                w.close()
+            trackers.close()
+            write_summary(run_dir)
     return history
+
+
+def _step_and_record(trainer: Trainer, writers: dict[str, JsonlWriter], trackers: Trackers) -> dict[str, Any]:
+    """One step, its held-out evaluation when due, and its records; the trainer is at a boundary after it."""
+    cfg = trainer.cfg
+    metrics = trainer.step()
+    if trainer.evaluator and (trainer.step_idx % cfg.eval.every == 0 or trainer.step_idx == cfg.steps):
+        ev = trainer.evaluator(trainer.step_idx)
+        metrics.update(ev)
+        writers["evals"].write({"step": trainer.step_idx, **ev})
+    _write_samples(writers["samples"], trainer, metrics["step"])
+    writers["metrics"].write(metrics)
+    trackers.log(metrics, metrics["step"])
+    for event in trainer.pending_events:
+        writers["events"].write(event)
+    trainer.pending_events.clear()
+    if "skipped/nonfinite" in metrics:
+        writers["events"].write({"step": metrics["step"], "event": "nonfinite_skip"})
+    trainer.end_step()
+    return metrics
 
 
 def _write_samples(writer: JsonlWriter, trainer: Trainer, step: int) -> None:
@@ -556,24 +583,3 @@ def _write_samples(writer: JsonlWriter, trainer: Trainer, step: int) -> None:
         if strategy >= 0:  # the coach text the rollout was conditioned on, so it can be re-scored as sampled
             row.update(trainer.sampler.conditioning(p, strategy))
         writer.write(row)
-
-
-def _raise_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
-
-
-class _sigterm_as_interrupt:
-    """Treat SIGTERM like Ctrl-C so schedulers that stop a job also get a checkpoint."""
-
-    def __enter__(self):
-        self._old = signal.getsignal(signal.SIGTERM)
-        try:
-            signal.signal(signal.SIGTERM, _raise_interrupt)
-        except ValueError:  # not in the main thread
-            self._old = None
-        return self
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-        return False

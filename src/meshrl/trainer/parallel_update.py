@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from meshrl.algos._checks import check_tensor
 from meshrl.forkpool import ForkPool, check_shared_memory, fork_available
 from meshrl.trainer.batch import collate
 from meshrl.trainer.rollout_step import StepData
@@ -277,7 +276,7 @@ def part_backward(trainer, idx, prompts, responses, data, old_logps, ref_logps, 
     With ``skip_zero``, non-empty rows with advantage 0 (except position ``keep``) run a no-grad forward only,
     for their metrics: when the loss is the policy term alone their gradient is exactly zero (every registered
     policy loss is ``A`` times a function of the clamped ratio). Their log-probs are checked as the policy
-    loss checks its input (a non-finite one raises ``ValueError`` as it would have there)."""
+    loss's input would be (a non-finite one makes the part non-finite: the step is skipped)."""
     lengths = [len(r) for r in responses]
     out: list[tuple] = [(torch.empty(0), torch.empty(0), None)] * len(idx)
     zero = ({k for k, j in enumerate(idx) if lengths[k] > 0 and k != keep and float(data.advantages[j]) == 0.0}
@@ -294,7 +293,7 @@ def part_backward(trainer, idx, prompts, responses, data, old_logps, ref_logps, 
             finite = finite and ok
         else:
             logp, entropy = trainer.response_terms(mb)
-            check_tensor("logp", logp)
+            finite = finite and bool(torch.isfinite(logp).all())  # a NaN log-prob skips the step, as in the loss
             js = None
         for pos, k in enumerate(ks):
             n = lengths[k]

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from meshrl.trainer.checkpoint import atomic_write_text
+
 log = logging.getLogger("meshrl")
 
 
@@ -25,6 +27,7 @@ class JsonlWriter:
         self._f = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
+        # One write call per record: a kill leaves at most one partial last line, which readers drop.
         self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self._f.flush()
 
@@ -32,16 +35,46 @@ class JsonlWriter:
         self._f.close()
 
 
+def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, record)`` for every record of ``path``. A last line that does not parse (what a kill during an
+    append leaves) is dropped with a warning naming the file; a bad line elsewhere is an error naming it."""
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from e
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                log.warning("%s: dropped a partial last line %d (%d characters; a crash during a write)",
+                            path, i, len(line))
+                break
+            raise ValueError(f"{path}, line {i}: not valid JSON ({e.msg})") from e
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}, line {i}: a JSON object was expected")
+        out.append((line, record))
+    return out
+
+
 def truncate_after_step(path: Path, step: int) -> None:
-    """Drop records with ``step > step`` (written after the checkpoint a run resumes from)."""
+    """Drop records with ``step > step`` (written after the checkpoint a run resumes from) and a partial last
+    line. The file is rewritten atomically: a kill during the rewrite leaves the old file, never a short one."""
     if not path.is_file():
         return
-    kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-    path.write_text("".join(ln + "\n" for ln in kept))
+    kept = [line for line, record in _parse_lines(path) if record.get("step", 0) <= step]
+    text = "".join(line + "\n" for line in kept)
+    if text != path.read_text():
+        atomic_write_text(path, text)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    """Every record of a run's JSONL file (a partial last line is dropped with a warning)."""
+    return [record for _, record in _parse_lines(path)]
 
 
 class Trackers:

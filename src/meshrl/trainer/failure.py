@@ -1,0 +1,117 @@
+"""Failed runs: the checks that stop a run that can no longer learn, and the record a stopped run leaves.
+
+Two ways a run goes on computing without learning anything:
+
+- non-finite steps: a NaN or inf in the loss, the gradient or the log-probs skips the update (the weights
+  stay as they were); after ``failure.max_nonfinite`` such steps in a row the run stops (:class:`NonFiniteAbort`).
+- a dead policy: the gradient norm is exactly 0 although some advantages are not (each row's gradient is its
+  advantage times the gradient of its log-probability, so only saturated weights give 0; ``optim.lr=1e6``
+  does it in one step, leaving the output uniform: ``entropy/mean`` = ln V). After ``failure.max_stalled``
+  such steps in a row the run stops (:class:`StalledRun`). Steps whose advantages are all 0 (every group
+  scored alike) have a zero gradient by construction and neither count nor reset the tally.
+
+Whatever stops a run, :func:`record_stop` writes an ``events.jsonl`` record and, when the trainer holds the
+state of a step boundary, a checkpoint of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from meshrl.trainer.checkpoint import CheckpointError
+from meshrl.trainer.signals import RunInterrupted
+
+log = logging.getLogger("meshrl")
+
+
+class NonFiniteAbort(RuntimeError):
+    """Raised after ``failure.max_nonfinite`` consecutive steps with a non-finite loss, gradient or log-prob."""
+
+
+class StalledRun(RuntimeError):
+    """Raised after ``failure.max_stalled`` consecutive steps with a zero gradient and non-zero advantages."""
+
+
+class RunHealth:
+    """Counts consecutive dead-policy steps and decides when a run must stop (see the module docstring)."""
+
+    def __init__(self, max_nonfinite: int, max_stalled: int, vocab_size: int | None) -> None:
+        self.max_nonfinite, self.max_stalled = max_nonfinite, max_stalled
+        self.log_vocab = math.log(vocab_size) if vocab_size else None
+        self.stalled_in_row = 0
+
+    def verdict(self, metrics: dict[str, Any], bad_in_row: int, run_dir: Path) -> RuntimeError | None:
+        """The error that must stop the run after the step with ``metrics`` (None: go on)."""
+        step = metrics["step"]
+        if "skipped/nonfinite" in metrics and bad_in_row >= self.max_nonfinite:
+            return NonFiniteAbort(
+                f"{bad_in_row} consecutive steps had a non-finite loss, gradient or log-prob (last at step {step}, "
+                f"failure.max_nonfinite={self.max_nonfinite}); aborting. Lower optim.lr or check the reward/model; "
+                f"the last good state is saved in {run_dir / 'checkpoints'}")
+        grad, adv = metrics.get("grad/norm"), metrics.get("adv/abs_mean", 0.0)
+        if grad is None or not math.isfinite(grad):
+            return None
+        if grad > 0:
+            self.stalled_in_row = 0
+        elif adv > 0:
+            self.stalled_in_row += 1
+        if self.max_stalled > 0 and self.stalled_in_row >= self.max_stalled:
+            return StalledRun(self._stalled_message(metrics, step))
+        return None
+
+    def _stalled_message(self, metrics: dict[str, Any], step: int) -> str:
+        entropy = metrics.get("entropy/mean")
+        shape = ""
+        if entropy is not None and self.log_vocab is not None:
+            uniform = abs(entropy - self.log_vocab) <= 1e-3 * self.log_vocab
+            shape = (f"; entropy/mean {entropy:.4f} = ln V {self.log_vocab:.4f}: the output is uniform" if uniform
+                     else f"; entropy/mean {entropy:.4f}")
+        return (f"the policy stopped learning: {self.stalled_in_row} steps in a row (to step {step}) had gradient "
+                f"norm 0 although advantages were non-zero{shape}. The weights are saturated, typically by too "
+                f"high a learning rate (optim.lr={metrics.get('lr')}); start again with a lower optim.lr "
+                f"(failure.max_stalled={self.max_stalled} sets this check, 0 turns it off)")
+
+
+def event_kind(err: BaseException) -> str:
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(err, NonFiniteAbort):
+        return "nonfinite_abort"
+    if isinstance(err, StalledRun):
+        return "stalled"
+    return "error"
+
+
+def record_stop(trainer, events, err: BaseException, stops) -> Path | None:
+    """Write the ``events.jsonl`` record of a run stopped by ``err`` and, when the trainer is at a step
+    boundary, a checkpoint; return the checkpoint that holds the run's state now (None if there is none)."""
+    kind = event_kind(err)
+    path = None
+    if isinstance(err, CheckpointError):  # the save itself failed; the last checkpoint stands
+        log.error("%s", err)
+    elif trainer.dirty:
+        log.warning("stopped in the middle of step %d: that state is no step boundary, so it is not saved; "
+                    "a resume continues from the last checkpoint (step %s)", trainer.step_idx + 1,
+                    trainer.saved_step)
+    else:
+        try:
+            with stops.critical():
+                path = trainer.save()
+        except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
+            log.error("could not save a checkpoint after the run stopped: %s", save_err)
+    record = {"step": trainer.step_idx, "event": kind, "checkpoint": None if path is None else str(path)}
+    if kind == "interrupted" and isinstance(err, RunInterrupted):
+        record["signal"] = err.signum
+    elif kind != "interrupted":
+        record["error"] = f"{type(err).__name__}: {err}"
+    events.write(record)
+    if path is not None:
+        with contextlib.suppress(AttributeError):  # for the CLI's one-line message
+            err.checkpoint = path
+    if kind == "interrupted" and path is not None:
+        log.warning("interrupted: checkpoint saved at %s; continue with --resume %s", path, trainer.run_dir)
+    return path

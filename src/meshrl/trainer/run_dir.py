@@ -1,0 +1,98 @@
+"""The run directory before a run starts or resumes: what is refused, cleaned and rewritten.
+
+A fresh run refuses a directory that already holds checkpoints (that is a ``--resume``) and starts clean,
+saying so, in one whose earlier run stopped before its first checkpoint (its records could not be continued:
+re-running the same command would otherwise append steps 1, 2, 3 after 1, 2, 3). Both fresh runs and
+resumes first delete the temporaries that interrupted saves leave. A resume drops the records written after
+its checkpoint (and a partial last line) and the checkpoints of the abandoned steps after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import yaml
+
+from meshrl.trainer.checkpoint import (
+    atomic_write_text,
+    latest_checkpoint,
+    remove_after,
+    remove_temporaries,
+    step_dirs,
+)
+from meshrl.trainer.runlog import truncate_after_step
+
+log = logging.getLogger("meshrl")
+
+RECORDS = ("metrics.jsonl", "samples.jsonl", "events.jsonl", "evals.jsonl")
+DERIVED = ("summary.json",)
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir``; a clear error when it (or a parent) is a file."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} is a file, not a directory; choose another --out")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise ValueError(f"run directory {run_dir} cannot be created: a part of its path is a file ({e})") from e
+
+
+def _remove_record_temporaries(run_dir: Path) -> None:
+    """Temporary siblings of the records and the config (``.metrics.jsonl.XXXX``) left by a kill mid-rewrite."""
+    for name in (*RECORDS, *DERIVED, "config.yaml"):
+        for tmp in run_dir.glob(f".{name}.*"):
+            tmp.unlink(missing_ok=True)
+
+
+def prepare_fresh(run_dir: Path) -> None:
+    """Make ``run_dir`` ready for a run from step 0 (see the module docstring)."""
+    make_run_dir(run_dir)
+    root = run_dir / "checkpoints"
+    remove_temporaries(root)
+    _remove_record_temporaries(run_dir)
+    last = latest_checkpoint(run_dir)  # refuses a pointer that leads outside the run directory
+    if last is not None:
+        raise ValueError(f"{run_dir} already holds a run (checkpoint {last.name}); continue it with --resume "
+                         f"{run_dir}, or choose another --out")
+    stale = [name for name in (*RECORDS, *DERIVED) if (run_dir / name).exists()]
+    stale += [f"checkpoints/{p.name}" for p in step_dirs(root)]  # none complete (no state.json)
+    stale += ["checkpoints/latest"] if (root / "latest").exists() else []
+    if stale:
+        log.warning("%s holds the records of a run that stopped before its first checkpoint (%s): there is "
+                    "nothing to resume, so the run starts again from step 0 and replaces them", run_dir,
+                    ", ".join(stale))
+        for name in stale:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def prepare_resume(run_dir: Path) -> None:
+    """Before the checkpoint is read: delete temporaries of interrupted saves and rewrites."""
+    if not run_dir.is_dir():
+        raise ValueError(f"--resume {run_dir}: no such run directory")
+    remove_temporaries(run_dir / "checkpoints")
+    _remove_record_temporaries(run_dir)
+
+
+def rewind_records(run_dir: Path, step: int) -> None:
+    """After resuming from checkpoint ``step``: drop later records and the abandoned later checkpoints."""
+    for name in RECORDS:
+        truncate_after_step(run_dir / name, step)
+    gone = remove_after(run_dir, step)
+    if gone:
+        log.warning("resuming from step %d: removed the later checkpoint(s) %s of the abandoned steps",
+                    step, ", ".join(gone))
+    pointer, name = run_dir / "checkpoints" / "latest", f"step_{step:06d}"
+    if not pointer.is_file() or pointer.read_text().strip() != name:  # it named a damaged one: never a missing one
+        atomic_write_text(pointer, name)
+
+
+def write_config(config: dict, run_dir: Path) -> None:
+    """``config.yaml``, atomically (a kill mid-write must not leave a run that cannot be resumed)."""
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
