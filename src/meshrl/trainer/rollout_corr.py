@@ -47,7 +47,7 @@ def rollout_corr_checks(c: RolloutCorrConfig) -> dict[str, bool]:
         "plugins.rollout_corr.level": c.level in ("token", "sequence"),
         "plugins.rollout_corr.mode": c.mode in ("truncate", "mask"),
         "plugins.rollout_corr.threshold": c.threshold > 0,
-        "plugins.rollout_corr.lo": 0 < c.lo,
+        "plugins.rollout_corr.lo": c.lo > 0,
         "plugins.rollout_corr.hi": c.lo <= c.hi,
         "plugins.rollout_corr.reject": c.reject in REJECT_STATS,
         "plugins.rollout_corr.reject_threshold": (c.reject == "none" or c.reject_threshold > (1 if k1 else 0)),
