@@ -94,9 +94,9 @@ def _break_group_ids(monkeypatch, relabel):
     original = RolloutStep._sample
 
     def hooked(self, cursor, n_problems, seed):
-        data = original(self, cursor, n_problems, seed)
+        data, next_cursor = original(self, cursor, n_problems, seed)
         data.group_ids = [relabel(i, g) for i, g in enumerate(data.group_ids)]
-        return data
+        return data, next_cursor
 
     monkeypatch.setattr(RolloutStep, "_sample", hooked)
 
