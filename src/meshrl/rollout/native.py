@@ -319,7 +319,7 @@ class NativeDecodeBackend(InProcessBackend):
             step_noise = noise.draw(plan, t) if sampled else None
             tokens, logp = sample_with_logprobs(logits, params, step_noise)
             out[slot_row[running], t] = tokens[running]
-            out_logp[slot_row[running], t] = logp[running]
+            out_logp[slot_row, t] = logp  # finished slots write past their eos, which is cut off
             running &= ~torch.isin(tokens, eos)
             live = int(running.sum())
             if live == 0 or t == steps - 1:
