@@ -184,3 +184,12 @@ def test_rollout_corr_is_a_loss_plugin():
     pc = PluginsConfig()
     pc.rollout_corr.enabled = True
     assert TrainPlugins(pc, 0).changes_loss  # one process, every row backward, as the other loss plug-ins
+
+
+@pytest.mark.skipif(not fork_available(), reason="no fork")
+def test_mismatch_with_the_update_split_over_processes(tmp_path):
+    """Parts of each micro-batch run in forked update workers; their log-probs come back to the parent."""
+    over = [o for o in TINY if not o.startswith("train.update_workers")]
+    hist = train(load_config(overrides=[*over, "steps=1", "train.update_workers=2", "train.micro_batch_size=8"]),
+                 tmp_path / "split")
+    assert 0 <= hist[0]["mismatch/logp_absdiff_max"] < 1e-5
