@@ -46,7 +46,8 @@ def test_healthy_quickstart_raises_nothing_alarming(healthy, capsys):
     assert {"reward_collapse", "broken_grouping", "no_learning_signal", "grad_spike", "nonfinite"} <= set(diag.passed)
     # What could not be checked is said, with the reason.
     reasons = {u.id: u.reason for u in diag.unchecked}
-    assert "custom" in reasons["parser_failure"] and "log-probs" in reasons["rollout_mismatch"]
+    assert "custom" in reasons["parser_failure"]
+    assert "rollout_mismatch" in diag.passed  # fp32 sampler and fp32 update agree
     assert cli_main(["doctor", str(healthy), "--json", "--fail-on", "warning"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["engine"] == "meshrl" and all(f["severity"] == "info" for f in out["findings"])
@@ -93,9 +94,9 @@ def _break_group_ids(monkeypatch, relabel):
     original = RolloutStep._sample
 
     def hooked(self, cursor, n_problems, seed):
-        data = original(self, cursor, n_problems, seed)
+        data, next_cursor = original(self, cursor, n_problems, seed)
         data.group_ids = [relabel(i, g) for i, g in enumerate(data.group_ids)]
-        return data
+        return data, next_cursor
 
     monkeypatch.setattr(RolloutStep, "_sample", hooked)
 
@@ -113,11 +114,16 @@ def test_broken_group_ids_are_named(tmp_path, monkeypatch, relabel, metric):
     assert all("group_id" in r for r in rows)
 
 
-def test_bf16_update_against_fp32_rollout_says_mismatch_is_not_checkable(tmp_path):
-    diag = diagnose(_run(tmp_path / "bf16", "task=tiny:repeat", "train.autocast_bf16=true", steps=2))
-    reasons = {u.id: u.reason for u in diag.unchecked}
-    assert "rollout_mismatch" in reasons and "meshrl" in reasons["rollout_mismatch"]
-    assert "rollout_mismatch" not in diag.ids()
+def test_bf16_rollout_against_fp32_update_is_a_mismatch(tmp_path):
+    diag = diagnose(_run(tmp_path / "bf16", "task=tiny:repeat", "rollout.autocast_bf16=true", steps=2))
+    assert "rollout_mismatch" in _above_info(diag)
+    f = next(f for f in diag.findings if f.id == "rollout_mismatch")
+    assert "mismatch/logp_absdiff_mean" in f.evidence and "plugins.rollout_corr" in f.knob
+
+
+def test_bf16_update_against_fp32_rollout_is_a_mismatch(tmp_path):
+    diag = diagnose(_run(tmp_path / "bf16u", "task=tiny:repeat", "train.autocast_bf16=true", steps=2))
+    assert "rollout_mismatch" in _above_info(diag)
 
 
 def test_dapo_step_with_every_group_filtered_logs_what_it_sampled(tmp_path, monkeypatch):

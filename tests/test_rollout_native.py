@@ -188,7 +188,8 @@ def _scripted(monkeypatch, sequences: list[list[int]]):
 
     def fake(logits, params, noise=None):
         state["step"] = next(counter)
-        return torch.tensor([seq[min(state["step"], len(seq) - 1)] for seq in state["rows"]])
+        tokens = torch.tensor([seq[min(state["step"], len(seq) - 1)] for seq in state["rows"]])
+        return tokens, torch.zeros(len(tokens))
 
     original = native_mod.NativeDecodeBackend._decode_batch
 
@@ -208,7 +209,7 @@ def _scripted(monkeypatch, sequences: list[list[int]]):
         finally:
             monkeypatch.setattr(native_mod._Decoder, "compact", compact)
 
-    monkeypatch.setattr(native_mod, "sample_tokens", fake)
+    monkeypatch.setattr(native_mod, "sample_with_logprobs", fake)
     monkeypatch.setattr(native_mod.NativeDecodeBackend, "_decode_batch", run)
 
 

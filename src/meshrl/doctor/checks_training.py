@@ -256,14 +256,16 @@ def check_nonfinite(rec: RunRecords, th: Thresholds) -> Result:
 
 
 def check_mismatch(rec: RunRecords, th: Thresholds) -> Result:
-    key = rec.first_of("mismatch/logp_diff_max", "mismatch/kl", "mismatch/is_ratio_max")
+    key = rec.first_of("mismatch/logp_diff_max", "mismatch/kl", "mismatch/is_ratio_max", "mismatch/logp_absdiff_mean")
     if key is None:
-        why = ("meshrl's rollout backends do not log the sampler's own log-probs" if rec.engine == "meshrl" else
+        why = ("no mismatch/* metrics (a meshrl run before they were logged, or a backend without the sampler's "
+               "log-probs)" if rec.engine == "meshrl" else
                "no rollout-vs-training log-prob metric (TRL: sampling/sampling_logp_difference/*, with vLLM; verl: "
                "rollout_corr/* or training/rollout_probs_diff_*, with calculate_log_probs)")
         return Unchecked("rollout_mismatch", why)
     limits = {"mismatch/logp_diff_max": th.mismatch_logp_diff_max, "mismatch/kl": th.mismatch_kl,
-              "mismatch/is_ratio_max": th.ratio_max}
+              "mismatch/is_ratio_max": th.ratio_max, "mismatch/logp_absdiff_mean": th.mismatch_logp_absdiff_mean,
+              "mismatch/logp_absdiff_max": th.mismatch_logp_diff_max}
     evidence, steps, margin = {}, set(), 0.0
     for k, limit in limits.items():
         xs, ys = rec.series(k)
@@ -278,8 +280,9 @@ def check_mismatch(rec: RunRecords, th: Thresholds) -> Result:
                     "the sampler's log-probs and the trainer's disagree: " + "; ".join(
                         f"{k} up to {v['max']} ({v['steps_over']} step(s) over {v['limit']:g})"
                         for k, v in evidence.items()),
-                    evidence, "run rollout and update in the same precision (e.g. fp32 logits / lm_head), or turn "
-                    "on importance-sampling correction (TRL vllm_importance_sampling_correction; verl "
+                    evidence, "run rollout and update in the same precision (e.g. fp32 logits / lm_head; meshrl: "
+                    "rollout.autocast_bf16 and train.autocast_bf16 alike), or turn on importance-sampling correction "
+                    "(meshrl plugins.rollout_corr.enabled=true; TRL vllm_importance_sampling_correction; verl "
                     "algorithm.rollout_correction.rollout_is=token)",
                     confidence(margin, len(rec.steps), th, persistent=len(steps) > 1))]
 

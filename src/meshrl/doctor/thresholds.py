@@ -62,6 +62,9 @@ class Thresholds:
     # ---- rollout / training mismatch
     mismatch_logp_diff_max: float = 1.0  # max |log p_train - log p_rollout| per token on any step
     mismatch_kl: float = 0.01  # rollout-to-training KL (verl rollout_corr/kl) on any step
+    # meshrl: mean |log p_update - log p_sampler| on any step. fp32 sampler vs fp32 update agree to ~1e-7 on
+    # tiny; a bf16-autocast sampler (or update) against fp32 gives ~5e-4 there (docs/doctor.md).
+    mismatch_logp_absdiff_mean: float = 1e-4
     # ---- stalls, learning rate
     stall_reward_range: float = 0.02  # smoothed reward range over the run below this: flat
     stall_adv_abs: float = 0.05  # mean |advantage| below this: near-zero signal

@@ -40,7 +40,13 @@ class Rollouts:
 
     ``response_ids`` runs up to and including the first eos (nothing after it); ``truncated`` is True
     when no eos came within ``max_new_tokens``. ``texts`` are the responses decoded without special
-    tokens. ``engine_logprobs`` holds the engine's log-prob of each response token (None for ``hf``).
+    tokens. ``engine_logprobs`` holds the sampler's own log-prob of each response token, as the rollout
+    engine computed it (its precision, its kernels), one list per sample aligned with ``response_ids``; None
+    when a backend cannot return them. The distribution is ``log softmax(logits / T)[y_t]`` over the whole
+    vocabulary (``T = 1`` for greedy), *before* any top-p cut: the one the trainer's update scores
+    (``meshrl.trainer.batch.token_logprobs``), so that the two can be compared token for token (the mismatch
+    diagnostic and ``plugins.rollout_corr``, docs/plugins.md). ``native`` and ``hf`` return exactly this;
+    ``vllm`` returns what its ``logprobs_mode`` says (see :mod:`meshrl.rollout.vllm_backend`).
     """
 
     prompt_index: list[int] = field(default_factory=list)

@@ -118,14 +118,18 @@ class InProcessBackend(RolloutBackend):
             raise ValueError("every prompt needs at least one token")
         return [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(n)]
 
-    def _append(self, result: Rollouts, jobs: list[tuple[int, list[int]]], rows: list[list[int]]) -> None:
-        """Add raw generated rows (which may run past eos) to ``result``, cut at the first eos."""
-        for (index, prompt), tokens in zip(jobs, rows, strict=True):
+    def _append(self, result: Rollouts, jobs: list[tuple[int, list[int]]], rows: list[list[int]],
+                logps: list[list[float]] | None = None) -> None:
+        """Add raw generated rows (which may run past eos) to ``result``, cut at the first eos, with the
+        sampler's log-probs of the kept tokens when ``logps`` (one list per row, aligned with ``rows``) is given."""
+        for k, ((index, prompt), tokens) in enumerate(zip(jobs, rows, strict=True)):
             response, truncated = cut_at_eos(tokens, self.eos)
             result.prompt_index.append(index)
             result.prompt_ids.append(prompt)
             result.response_ids.append(response)
             result.truncated.append(truncated)
+            if result.engine_logprobs is not None and logps is not None:
+                result.engine_logprobs.append([float(x) for x in logps[k][: len(response)]])
 
     def _finish(self, result: Rollouts) -> Rollouts:
         result.texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
@@ -138,20 +142,33 @@ class HFGenerateBackend(InProcessBackend):
 
     name = "hf"
 
-    def _generate_batch(self, prompts: list[list[int]], config: GenerationConfig) -> list[list[int]]:
-        """Raw generated tokens per row (may run past eos: padding, or eos repeated when pad == eos)."""
+    def _generate_batch(self, prompts: list[list[int]], config: GenerationConfig,
+                        temperature: float) -> tuple[list[list[int]], list[list[float]]]:
+        """Raw generated tokens per row (may run past eos: padding, or eos repeated when pad == eos) and their
+        log-probs ``log softmax(logits / T)[y]`` from the step's raw logits (``output_logits``; ``T = 1`` when
+        greedy): the tempered distribution before the top-p cut, as the trainer scores it and as
+        :func:`meshrl.rollout.native.sample_with_logprobs` returns it. (``output_scores`` would be the processed
+        scores, with the top-p tail at -inf.)"""
         input_ids, mask = left_pad(prompts, self.pad_id, self.device)
         with self._autocast():
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-        return out[:, input_ids.shape[1] :].tolist()
+        tokens = out.sequences[:, input_ids.shape[1] :]
+        t = temperature if temperature > 0 else 1.0
+        # One step at a time: only the sampled token's log-prob is kept, never a [n, steps, V] copy.
+        steps = [torch.log_softmax(step.float() / t, dim=-1).gather(-1, tokens[:, i : i + 1])[:, 0]
+                 for i, step in enumerate(out.logits[: tokens.shape[1]])]
+        logps = torch.stack(steps, dim=1) if steps else torch.zeros(tokens.shape, dtype=torch.float32)
+        return tokens.tolist(), logps.tolist()
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int) -> Rollouts:
         jobs = self._jobs(prompt_ids, params.n)
         step = self.batch_size or max(len(jobs), 1)
         config = generation_config(params, self.eos, self.pad_id)
-        result = Rollouts()
+        config.return_dict_in_generate, config.output_logits = True, True  # the sampler's log-probs (raw logits)
+        result = Rollouts(engine_logprobs=[])
         with eval_mode(self.model), torch.inference_mode(), seeded(seed, self.device):
             for start in range(0, len(jobs), step):
                 chunk = jobs[start : start + step]
-                self._append(result, chunk, self._generate_batch([p for _, p in chunk], config))
+                rows, logps = self._generate_batch([p for _, p in chunk], config, params.temperature)
+                self._append(result, chunk, rows, logps)
         return self._finish(result)

@@ -45,15 +45,28 @@ MAX_DEFAULT_WORKERS = 8  # decoders started by default (each shard is >= 16 rows
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits [n, V]``: argmax when greedy, else a draw from ``softmax(logits / T)``
     restricted to the smallest set of tokens whose mass reaches ``top_p`` (nucleus sampling, Holtzman et al.
-    2020; the most likely token is always kept).
+    2020; the most likely token is always kept). See :func:`sample_with_logprobs`."""
+    return sample_with_logprobs(logits, params, noise)[0]
+
+
+def sample_with_logprobs(logits: torch.Tensor, params: SamplingParams,
+                         noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [n], logp [n])``: the draw of :func:`sample_tokens` and the sampled token's log-prob
+    ``log softmax(logits / T)[y]`` (float32; ``T = 1`` when greedy), over the whole vocabulary, *before* the
+    top-p cut: the distribution the trainer scores (``meshrl.trainer.batch.token_logprobs``), so that the two
+    can be compared token for token. It costs a gather: the kept probabilities are not renormalised, so the
+    sampled token's entry of ``probs`` is still its tempered probability.
 
     The draw is the exponential race ``argmax_v p_v / E_v`` with ``E_v ~ Exp(1)`` i.i.d., which picks ``v``
     with probability ``p_v / sum(p)`` (it is how ``torch.multinomial`` draws one sample). ``noise [n, V]``
     supplies the ``E``; without it they come from torch's global generator.
     """
     if params.greedy:
-        return logits.argmax(-1)
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
+        return tokens, logp
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    full = probs
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens
@@ -61,7 +74,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, noise: torch.Ten
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     if noise is None:
         noise = torch.rand_like(probs).clamp_min_(2.0**-25).log_().neg_()
-    return (probs / noise).argmax(-1)
+    tokens = (probs / noise).argmax(-1)
+    return tokens, full.gather(-1, tokens[:, None])[:, 0].log()
 
 
 class RowNoise:
@@ -258,7 +272,7 @@ class NativeDecodeBackend(InProcessBackend):
         device = self.device
         ids, mask = left_pad(prompts, self.pad_id, device)
         with eval_mode(self.model), torch.inference_mode(), self._autocast():
-            tokens, step_logits = self._decode_batch(prompts, params, record_logits=True, stop_at_eos=False)
+            tokens, _, step_logits = self._decode_batch(prompts, params, record_logits=True, stop_at_eos=False)
             full = torch.cat([ids, tokens], dim=1)
             full_mask = torch.cat([mask, torch.ones_like(tokens)], dim=1)
             pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
@@ -277,10 +291,11 @@ class NativeDecodeBackend(InProcessBackend):
     @torch.no_grad()
     def _decode_batch(self, prompts: list[list[int]], params: SamplingParams, *, noise: RowNoise | None = None,
                       first_row: int = 0, record_logits: bool = False,
-                      stop_at_eos: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                      stop_at_eos: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Sampled tokens ``[rows, max_new_tokens]`` (eos, then pad after a row ends) for the prompts, whose
-        rows are ``first_row, first_row + 1, ...`` of the call (for ``noise``); with ``record_logits`` also
-        the logits of every step (``stop_at_eos=False`` keeps every row running)."""
+        rows are ``first_row, first_row + 1, ...`` of the call (for ``noise``), their log-probs (float32, same
+        shape, 0 after a row ends; :func:`sample_with_logprobs`); with ``record_logits`` also the logits of
+        every step (``stop_at_eos=False`` keeps every row running)."""
         device = self.device
         distinct, inverse = distinct_prompts(prompts)
         ids, mask = left_pad(distinct, self.pad_id, device)
@@ -290,6 +305,7 @@ class NativeDecodeBackend(InProcessBackend):
         logits = dec.prefill(ids, mask, rows, width + steps)[rows]
         n = rows.shape[0]
         out = torch.full((n, steps), self.pad_id, dtype=torch.long, device=device)
+        out_logp = torch.zeros((n, steps), dtype=torch.float32, device=device)
         pos = mask.sum(-1)[rows]  # next position = number of real tokens so far
         slot_row = torch.arange(n, device=device)  # output row of each running slot
         running = torch.ones(n, dtype=torch.bool, device=device)  # False: ended, awaiting compaction
@@ -301,8 +317,9 @@ class NativeDecodeBackend(InProcessBackend):
             if record_logits:
                 recorded.append(logits.float())
             step_noise = noise.draw(plan, t) if sampled else None
-            tokens = sample_tokens(logits, params, step_noise)
+            tokens, logp = sample_with_logprobs(logits, params, step_noise)
             out[slot_row[running], t] = tokens[running]
+            out_logp[slot_row, t] = logp  # finished slots write past their eos, which is cut off
             running &= ~torch.isin(tokens, eos)
             live = int(running.sum())
             if live == 0 or t == steps - 1:
@@ -313,7 +330,7 @@ class NativeDecodeBackend(InProcessBackend):
                 plan = noise.plan(slot_row + first_row) if sampled else None
             logits = dec.decode(tokens, pos, width + t)
             pos = pos + 1
-        return out, recorded
+        return out, out_logp, recorded
 
     def _shards(self, start: int, stop: int) -> list[tuple[int, int]]:
         """Split rows ``[start, stop)`` into contiguous ``(first, end)`` ranges, one per decoder, cut at
@@ -325,13 +342,14 @@ class NativeDecodeBackend(InProcessBackend):
         return [(a, min(b, stop)) for a, b in zip(cuts, cuts[1:], strict=False) if a < min(b, stop)]
 
     def _decode_shard(self, prompts: list[list[int]], params: SamplingParams, seed: int, first_row: int,
-                      vocab: int) -> list[list[int]]:
-        """Token rows of one shard; runs here or in a pool worker (hence eval mode and the thread-local
-        contexts, and plain lists, which cross the pipe without shared-memory tensor handles)."""
+                      vocab: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Token rows of one shard and their log-probs; runs here or in a pool worker (hence eval mode and the
+        thread-local contexts, and plain lists, which cross the pipe without shared-memory tensor handles)."""
         self.model.eval()
         with torch.inference_mode(), self._autocast():
             noise = RowNoise(seed, vocab, self.device)
-            return self._decode_batch(prompts, params, noise=noise, first_row=first_row)[0].tolist()
+            tokens, logps, _ = self._decode_batch(prompts, params, noise=noise, first_row=first_row)
+            return tokens.tolist(), logps.tolist()
 
     def _decoders(self, n_shards: int):
         """The pool for ``n_shards`` shards (started or restarted on demand), or None to decode here."""
@@ -362,7 +380,7 @@ class NativeDecodeBackend(InProcessBackend):
             self.verify(distinct + distinct[:1])  # a repeated prompt exercises the shared prefill
         step = self.batch_size or max(len(jobs), 1)
         vocab = base_model(self.model).lm_head.out_features
-        result = Rollouts()
+        result = Rollouts(engine_logprobs=[])
         with eval_mode(self.model):
             for start in range(0, len(jobs), step):
                 stop = min(start + step, len(jobs))
@@ -376,7 +394,8 @@ class NativeDecodeBackend(InProcessBackend):
                         log.warning("native decode: %s; decoding this batch in one process", err)
                 if outputs is None:
                     outputs = [self._decode_shard(*args) for args in shards]
-                self._append(result, jobs[start:stop], [row for rows in outputs for row in rows])
+                self._append(result, jobs[start:stop], [row for rows, _ in outputs for row in rows],
+                             [row for _, lps in outputs for row in lps])
         return self._finish(result)
 
 

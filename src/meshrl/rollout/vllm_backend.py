@@ -6,10 +6,13 @@ a directory holding the *current* policy (saved at construction), runs in the tr
 optimiser step through the model's own ``load_weights``; ``weight_sync="reload"`` instead saves the
 policy and rebuilds the engine (slow, but independent of vLLM internals).
 
-Engine log-probs: vLLM returns the log-prob of each sampled token. By default (V1 engine) they are
-*raw* log-probs (softmax of the unscaled logits, i.e. temperature 1); pass
-``logprobs_mode="processed_logprobs"`` in ``llm_kwargs`` (vLLM >= 0.10.2) to get those of the
-distribution actually sampled from (after temperature / top-p).
+Engine log-probs (``Rollouts.engine_logprobs``): vLLM returns the log-prob of each sampled token. By
+default (V1 engine) they are *raw* log-probs (log-softmax of the unscaled logits, i.e. temperature 1);
+pass ``logprobs_mode="processed_logprobs"`` in ``llm_kwargs`` (vLLM >= 0.10.2) to get those after
+temperature (and top-p, renormalised over the nucleus). The trainer compares them with
+``log softmax(logits / T)[y]`` over the whole vocabulary (the convention of the ``native`` and ``hf``
+backends), so the comparison is like for like with the default mode at ``temperature = 1, top_p = 1`` and
+with ``processed_logprobs`` at any temperature and ``top_p = 1``. Not tested here (no GPU in CI).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ class RolloutConfig:
     top_p: float = 1.0
     batch_size: int = 64  # prompts per generate call (memory bound)
     decode_workers: int = 0  # native backend on CPU: decoders in parallel (0 = one per torch thread)
+    autocast_bf16: bool = False  # hf/native: sample under bf16 autocast (the update: train.autocast_bf16)
 
 
 @dataclass

@@ -86,6 +86,8 @@ class Trainer:
                                            weight_decay=o.weight_decay, fused=True)
         name = cfg.rollout.backend
         extra = {"workers": cfg.rollout.decode_workers or None} if name in ("auto", "native") else {}
+        if name != "vllm":  # the in-process samplers' precision (vllm: its own dtype)
+            extra["autocast"] = "bfloat16" if cfg.rollout.autocast_bf16 else None
         self.backend = make_backend(name, self.model, self.tokenizer, batch_size=cfg.rollout.batch_size, **extra)
         log.info("rollout backend: %s (rollout.backend=%s)", self.backend.name, cfg.rollout.backend)
         runner = RewardRunner(self.task.score, timeout_s=cfg.reward.timeout_s, strict=cfg.reward.strict)
@@ -165,6 +167,7 @@ class Trainer:
         if mei_now:
             self.mei.begin(len(data))
         metrics = self.update(data) if len(data) else {"skipped/empty_batch": 1.0}
+        metrics.update(self.plugins.mismatch_metrics(self))  # sampler vs update log-probs (mismatch/*)
         if mei_now:
             mei_metrics, events = self.mei.finish(data, self.step_idx + 1)
             metrics.update(mei_metrics)
@@ -467,6 +470,7 @@ class Trainer:
         """The recipe's loss and its metrics from per-token ``logp``, ``entropy`` and (exact JS) ``js_mat``."""
         rec = self.recipe
         old = logp.detach() if old_logps is None else _pad_rows([old_logps[j] for j in idx], logp)
+        self.plugins.observe_old(idx, old, mask)  # pi_old of each row's first pass: the mismatch diagnostic
         adv = data.advantages[idx].to(logp.device)
         cfg = {"clip_low": rec.clip_low, "clip_high": rec.clip_high}
         if rec.policy_loss == "ppo_clip":

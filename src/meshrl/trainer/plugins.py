@@ -12,6 +12,9 @@ recipes included, whose balancing term is separate):
 - ``plugins.distill``: a top-K forward-KL term to a teacher model on the rollouts (on-policy distillation);
 - ``plugins.replay``: each batch of rollouts trained on at ``1 + reuse_steps`` consecutive steps, against the
   log-probs of the policy that sampled it (the stale-rollout setting M2PO is made for);
+- ``plugins.rollout_corr``: the policy loss weighted by ``pi_old_train / pi_rollout`` against the sampler's own
+  log-probs, truncated or masked, with k1/k2/k3 rejection (Yao et al. 2025; :mod:`meshrl.trainer.rollout_corr`,
+  which also holds the per-step ``mismatch/*`` diagnostic every run logs);
 - ``plugins.prompt_filter``: problems whose recent groups were all correct or all wrong are skipped before
   sampling, and readmitted later (rollout-based prompt filtering, RIF-RFT).
 
@@ -47,6 +50,13 @@ from meshrl.algos import (
     topk_forward_kl,
 )
 from meshrl.algos.entropy_control import _clipped_tokens
+from meshrl.trainer.rollout_corr import (
+    MismatchMonitor,
+    RolloutCorrConfig,
+    rollout_corr_checks,
+    rollout_correction,
+    rows_tensor,
+)
 
 SEQUENCE_LEVEL_LOSSES = ("gspo",)  # one ratio and one advantage per sequence: no per-token selection
 
@@ -119,7 +129,7 @@ class PromptFilterConfig:
     readmit_after: int = 5  # ... for this many steps; then it is sampled again (its history cleared)
 
 
-PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy", "distill")
+PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy", "distill", "rollout_corr")
 
 
 @dataclass
@@ -131,6 +141,7 @@ class PluginsConfig:
     m2po: M2poConfig = field(default_factory=M2poConfig)
     luffy: LuffyConfig = field(default_factory=LuffyConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    rollout_corr: RolloutCorrConfig = field(default_factory=RolloutCorrConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)  # not loss terms: not in enabled()
     prompt_filter: PromptFilterConfig = field(default_factory=PromptFilterConfig)
 
@@ -161,6 +172,7 @@ def validate_plugins(plugins: PluginsConfig, policy_loss_name: str) -> None:
         "plugins.replay.reuse_steps": p.replay.reuse_steps >= 0,
         "plugins.prompt_filter.window": p.prompt_filter.window >= 1,
         "plugins.prompt_filter.readmit_after": p.prompt_filter.readmit_after >= 1,
+        **rollout_corr_checks(p.rollout_corr),
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -195,6 +207,7 @@ class TrainPlugins:
         self._teacher: torch.nn.Module | None = None
         # plugins.replay: (the batch, its behaviour log-probs, its LUFFY rows, the step it was sampled at)
         self._replay: tuple[Any, list[torch.Tensor], set[int], int] | None = None
+        self.mismatch = MismatchMonitor()  # every run: the sampler's log-probs against the update's
 
     @property
     def changes_loss(self) -> bool:
@@ -219,7 +232,8 @@ class TrainPlugins:
 
         Order: advantages shaped (entropy_adv) -> base loss (kl_cov's unclipped form replaces ``ppo_clip``;
         M2PO drops the clip) -> LUFFY's shaped loss on the off-policy rows -> Clip-Cov detach -> M2PO and
-        forking masks (loss weights)."""
+        forking masks (loss weights) -> rollout correction (weights and rejection, last: it reweights the
+        finished per-token loss)."""
         c = self.cfg
         stats: dict[str, float] = {}
         if c.entropy_adv.enabled:
@@ -256,6 +270,10 @@ class TrainPlugins:
         if c.fork.enabled:
             weight, agg_mask, s = token_mask(f"fork_{c.fork.norm}", entropy, mask, top_frac=c.fork.top_frac)
             pg_mat = pg_mat * weight
+            stats.update(s)
+        if c.rollout_corr.enabled:
+            rollout, has = rows_tensor(self.mismatch.rows(idx), old)
+            pg_mat, agg_mask, s = rollout_correction(c.rollout_corr, pg_mat, agg_mask, old, rollout, has, mask)
             stats.update(s)
         return pg_mat, stats, agg_mask
 
@@ -331,6 +349,7 @@ class TrainPlugins:
         if s > 0 and self._replay is not None and step - self._replay[3] <= s:
             data, _, self.off_rows, born = self._replay
             stats = {**data.stats, "rollouts/count": 0.0, "time/rollout_s": 0.0, "replay/age": float(step - born)}
+            self.begin_mismatch(trainer, data)
             return dataclasses.replace(data, stats=stats), trainer.cursor
         if self.cfg.prompt_filter.enabled and not isinstance(trainer.sampler.sampler, FilteredProblems):
             trainer.sampler.sampler = FilteredProblems(trainer.sampler.sampler, trainer.problems,
@@ -342,7 +361,29 @@ class TrainPlugins:
         if s > 0:
             data.stats["replay/age"] = 0.0
             self._replay = (data, trainer._logps(trainer.model, data), set(self.off_rows), step)
+        self.begin_mismatch(trainer, data)
         return data, cursor
+
+    def begin_mismatch(self, trainer: Any, data: Any) -> None:
+        """Start the step's mismatch record; ``plugins.rollout_corr`` needs the sampler's log-probs."""
+        self.mismatch.begin(data, self.off_rows)
+        if self.cfg.rollout_corr.enabled and len(data) and not any(
+                r is not None for j, r in enumerate(data.rollout_logps) if j not in self.off_rows):
+            raise ValueError(f"plugins.rollout_corr.enabled: the rollout backend {trainer.backend.name!r} returned no "
+                             "log-probs of its samples")
+
+    def observe_old(self, idx: list[int], old: torch.Tensor, mask: torch.Tensor) -> None:
+        """The update's old-policy log-probs of micro-batch rows ``idx`` (the mismatch diagnostic)."""
+        self.mismatch.observe(idx, old, mask)
+
+    def mismatch_metrics(self, trainer: Any) -> dict[str, float]:
+        """``mismatch/*`` of the step just updated (and, once, an event naming backend and precisions)."""
+        out = self.mismatch.finish()
+        if out:
+            event = self.mismatch.setup_event(trainer)
+            if event is not None:
+                trainer.pending_events.append(event)
+        return out
 
     def behaviour_logps(self, data: Any, old_logps: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """``plugins.replay``: a reused batch's ratio is against the policy that sampled it, not the current one."""
@@ -377,6 +418,8 @@ class TrainPlugins:
                     too_long += 1
                     continue
                 data.response_ids[i], data.texts[i], data.truncated[i] = ids, text, False
+                if i < len(data.rollout_logps):
+                    data.rollout_logps[i] = None  # a trace was not sampled: no sampler log-probs
                 data.scores[i] = trainer.sampler.rewards([text], [problem])[0]
                 self.off_rows.add(i)
         # The same shaping and advantages as RolloutStep.run, now over the mixed groups.

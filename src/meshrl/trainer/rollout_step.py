@@ -106,6 +106,9 @@ class StepData:
     query_ids: list[int] = field(default_factory=list)  # one id per problem draw (the cursor position)
     strategy_ids: list[int] = field(default_factory=list)  # coach prefix index, -1 without a coach
     scores: list[float] = field(default_factory=list)  # task score in [0, 1]
+    # The sampler's own log-prob of each response token (Rollouts.engine_logprobs), None for a row that has none
+    # (a backend without them, an off-policy trace): compared with the update's in the mismatch diagnostic.
+    rollout_logps: list[list[float] | None] = field(default_factory=list)
     rewards: torch.Tensor | None = None  # shaped reward [N]
     advantages: torch.Tensor | None = None  # [N]
     stats: dict[str, float] = field(default_factory=dict)
@@ -115,7 +118,7 @@ class StepData:
 
     def extend(self, other: StepData, keep: list[int]) -> None:
         for name in ("prompt_ids", "response_ids", "texts", "truncated", "problems", "group_ids", "query_ids",
-                     "strategy_ids", "scores"):
+                     "strategy_ids", "scores", "rollout_logps"):
             getattr(self, name).extend(getattr(other, name)[i] for i in keep)
 
     def __len__(self) -> int:
@@ -250,6 +253,7 @@ class RolloutStep:
             data.query_ids.append(positions[j])
             data.strategy_ids.append(k)
             data.group_ids.append(positions[j] if per_query else (positions[j], k))
+            data.rollout_logps.append(None if out.engine_logprobs is None else list(out.engine_logprobs[r]))
         data.scores = self.rewards(data.texts, data.problems)
         return data, next_cursor
 
