@@ -354,3 +354,26 @@ def test_a_reaped_scorer_process_is_never_signalled(monkeypatch: pytest.MonkeyPa
     assert signalled == [] and runner._process.starts == 2  # type: ignore[union-attr]
     monkeypatch.undo()
     runner.close()
+
+
+def test_scorer_time_limit_covers_the_task_s_own_limit() -> None:
+    from types import SimpleNamespace
+
+    from meshrl.rewards import scorer_time_limit
+    from meshrl.rewards.runner import TASK_LIMIT_MARGIN_S
+
+    code_task = SimpleNamespace(timeout_s=10.0)  # e.g. humaneval's sandbox limit
+    assert scorer_time_limit(5.0, code_task) == 10.0 + TASK_LIMIT_MARGIN_S
+    assert scorer_time_limit(60.0, code_task) == 60.0  # a larger configured limit is kept
+    assert scorer_time_limit(5.0, SimpleNamespace()) == 5.0  # tasks without a limit of their own
+    assert scorer_time_limit(5.0, SimpleNamespace(timeout_s=float("nan"))) == 5.0
+    assert scorer_time_limit(0.0, code_task) == 0.0  # 0 = no limit stays no limit
+
+
+def test_humaneval_scoring_gets_more_than_its_sandbox_limit() -> None:
+    from meshrl.tasks import load_task
+
+    task = load_task("humaneval")
+    from meshrl.rewards import scorer_time_limit
+
+    assert scorer_time_limit(5.0, task) > task.timeout_s

@@ -98,7 +98,7 @@ def summarize(rows: list[dict[str, Any]], ks: list[int], by: str | None = None) 
 def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     """Sample, grade and summarise; resumes from ``out_dir/eval_samples.jsonl`` when present."""
     from meshrl.models import encode_prompt
-    from meshrl.rewards import RewardRunner
+    from meshrl.rewards import RewardRunner, scorer_time_limit
     from meshrl.rewards.grading import extract_for_kind
     from meshrl.rollout import SamplingParams, make_backend
     from meshrl.tasks import load_task
@@ -124,7 +124,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     model, tok, desc = load_policy(cfg.model, seed=cfg.seed)
     budget = PromptBudget(context_limit(model, tok), cfg.max_new_tokens, "--max-new-tokens")
     backend = make_backend(cfg.backend, model, tok, batch_size=cfg.chunk_size * cfg.n)
-    runner = RewardRunner(task.score, timeout_s=10.0)
+    runner = RewardRunner(task.score, timeout_s=scorer_time_limit(10.0, task))
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             n=cfg.n)
     chunks = [problems[i : i + cfg.chunk_size] for i in range(0, len(problems), cfg.chunk_size)]

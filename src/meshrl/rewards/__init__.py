@@ -11,13 +11,14 @@
 from meshrl.rewards.extract import extract_answer, extract_boxed
 from meshrl.rewards.grading import REWARD_KINDS, grade, grade_answer, math_equal, symbolic_equal
 from meshrl.rewards.normalize import choice_letter, normalize_exact, normalize_latex, parse_number
-from meshrl.rewards.runner import RewardError, RewardRunner
+from meshrl.rewards.runner import RewardError, RewardRunner, scorer_time_limit
 from meshrl.rewards.sandbox import SandboxResult, extract_code, grade_code, run_code
 
 __all__ = [
     "REWARD_KINDS",
     "RewardError",
     "RewardRunner",
+    "scorer_time_limit",
     "SandboxResult",
     "choice_letter",
     "extract_answer",

@@ -68,6 +68,25 @@ def _signals_usable() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
 
 
+#: Seconds a scorer gets beyond its task's own time limit (process start-up, the harness, writing the verdict).
+TASK_LIMIT_MARGIN_S = 5.0
+
+
+def scorer_time_limit(configured: float, task: object) -> float:
+    """The per-reward limit to enforce: ``configured``, raised to the task's own limit plus a margin when the task
+    runs code under a limit of its own (``task.timeout_s``, e.g. the sandbox of ``humaneval``). Otherwise every
+    slow-but-legal program would be cut by the reward limit first and counted as a scorer timeout instead of the
+    task's own verdict (a failed test, reward 0)."""
+    own = getattr(task, "timeout_s", None)
+    if not isinstance(own, Real) or not math.isfinite(own) or own <= 0 or not configured:
+        return configured
+    needed = float(own) + TASK_LIMIT_MARGIN_S
+    if configured < needed:
+        logger.info("reward limit raised from %g s to %g s: the task's own limit is %g s", configured, needed, own)
+        return needed
+    return configured
+
+
 class RewardRunner:
     """Score ``(completion, problem)`` pairs with ``score_fn`` under a timeout; count failures.
 

@@ -56,7 +56,7 @@ log = logging.getLogger("meshrl")
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         from meshrl.models import encode_prompt, load_model
-        from meshrl.rewards import RewardRunner
+        from meshrl.rewards import RewardRunner, scorer_time_limit
         from meshrl.rollout import make_backend
         from meshrl.tasks import load_task
 
@@ -90,7 +90,8 @@ class Trainer:
             extra["autocast"] = "bfloat16" if cfg.rollout.autocast_bf16 else None
         self.backend = make_backend(name, self.model, self.tokenizer, batch_size=cfg.rollout.batch_size, **extra)
         log.info("rollout backend: %s (rollout.backend=%s)", self.backend.name, cfg.rollout.backend)
-        runner = RewardRunner(self.task.score, timeout_s=cfg.reward.timeout_s, strict=cfg.reward.strict)
+        runner = RewardRunner(self.task.score, timeout_s=scorer_time_limit(cfg.reward.timeout_s, self.task),
+                              strict=cfg.reward.strict)
         prefixes = prepare_prefixes(cfg, self.task, self.problems, run_dir) if cfg.mesh_enabled else None
         self.sampler = RolloutStep(task=self.task, problems=self.problems, backend=self.backend,
                                    tokenizer=self.tokenizer, reward_runner=runner, recipe=self.recipe,
