@@ -56,10 +56,7 @@ def fisher_exact(table, alternative: str = "two-sided") -> FisherResult:
         raise ValueError(f"alternative must be one of {ALTERNATIVES}, got {alternative!r}")
     a, b, c, d = _check_table(table)
     row1, col1, n = a + b, a + c, a + b + c + d
-    if b * c == 0:
-        odds = math.nan if a * d == 0 else math.inf
-    else:
-        odds = a * d / (b * c)
+    odds = (math.nan if a * d == 0 else math.inf) if b * c == 0 else a * d / (b * c)
     if row1 == 0 or col1 == 0 or row1 == n or col1 == n:
         return FisherResult(odds, 1.0)  # a zero margin: only one table is possible
     lo, hi = max(0, row1 + col1 - n), min(row1, col1)

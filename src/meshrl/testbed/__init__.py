@@ -1,7 +1,7 @@
 """The collapse testbed: a task family with known strategies and real niches, and its warm start.
 
-Importing this package registers the tasks ``testbed:add`` and ``testbed:audit`` with ``meshrl.tasks`` (the engine does not
-import the testbed; a command that wants the task imports ``meshrl.testbed`` first).
+Importing this package registers the tasks ``testbed:add`` and ``testbed:audit`` with ``meshrl.tasks`` (the
+engine does not import the testbed; a command that wants the task imports ``meshrl.testbed`` first).
 
 * :class:`AddTestbed` (``load_task("testbed:add")``): ``a+b`` with a three-digit ``a`` and a two-digit
   ``b``, three written procedures (column ``c``, tens-then-ones ``t``, round-and-adjust ``r``) and three
