@@ -280,7 +280,7 @@ def test_round_two_end_to_end_at_toy_size(tmp_path, monkeypatch):
         hist = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
         counts[arm] = hist[0]["rollouts/count"]
         assert sorted(p.name for p in (d / "ckpt_eval").iterdir()) == ["step_1", "step_2"]
-        assert [p.name for p in (d / "checkpoints").glob("step_*")] == ["step_2"]  # pruned after evaluation
+        assert [p.name for p in (d / "checkpoints").glob("step_*")] == ["step_000002"]  # pruned after evaluation
         assert (d / "done.json").is_file()
     assert counts == {"grpo": 12.0, "grpo_g36": 72.0, "mesh_applicable_follow": 12.0, "cp_bare_half": 12.0}
     prefixes = [json.loads(x) for x in (out / "runs" / "cp_bare_half" / "seed_0" / "samples.jsonl").read_text()
@@ -314,5 +314,8 @@ def test_audit_family_experiment_at_toy_size(tmp_path, monkeypatch):
     assert warm_info(settings["warm_start"])["settings"]["task"] == "testbed:audit"
     res = summarize_experiment(out)
     assert res["outcomes"]["headline_niche"] == "carry"
-    assert set(res["arms"]["grpo"]["shares_by_type"]) == {"plain", "carry"}
-    assert math.isfinite(res["arms"]["grpo"]["acc/carry"])
+    assert "plain" in res["arms"]["grpo"]["shares_by_type"] and set(res["arms"]["grpo"]["shares_by_type"]) <= {
+        "plain", "carry"}
+    assert math.isfinite(res["arms"]["grpo"]["acc/plain"]) and "acc/low" not in res["arms"]["grpo"]
+    # one training step cannot calibrate the per-run thresholds: the run is skipped and recorded
+    assert res["warning_training"]["skipped"] == [{"arm": "grpo", "seed": 0, "steps": 1}]

@@ -42,7 +42,9 @@ def settings_from_args(args: argparse.Namespace):
     """``ExperimentSettings`` of ``--preset`` with the options given on the command line on top."""
     from meshrl.testbed.experiment import preset_settings
 
-    tup = (lambda v: tuple(v) if v is not None else None)
+    def tup(values):
+        return tuple(values) if values is not None else None
+
     return preset_settings(args.preset, arms=tup(args.arms), seeds=tup(args.seeds), probe_arms=tup(args.probe_arms),
                            steps=args.steps, ckpt_eval_every=args.ckpt_eval_every, task=args.task,
                            workers=args.workers)

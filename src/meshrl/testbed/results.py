@@ -12,10 +12,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("meshrl")
 
 #: signal -> (probe key, direction of collapse). Thresholds: mean +- 3 sd over the warm-start probes.
 SIGNALS: dict[str, tuple[str, str]] = {
@@ -282,10 +285,14 @@ def training_warning_table(out: Path, arms: tuple[str, ...] | None = None,
         settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
         arms = tuple(settings.get("probe_arms", ("grpo", "dapo", "grpo_kl", "grpo_js")))
     fall = f"{task.headline_niche} accuracy < {NICHE_FALL_AT:g}"
-    runs, per_run = _runs(out), []
+    runs, per_run, skipped = _runs(out), [], []
     for arm in arms:
         for seed, d in sorted(runs.get(arm, {}).items()):
             metrics = _read_jsonl(d / "metrics.jsonl")
+            if len(metrics) < 2:  # no per-run calibration from fewer than two steps: recorded, not crashed on
+                log.warning("warning table: %s seed %d has %d logged step(s); skipped", arm, seed, len(metrics))
+                skipped.append({"arm": arm, "seed": seed, "steps": len(metrics)})
+                continue
             truth = _training_truth(d, task)
             steps = [m["step"] for m in metrics]
             niche = [_with_niche_min(m, task.niche_types)["acc/niche_min"] for m in metrics]
@@ -301,7 +308,7 @@ def training_warning_table(out: Path, arms: tuple[str, ...] | None = None,
                 th = calibrated_threshold(vals[:calib_steps], direction)
                 cross[name] = first_crossing(steps[calib_steps:], vals[calib_steps:], th, direction, patience)
             per_run.append({"arm": arm, "seed": seed, "crossings": cross})
-    return {"runs": per_run,
+    return {"runs": per_run, "skipped": skipped,
             "summary": lead_summary(per_run, tuple(TRAIN_SIGNALS), ("true max mass > 0.8", "niche accuracy falls",
                                                                     fall))}
 
