@@ -185,8 +185,6 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     from meshrl.trainer import load_config, train
     from meshrl.trainer.checkpoint import latest_checkpoint
 
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
     import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
 
     torch.set_num_threads(1)
