@@ -180,12 +180,11 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     """Train (or resume), evaluate and probe one (arm, seed); runs in a worker process."""
     import torch
 
+    import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
     from meshrl.evaluation import run_eval
     from meshrl.tasks import load_task
     from meshrl.trainer import load_config, train
     from meshrl.trainer.checkpoint import latest_checkpoint
-
-    import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
 
     torch.set_num_threads(1)
     t0, cpu0 = time.perf_counter(), time.process_time()
