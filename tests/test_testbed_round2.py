@@ -319,3 +319,16 @@ def test_audit_family_experiment_at_toy_size(tmp_path, monkeypatch):
     assert math.isfinite(res["arms"]["grpo"]["acc/plain"]) and "acc/low" not in res["arms"]["grpo"]
     # one training step cannot calibrate the per-run thresholds: the run is skipped and recorded
     assert res["warning_training"]["skipped"] == [{"arm": "grpo", "seed": 0, "steps": 1}]
+
+
+def test_prefix_procedures_follow_the_arms_coach(tmp_path):
+    from meshrl.testbed.round2 import arm_task_options, prefix_procedures
+
+    assert arm_task_options("mesh_applicable_follow") == {"coach": "applicable", "follow": True}
+    assert arm_task_options("grpo") == {} and prefix_procedures(tmp_path, "mesh_mu1e-5", 0) == {}
+    (tmp_path / "settings.json").write_text(json.dumps({"task": "testbed:add"}))
+    named = prefix_procedures(tmp_path, "mesh_applicable", 0)
+    task = load_task("testbed:add", seed=0)
+    by_type = {p.meta["type"]: named[p.id] for p in task.problems("train")}
+    assert by_type["carry"] == ["r", "r", "r"] and by_type["decade"] == ["t", "t", "t"]
+    assert by_type["low"][0] == "c"
