@@ -8,33 +8,55 @@ from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from meshrl.testbed.experiment import ARMS, ExperimentSettings
+    from meshrl.testbed.experiment import ARMS, PRESETS
 
-    d = ExperimentSettings()
     p = sub.add_parser("experiment", help="the testbed experiment: every arm x seeds, evaluation, warning signals",
-                       description="Runs GRPO, DAPO, GRPO+KL, GRPO+JS, CP-only, Mesh at several mu and the "
-                       "support-balancing variant on the collapse testbed from one warm start, at a matched "
-                       "rollout budget; evaluates pass@k by problem type; probes the baselines' checkpoints "
-                       "for the warning-signal table; writes results.json, results.md and figures. Resumable: "
-                       "finished runs, evaluations and probes are reused.")
+                       description="Runs the arms of a preset on a collapse testbed from one warm start: round1 "
+                       "(issue 7: GRPO, DAPO, GRPO+KL, GRPO+JS, CP-only, Mesh at several mu, support balancing, "
+                       "15 arms x 3 seeds) or round2 (issue 16, the default: the headline arms x 5 seeds, "
+                       "per-prefix budget arms against GRPO with the same rollouts per query, the applicable "
+                       "coach, the coach-following reward and a half-budget prefix-free group); evaluates pass@k "
+                       "by problem type, every checkpoint (final vs best) and the niche kept/lost per seed with "
+                       "Fisher's exact test; probes checkpoints for the warning-signal tables; writes "
+                       "results.json, results.md and figures. Resumable: finished runs, evaluations and probes "
+                       "are reused.")
     p.add_argument("--out", type=Path, default=Path("runs/testbed_experiment"))
-    p.add_argument("--arms", nargs="+", default=list(d.arms), choices=list(ARMS), metavar="ARM")
-    p.add_argument("--seeds", nargs="+", type=int, default=list(d.seeds))
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--workers", type=int, default=d.workers, help="runs in parallel (one thread each)")
+    p.add_argument("--preset", choices=list(PRESETS), default="round2")
+    p.add_argument("--task", choices=["testbed:add", "testbed:audit"], default=None,
+                   help="task family (default testbed:add; testbed:audit is the second family)")
+    p.add_argument("--arms", nargs="+", default=None, choices=list(ARMS), metavar="ARM",
+                   help="default: the preset's arms")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: the preset's seeds")
+    p.add_argument("--probe-arms", nargs="*", default=None, choices=list(ARMS), metavar="ARM",
+                   help="arms whose checkpoints are probed for the warning signals (default: the preset's)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--ckpt-eval-every", type=int, default=None,
+                   help="evaluate a checkpoint every N steps in every arm (0 = final only)")
+    p.add_argument("--workers", type=int, default=None, help="runs in parallel (one thread each)")
     p.add_argument("--summarize-only", action="store_true", help="only rebuild the tables and figures")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
 
+def settings_from_args(args: argparse.Namespace):
+    """``ExperimentSettings`` of ``--preset`` with the options given on the command line on top."""
+    from meshrl.testbed.experiment import preset_settings
+
+    def tup(values):
+        return tuple(values) if values is not None else None
+
+    return preset_settings(args.preset, arms=tup(args.arms), seeds=tup(args.seeds), probe_arms=tup(args.probe_arms),
+                           steps=args.steps, ckpt_eval_every=args.ckpt_eval_every, task=args.task,
+                           workers=args.workers)
+
+
 def run(args: argparse.Namespace) -> int:
     from meshrl.report.testbed import plot_results, results_markdown
-    from meshrl.testbed.experiment import ExperimentSettings, run_experiment
+    from meshrl.testbed.experiment import run_experiment
     from meshrl.testbed.results import summarize_experiment
 
     if not args.summarize_only:
-        s = ExperimentSettings(steps=args.steps, seeds=tuple(args.seeds), arms=tuple(args.arms), workers=args.workers)
-        run_experiment(args.out, s, progress=not args.no_progress)
+        run_experiment(args.out, settings_from_args(args), progress=not args.no_progress)
     if not (args.out / "runs").is_dir():
         raise SystemExit(f"error: no runs in {args.out}")
     res = summarize_experiment(args.out)

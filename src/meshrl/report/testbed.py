@@ -21,20 +21,30 @@ def _pm(row: dict[str, Any], key: str) -> str:
     return f"{_f(row.get(key))} ± {_f(row.get(key + '_sd'), 3)}"
 
 
+def _types(res: dict[str, Any]) -> tuple[str, ...]:
+    """The problem types of the experiment's task (``testbed:add``'s three unless the arms say otherwise)."""
+    for r in res.get("arms", {}).values():
+        found = tuple(t for t in r.get("shares_by_type", {}) if t != "?")
+        if found:
+            return tuple(t for t in TYPES if t in found) + tuple(t for t in found if t not in TYPES)
+    return TYPES
+
+
 def arms_markdown(res: dict[str, Any]) -> str:
     """Final held-out accuracy per arm (mean ± sd over seeds) and the final unconditioned shares."""
     k = res.get("k_max", 8)
-    lines = [f"| arm | seeds | accuracy | pass@{k} | low | carry | decade | niche | per-problem max mass |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    types = _types(res)
+    lines = [f"| arm | seeds | accuracy | pass@{k} | " + " | ".join(types) + " | niche | per-problem max mass |",
+             "|---|---|---|---|" + "---|" * len(types) + "---|---|"]
     for arm, r in res["arms"].items():
         lines.append(f"| {arm} | {len(r['seeds'])} | {_pm(r, 'acc')} | {_pm(r, f'pass@{k}')} | "
-                     + " | ".join(_pm(r, f"acc/{t}") for t in TYPES)
+                     + " | ".join(_pm(r, f"acc/{t}") for t in types)
                      + f" | {_pm(r, 'acc/niche')} | {_pm(r, 'problem_max_mass')} |")
     lines += ["", "Final unconditioned strategy shares (c / t / r) per problem type, mean over seeds:", "",
-              "| arm | low | carry | decade |", "|---|---|---|---|"]
+              "| arm | " + " | ".join(types) + " |", "|---|" + "---|" * len(types)]
     for arm, r in res["arms"].items():
         cells = []
-        for t in TYPES:
+        for t in types:
             sh = r["shares_by_type"].get(t, {})
             cells.append(" / ".join(_f(sh.get(s), 2) for s in ("c", "t", "r")))
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
@@ -45,12 +55,13 @@ def seeds_markdown(res: dict[str, Any]) -> str:
     """Per seed: held-out accuracy and, in brackets, accuracy on the ``decade`` niche (the one a collapse
     onto the generalist procedure loses)."""
     seeds = sorted({p["seed"] for r in res["arms"].values() for p in r["per_seed"]})
-    lines = ["| arm | " + " | ".join(f"seed {s}: accuracy (decade)" for s in seeds) + " |",
+    niche = (res.get("outcomes") or {}).get("headline_niche", "decade")
+    lines = ["| arm | " + " | ".join(f"seed {s}: accuracy ({niche})" for s in seeds) + " |",
              "|---|" + "---|" * len(seeds)]
     for arm, r in res["arms"].items():
         by = {p["seed"]: p for p in r["per_seed"]}
         lines.append(f"| {arm} | " + " | ".join(
-            f"{by[s]['acc']:.3f} ({by[s].get('acc/decade', math.nan):.3f})" if s in by else "–" for s in seeds)
+            f"{by[s]['acc']:.3f} ({by[s].get(f'acc/{niche}', math.nan):.3f})" if s in by else "–" for s in seeds)
             + " |")
     return "\n".join(lines)
 
@@ -141,14 +152,78 @@ def following_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def outcomes_markdown(res: dict[str, Any]) -> str:
+    """Per arm: the niche kept (K) or lost (L) in each seed, counts, Fisher's exact test against GRPO."""
+    o = res.get("outcomes") or {}
+    if not o.get("arms"):
+        return "(no runs)"
+    lines = [f"Niche kept = held-out accuracy on `{o['headline_niche']}` >= {o['kept_at']:g}; Fisher's exact test "
+             f"(two-sided) of each arm's kept/lost counts against {o['baseline']}'s, Holm-corrected across arms; "
+             "bar = kept in >= 80% of >= 5 seeds with accuracy and pass@k at least the baseline's.", "",
+             "| arm | per seed (K kept, L lost) | kept / seeds | Fisher p | p (Holm) | meets the bar |",
+             "|---|---|---|---|---|---|"]
+    for arm, r in o["arms"].items():
+        marks = " ".join(f"s{p['seed']}:{'K' if p['kept'] else 'L'}" for p in r["per_seed"])
+        bar = {True: "yes", False: "no", None: "–"}[r.get("meets_bar")]
+        lines.append(f"| {arm} | {marks} | {r['kept']} / {r['seeds']} | {_f(r.get('fisher_p'), 4)} | "
+                     f"{_f(r.get('fisher_p_holm'), 4)} | {bar} |")
+    return "\n".join(lines)
+
+
+def checkpoints_markdown(res: dict[str, Any]) -> str:
+    """Final vs best checkpoint per arm (mean ± sd over seeds; steps in brackets)."""
+    rows = res.get("checkpoints") or {}
+    if not rows:
+        return "(no checkpoint evaluations)"
+    niche = (res.get("outcomes") or {}).get("headline_niche", "niche")
+    lines = [f"| arm | final accuracy | best accuracy (step) | final {niche} | best {niche} (step) | per seed: "
+             "best step / final step |", "|---|---|---|---|---|---|"]
+    for arm, r in rows.items():
+        steps = ", ".join(f"{p['best_step']}/{p['final_step']}" for p in r["per_seed"])
+        lines.append(f"| {arm} | {_pm(r, 'final_acc')} | {_pm(r, 'best_acc')} ({_f(r['best_step'], 1)}) | "
+                     f"{_pm(r, 'final_niche')} | {_pm(r, 'best_niche')} ({_f(r['best_niche_step'], 1)}) | {steps} |")
+    return "\n".join(lines)
+
+
+def compute_markdown(res: dict[str, Any]) -> str:
+    rows = res.get("compute") or {}
+    if not rows:
+        return "(no runs)"
+    lines = ["| arm | runs | rollouts per run | training s per run | process wall s per run | CPU s per run |",
+             "|---|---|---|---|---|---|"]
+    for arm, r in rows.items():
+        lines.append(f"| {arm} | {r['runs']} | {_f(r['rollouts_mean'], 0)} | {_f(r['train_s_mean'], 0)} | "
+                     f"{_f(r['wall_s_mean'], 0)} | {_f(r['cpu_s_mean'], 0)} |")
+    return "\n".join(lines)
+
+
+def separation_markdown(res: dict[str, Any], key: str) -> str:
+    """Does a signal's crossing tell the runs that lost the niche from those that kept it?"""
+    sep = (res.get("separation") or {}).get(key) or {}
+    if not sep.get("signals"):
+        return "(no probed runs with an outcome)"
+    lines = [f"Fall event: `{sep['fall_event']}`.", "",
+             "| signal | crossed in lost runs | crossed in kept runs | Fisher p | crossed before the fall (lost runs "
+             "that fell) |", "|---|---|---|---|---|"]
+    for sig, r in sep["signals"].items():
+        lines.append(f"| {sig} | {r['lost_crossed']}/{r['lost_runs']} | {r['kept_crossed']}/{r['kept_runs']} | "
+                     f"{_f(r['fisher_p'], 3)} | {r['crossed_before_fall']}/{r['lost_with_fall']} |")
+    return "\n".join(lines)
+
+
 def results_markdown(res: dict[str, Any]) -> str:
     sections = [
         ("Final held-out results", arms_markdown(res)),
+        ("Niche kept or lost, per seed", outcomes_markdown(res)),
         ("Final held-out results per seed", seeds_markdown(res)),
+        ("Final vs best checkpoint (held-out checkpoint evaluations)", checkpoints_markdown(res)),
+        ("Compute per arm", compute_markdown(res)),
         ("Paired comparisons against GRPO", paired_markdown(res)),
         ("Coach following (training rollouts of the coach-conditioned arms)", following_markdown(res)),
         ("Warning signals (checkpoint probes)", warning_markdown(res)),
         ("Warning signals (training logs, every step)", warning_markdown(res, "warning_training")),
+        ("Do the signals separate lost from kept runs? (checkpoint probes)", separation_markdown(res, "probes")),
+        ("Do the signals separate lost from kept runs? (training logs)", separation_markdown(res, "training")),
         ("Kernel partition vs parser labels (ARI)", partition_markdown(res)),
         ("MEI and effective directions vs the true number of procedures", mei_truth_markdown(res)),
     ]
@@ -175,8 +250,9 @@ def plot_results(res: dict[str, Any], out_dir: Path) -> list[Path]:
     fig, axes = _figure(1, 1, size=(12, 4))
     ax = axes[0]
     arms = list(res["arms"])
-    width = 0.8 / len(TYPES)
-    for j, t in enumerate(TYPES):
+    types = _types(res)
+    width = 0.8 / len(types)
+    for j, t in enumerate(types):
         vals = [res["arms"][a].get(f"acc/{t}", math.nan) for a in arms]
         errs = [res["arms"][a].get(f"acc/{t}_sd", 0.0) for a in arms]
         ax.bar([i + j * width for i in range(len(arms))], vals, width, yerr=errs, label=t, color=colour(j))
@@ -188,7 +264,29 @@ def plot_results(res: dict[str, Any], out_dir: Path) -> list[Path]:
     runs = (res.get("warning") or {}).get("runs", [])
     if runs:
         files.append(out_dir / _plot_probes(res, out_dir))
+    if res.get("checkpoints"):
+        files.append(out_dir / _plot_checkpoints(res, out_dir))
     return files
+
+
+def _plot_checkpoints(res: dict[str, Any], out_dir: Path) -> str:
+    """Held-out accuracy and headline-niche accuracy at each evaluated checkpoint, mean over seeds per arm."""
+    fig, axes = _figure(1, 2, size=(12, 4))
+    niche = (res.get("outcomes") or {}).get("headline_niche", "niche")
+    for i, (arm, row) in enumerate(res["checkpoints"].items()):
+        steps = sorted({s for p in row["per_seed"] for s in p["steps"]})
+        for ax, key in zip(axes, ("acc", "niche"), strict=True):
+            means = []
+            for s in steps:
+                vals = [p[key][p["steps"].index(s)] for p in row["per_seed"] if s in p["steps"]]
+                means.append(sum(vals) / len(vals))
+            ax.plot(steps, means, color=colour(i), ls=_style(i), lw=1.2, marker=".", label=arm)
+    for ax, title in zip(axes, ("held-out accuracy per checkpoint", f"held-out {niche} accuracy per checkpoint"),
+                         strict=True):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=6, ncol=2)
+    return _save(fig, out_dir, "testbed_checkpoints.png")
 
 
 def _style(i: int) -> str:

@@ -7,6 +7,7 @@ runs all of them per benchmark and applies :func:`holm_correction` across benchm
 """
 
 from meshrl.stats.compare import CORRECTION_TESTS, CompareRow, compare_table, format_compare_table
+from meshrl.stats.exact import FisherResult, fisher_exact
 from meshrl.stats.passk import (
     MEAN_AT_K_ESTIMATORS,
     mean_at_k,
@@ -30,9 +31,11 @@ __all__ = [
     "MEAN_AT_K_ESTIMATORS",
     "BootstrapResult",
     "CompareRow",
+    "FisherResult",
     "Interval",
     "bootstrap_ci",
     "compare_table",
+    "fisher_exact",
     "format_compare_table",
     "holm_correction",
     "mean_at_k",

@@ -1,11 +1,13 @@
 """The collapse testbed: a task family with known strategies and real niches, and its warm start.
 
-Importing this package registers the task ``testbed:add`` with ``meshrl.tasks`` (the engine does not
-import the testbed; a command that wants the task imports ``meshrl.testbed`` first).
+Importing this package registers the tasks ``testbed:add`` and ``testbed:audit`` with ``meshrl.tasks`` (the
+engine does not import the testbed; a command that wants the task imports ``meshrl.testbed`` first).
 
 * :class:`AddTestbed` (``load_task("testbed:add")``): ``a+b`` with a three-digit ``a`` and a two-digit
   ``b``, three written procedures (column ``c``, tens-then-ones ``t``, round-and-adjust ``r``) and three
   problem types on which different procedures win (``meta["type"]``). Strict reward with a length budget.
+* :class:`AuditTestbed` (``load_task("testbed:audit")``): the second family, same procedures, a niche
+  (problems with a carry) that only the rare, longest procedure ``c`` may solve (the audit rule).
 * :func:`label_strategy`, :func:`reference_trace`: the parser and the reference traces.
 * :func:`warm_start`: a small built-in model taught all three procedures, cached on disk.
 * :func:`strategy_shares`, :func:`forced_accuracy`, :func:`coached_shares`: ground-truth shares, per-type
@@ -14,6 +16,7 @@ import the testbed; a command that wants the task imports ``meshrl.testbed`` fir
 See ``docs/testbed_design.md``.
 """
 
+from meshrl.testbed.audit import AUDIT_PRIOR, AUDIT_TYPES, AuditTestbed, audit_feasible, audit_type
 from meshrl.testbed.measure import (
     CoachReport,
     ForcedReport,
@@ -24,16 +27,19 @@ from meshrl.testbed.measure import (
 )
 from meshrl.testbed.task import (
     COACH_TEXT,
+    COACH_VARIANTS,
     DEFAULT_BUDGET,
     DEFAULT_MIX,
     HOME,
     TYPES,
     AddTestbed,
     ForcedPrompt,
+    applicable_prefixes,
     coach_strategies,
     feasible_strategies,
     forced_prompt,
     make_problem,
+    prefix_strategy,
     problem_type,
 )
 from meshrl.testbed.traces import (
@@ -48,7 +54,10 @@ from meshrl.testbed.traces import (
 from meshrl.testbed.warm import cache_root, warm_info, warm_start
 
 __all__ = [
+    "AUDIT_PRIOR",
+    "AUDIT_TYPES",
     "COACH_TEXT",
+    "COACH_VARIANTS",
     "DEFAULT_BUDGET",
     "DEFAULT_MIX",
     "HOME",
@@ -56,6 +65,10 @@ __all__ = [
     "STRATEGY_NAMES",
     "TYPES",
     "AddTestbed",
+    "AuditTestbed",
+    "applicable_prefixes",
+    "audit_feasible",
+    "audit_type",
     "CoachReport",
     "ForcedPrompt",
     "ForcedReport",
@@ -68,6 +81,7 @@ __all__ = [
     "forced_prompt",
     "label_strategy",
     "make_problem",
+    "prefix_strategy",
     "problem_type",
     "reference_trace",
     "skeleton",

@@ -1,10 +1,15 @@
-"""The testbed experiment (issue 7): every arm x seeds at a matched rollout budget, evaluated and probed.
+"""The testbed experiment: every arm x seeds from one warm start, evaluated, checkpoint-evaluated and probed.
 
 ``run_experiment(out)`` trains each (arm, seed) from the same warm start, evaluates the final policy on
-held-out problems (pass@k, by problem type), and for the baseline arms probes every saved checkpoint
-with :func:`meshrl.testbed.signals.probe_signals` (the warning-signal data). Runs go two at a time (one
-thread each) and everything is resumable: a finished run, evaluation or probe is never redone.
+held-out problems (pass@k, by problem type), evaluates every kept checkpoint on a smaller held-out set
+(``ckpt_eval``: final vs best checkpoint), and for the probed arms probes every checkpoint with
+:func:`meshrl.testbed.signals.probe_signals` (the warning-signal data). Runs go ``workers`` at a time
+(one thread each) and everything is resumable: a finished run, evaluation or probe is never redone.
 ``summarize_experiment(out)`` reads it all back into ``results.json`` (see ``docs/testbed.md``).
+
+Two presets (``PRESETS``): ``round1`` is issue 7's experiment (15 arms x 3 seeds, the figures of
+docs/testbed.md's first part); ``round2`` (the default) is issue 16's: the headline arms x 5 seeds, the
+rollout-budget arms and the variants designed from round one's mechanism.
 """
 
 from __future__ import annotations
@@ -38,8 +43,37 @@ ARMS: dict[str, list[str]] = {
     "dapo_seqmean": ["recipe=dapo", "dynamic_sampling.max_rounds=1", "algo.overlong_shaping=false",
                      "algo.loss_agg=seq-mean-token-mean"],
     "support_bare_mu1e-1": ["recipe=mesh", "mesh.balance=support", "mesh.mu=1e-1", "mesh.bare_group=true"],
+    # ---- round two (issue 16) ----
+    # The rollout-budget question: each of the m = 3 prefixes gets a whole group of G = 12 (36 rollouts per
+    # query), against GRPO with the same 36 rollouts per query and the same optimiser steps.
+    "mesh_pp_mu1e-5": ["recipe=mesh", "mesh.budget=per_prefix"],
+    "cp_pp": ["recipe=cp_only", "mesh.budget=per_prefix"],
+    "grpo_g36": ["recipe=grpo", "rollout.group_size=36"],
+    # Variants from round one's mechanism (the paper's Mesh at mu = 1e-5 underneath, matched budget):
+    # the coach proposes only procedures that can solve the problem ...
+    "mesh_applicable": ["recipe=mesh", "task_options.coach=applicable"],
+    # ... a conditioned rollout that abandons its prefix's procedure earns 0 ...
+    "mesh_follow": ["recipe=mesh", "task_options.follow=true"],
+    "mesh_applicable_follow": ["recipe=mesh", "task_options.coach=applicable", "task_options.follow=true"],
+    # ... and half the budget prefix-free (3 bare groups of 2 + 3 prefix groups of 2), with balancing of
+    # the unconditioned strategy masses (support balancing) or without (CP only).
+    "support_bare_half_mu1e-1": ["recipe=mesh", "mesh.balance=support", "mesh.mu=1e-1", "mesh.bare_group=true",
+                                 "mesh.bare_groups=3"],
+    "cp_bare_half": ["recipe=cp_only", "mesh.bare_group=true", "mesh.bare_groups=3"],
 }
-PROBE_ARMS = ("grpo", "dapo", "grpo_kl", "grpo_js")
+PROBE_ARMS = ("grpo", "dapo", "grpo_kl", "grpo_js")  # round one's probed baselines
+ROUND1_ARMS: tuple[str, ...] = (
+    "grpo", "dapo", "grpo_kl", "grpo_js", "cp_only", "mesh_mu1e-5", "mesh_mu1e-3", "mesh_mu1e-2", "mesh_mu1e-1",
+    "support_mu1e-1", "support_mu1", "cp_bare", "grpo_tokenmean", "dapo_seqmean", "support_bare_mu1e-1")
+ROUND2_ARMS: tuple[str, ...] = (
+    "grpo", "mesh_mu1e-5", "cp_only", "grpo_g36", "mesh_pp_mu1e-5", "cp_pp", "mesh_applicable", "mesh_follow",
+    "mesh_applicable_follow", "support_bare_half_mu1e-1", "cp_bare_half")
+#: preset -> settings that differ from ExperimentSettings' defaults
+PRESETS: dict[str, dict[str, Any]] = {
+    "round1": {"arms": ROUND1_ARMS, "seeds": (0, 1, 2), "probe_arms": PROBE_ARMS, "ckpt_eval_every": 0,
+               "warm_coach_variants": False},
+    "round2": {},
+}
 
 
 @dataclass(frozen=True)
@@ -56,17 +90,26 @@ class ExperimentSettings:
     eval_problems: int = 256
     eval_n: int = 8
     ks: tuple[int, ...] = (1, 2, 4, 8)
-    seeds: tuple[int, ...] = (0, 1, 2)
-    arms: tuple[str, ...] = tuple(ARMS)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)  # >= 5: GRPO's outcome is bimodal across seeds
+    arms: tuple[str, ...] = ROUND2_ARMS
+    probe_arms: tuple[str, ...] = ("grpo", "grpo_g36", "mesh_mu1e-5")  # warning signals (checkpoint probes)
+    ckpt_eval_every: int = 8  # evaluate a checkpoint every this many steps, every arm (0 = final only)
+    ckpt_eval_problems: int = 128
+    task: str = "testbed:add"  # or "testbed:audit", the second family
     warm_seed: int = 0
-    warm_steps: int = 700  # = meshrl.testbed.warm.DEFAULT_STEPS, the default (cached) warm start
+    warm_steps: int = 700  # = meshrl.testbed.warm.DEFAULT_STEPS
+    # Round two's applicable coach repeats procedures in other words (COACH_VARIANTS): every arm starts from
+    # a warm start that was taught all the phrasings, so that all arms share one starting point.
+    warm_coach_variants: bool = True
+    prune_checkpoints: bool = True  # keep only the last checkpoint once a run is evaluated and probed
     workers: int = 2
+    niche_kept_at: float = 0.5  # a seed keeps the niche when its held-out headline-niche accuracy >= this
     extra: tuple[str, ...] = field(default_factory=tuple)  # more overrides for every arm
 
 
 def base_overrides(s: ExperimentSettings, model_path: Path, max_new_tokens: int) -> list[str]:
     return [
-        f"model={model_path}", "task=testbed:add", f"steps={s.steps}",
+        f"model={model_path}", f"task={s.task}", f"steps={s.steps}",
         f"rollout.prompts_per_step={s.prompts_per_step}", f"rollout.group_size={s.group_size}",
         f"rollout.max_new_tokens={max_new_tokens}", "rollout.temperature=1.0", f"optim.lr={s.lr}",
         "optim.warmup_steps=3", f"train.ppo_epochs={s.ppo_epochs}", f"train.mini_batches={s.mini_batches}",
@@ -79,35 +122,73 @@ def base_overrides(s: ExperimentSettings, model_path: Path, max_new_tokens: int)
     ]
 
 
+def checkpoint_every(arm: str, s: ExperimentSettings) -> int:
+    """Probed arms keep a checkpoint every ``probe_every`` steps, the others every ``ckpt_eval_every``
+    (only the last one when that is 0)."""
+    if arm in s.probe_arms:
+        return max(1, s.probe_every)
+    return s.ckpt_eval_every if 0 < s.ckpt_eval_every < s.steps else max(s.steps, 1)
+
+
 def checkpoint_overrides(arm: str, s: ExperimentSettings) -> list[str]:
-    """Probed arms keep a checkpoint every ``probe_every`` steps; the others only the last one."""
-    if arm in PROBE_ARMS:
-        return [f"checkpoint.every={s.probe_every}", f"checkpoint.keep_last={s.steps // s.probe_every + 1}"]
-    return [f"checkpoint.every={max(s.steps, 1)}", "checkpoint.keep_last=1"]
+    every = checkpoint_every(arm, s)
+    return [f"checkpoint.every={every}", f"checkpoint.keep_last={s.steps // every + 1}"]
 
 
-def eval_config(model: str, s, seed: int, max_new: int):
+def eval_config(model: str, s, seed: int, max_new: int, limit: int | None = None):
     """The held-out evaluation of the testbed for settings ``s`` (experiment or demo; ``generate`` sampling
-    pinned, as in ``base_overrides``)."""
+    pinned, as in ``base_overrides``); ``limit`` problems instead of ``s.eval_problems`` when given."""
     from meshrl.evaluation import EvalConfig
 
-    return EvalConfig(model=model, data="testbed:add", split="eval", n=s.eval_n, ks=list(s.ks),
-                      limit=s.eval_problems, max_new_tokens=max_new, temperature=1.0, seed=seed, by="type",
-                      backend="hf")
+    return EvalConfig(model=model, data=getattr(s, "task", "testbed:add"), split="eval", n=s.eval_n,
+                      ks=list(s.ks), limit=limit or s.eval_problems, max_new_tokens=max_new, temperature=1.0,
+                      seed=seed, by="type", backend="hf")
+
+
+def checkpoint_dirs(run_dir: Path) -> dict[int, Path]:
+    """Step -> checkpoint directory of a run."""
+    return {int(d.name.split("_")[1]): d for d in sorted((run_dir / "checkpoints").glob("step_*"))}
+
+
+def eval_checkpoints(run_dir: Path, s: ExperimentSettings, seed: int, max_new: int) -> list[int]:
+    """``ckpt_eval/step_N/eval.json`` for every kept checkpoint at a multiple of ``ckpt_eval_every`` (the
+    last one always): the same ``ckpt_eval_problems`` held-out problems, by type. Returns the steps."""
+    from meshrl.evaluation import run_eval
+
+    if s.ckpt_eval_every <= 0:
+        return []
+    ckpts = checkpoint_dirs(run_dir)
+    steps = [k for k in ckpts if k % s.ckpt_eval_every == 0 or k == max(ckpts)]
+    for step in steps:
+        out = run_dir / "ckpt_eval" / f"step_{step}"
+        if not (out / "eval.json").is_file():
+            run_eval(eval_config(str(ckpts[step]), s, seed, max_new, s.ckpt_eval_problems), out, progress=False)
+    return steps
+
+
+def prune_checkpoints(run_dir: Path) -> None:
+    """Remove every checkpoint but the last (after the evaluations and probes that read them)."""
+    import shutil
+
+    ckpts = checkpoint_dirs(run_dir)
+    for step, d in ckpts.items():
+        if step != max(ckpts):
+            shutil.rmtree(d)
 
 
 def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: Path) -> dict[str, Any]:
     """Train (or resume), evaluate and probe one (arm, seed); runs in a worker process."""
     import torch
 
+    import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
     from meshrl.evaluation import run_eval
     from meshrl.tasks import load_task
     from meshrl.trainer import load_config, train
     from meshrl.trainer.checkpoint import latest_checkpoint
 
     torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    task = load_task("testbed:add", seed=seed)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    task = load_task(s.task, seed=seed)
     cfg = load_config(overrides=[*base_overrides(s, model_path, task.max_new_tokens), *ARMS[arm],
                                    *checkpoint_overrides(arm, s), f"seed={seed}"])
     ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
@@ -116,8 +197,15 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
         train(cfg, run_dir, resume=ckpt is not None)
     if not (run_dir / "eval" / "eval.json").is_file():
         run_eval(eval_config(str(run_dir), s, seed, task.max_new_tokens), run_dir / "eval", progress=False)
-    if arm in PROBE_ARMS:
-        probe_run(run_dir, s, seed, model_path)
+    if not (run_dir / "done.json").is_file():  # the checkpoints are pruned once this is written
+        eval_checkpoints(run_dir, s, seed, task.max_new_tokens)
+        if arm in s.probe_arms:
+            probe_run(run_dir, s, seed, model_path)
+        if s.prune_checkpoints:
+            prune_checkpoints(run_dir)
+        # compute of this call (a resumed run adds its calls' figures; training time is in metrics.jsonl)
+        (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
+                                                       "cpu_s": time.process_time() - cpu0}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
 
 
@@ -130,11 +218,9 @@ def probe_run(run_dir: Path, s: ExperimentSettings, seed: int, model_path: Path)
 
     path = run_dir / "probes.jsonl"
     done = {r["step"] for r in read_jsonl(path)} if path.is_file() else set()
-    task = load_task("testbed:add", seed=seed)
+    task = load_task(getattr(s, "task", "testbed:add"), seed=seed)
     problems = task.problems("eval")[-s.probe_problems:]  # disjoint from the first eval_problems when possible
-    ckpts = {0: model_path}
-    for d in sorted((run_dir / "checkpoints").glob("step_*")):
-        ckpts[int(d.name.split("_")[1])] = d
+    ckpts = {0: model_path, **checkpoint_dirs(run_dir)}
     with path.open("a") as fh:
         for step, ckpt in sorted(ckpts.items()):
             if step in done:
@@ -158,7 +244,7 @@ def baseline_probes(out: Path, s: ExperimentSettings, model_path: Path, n: int =
 
     path = out / "baseline_probes.jsonl"
     have = len(read_jsonl(path)) if path.is_file() else 0
-    task = load_task("testbed:add", seed=0)
+    task = load_task(s.task, seed=0)
     problems = task.problems("eval")[-s.probe_problems:]
     model, tok = load_model(str(model_path))
     with path.open("a") as fh:
@@ -181,10 +267,13 @@ def run_experiment(out: Path, s: ExperimentSettings | None = None, *, progress: 
     unknown = [a for a in s.arms if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
+    check_resumable(out, s)
     out.mkdir(parents=True, exist_ok=True)
-    model_path = warm_start(seed=s.warm_seed, steps=s.warm_steps, progress=progress)
+    model_path = warm_start(seed=s.warm_seed, steps=s.warm_steps, progress=progress, task=s.task,
+                            coach_variants=s.warm_coach_variants)
     (out / "settings.json").write_text(json.dumps({**asdict(s), "warm_start": str(model_path)}, indent=1))
     jobs = [(a, seed, out / "runs" / a / f"seed_{seed}") for seed in s.seeds for a in s.arms]
+    jobs.sort(key=lambda j: j[0] not in s.probe_arms)  # probed baselines first: the signal data comes early
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=s.workers, mp_context=ctx) as pool, \
             progress_bar("experiment", total=len(jobs) + 1, enabled=progress) as bar:
@@ -195,3 +284,30 @@ def run_experiment(out: Path, s: ExperimentSettings | None = None, *, progress: 
             log.info("experiment: %s", res)
             bar()
     return out
+
+
+#: settings that change what a finished run means; resuming with other values would mix two experiments
+_PINNED = ("steps", "prompts_per_step", "group_size", "lr", "ppo_epochs", "mini_batches", "task", "warm_seed",
+           "warm_steps", "warm_coach_variants", "eval_problems", "eval_n", "extra")
+
+
+def check_resumable(out: Path, s: ExperimentSettings) -> None:
+    """Refuse to resume ``out`` with settings that would change its finished runs (arms, seeds, workers and
+    probing may change: new ones are added)."""
+    path = out / "settings.json"
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    new = json.loads(json.dumps(asdict(s)))  # tuples -> lists, as stored
+    diff = [k for k in _PINNED if k in old and old[k] != new[k]]
+    if diff:
+        was = ", ".join(f"{k}={old[k]!r}" for k in diff)
+        raise ValueError(f"{path}: this experiment was run with other settings ({was}); use another --out or the "
+                         "same settings")
+
+
+def preset_settings(name: str, **changes: Any) -> ExperimentSettings:
+    """``ExperimentSettings`` of preset ``name`` (``PRESETS``) with ``changes`` on top (None = keep)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return ExperimentSettings(**{**PRESETS[name], **{k: v for k, v in changes.items() if v is not None}})

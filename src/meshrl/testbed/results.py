@@ -12,10 +12,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("meshrl")
 
 #: signal -> (probe key, direction of collapse). Thresholds: mean +- 3 sd over the warm-start probes.
 SIGNALS: dict[str, tuple[str, str]] = {
@@ -32,11 +35,31 @@ EVENTS: dict[str, tuple[str, str, float | None]] = {
 }
 
 
-def _with_niche_min(row: dict[str, Any]) -> dict[str, Any]:
+def _with_niche_min(row: dict[str, Any], niches: tuple[str, ...] = ("carry", "decade")) -> dict[str, Any]:
     """Add ``acc/niche_min``: the accuracy of the worse niche type (a collapse kills one niche while the
     other may improve, so their mean can hide it)."""
-    vals = [row[k] for k in ("acc/type/carry", "acc/type/decade") if k in row and row[k] == row[k]]
+    vals = [row[k] for k in (f"acc/type/{t}" for t in niches) if k in row and row[k] == row[k]]
     return {**row, "acc/niche_min": min(vals) if vals else math.nan}
+
+
+def experiment_task(out: Path, **options: Any):
+    """The task of the experiment in ``out`` (``settings.json``'s ``task``; ``testbed:add`` before round two)."""
+    import meshrl.testbed  # noqa: F401  (registers the testbed tasks)
+    from meshrl.tasks import load_task
+
+    path = out / "settings.json"
+    name = json.loads(path.read_text()).get("task", "testbed:add") if path.is_file() else "testbed:add"
+    return load_task(name, **options)
+
+
+NICHE_FALL_AT = 0.1  # the warm start is at about 0.4 on the decade niche; lost seeds end at 0.002-0.025
+
+
+def niche_events(task, fall_at: float = NICHE_FALL_AT) -> dict[str, tuple[str, str, float | None]]:
+    """The ground-truth events: ``EVENTS`` and the headline niche's fall below ``fall_at`` (the fall that
+    a seed which ends "lost" goes through; fixed, well under the warm start's accuracy there)."""
+    return {**EVENTS, f"{task.headline_niche} accuracy < {fall_at:g}": (f"acc/type/{task.headline_niche}", "down",
+                                                                         fall_at)}
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -86,17 +109,15 @@ def eval_shares(eval_dir: Path, task) -> dict[str, Any]:
 
 
 def arm_table(out: Path) -> dict[str, Any]:
-    from meshrl.tasks import load_task
-
-    task = load_task("testbed:add")
+    task = experiment_task(out)
     table: dict[str, Any] = {}
     for arm, seeds in _runs(out).items():
         per_seed = []
         for seed, d in sorted(seeds.items()):
             ev = json.loads((d / "eval" / "eval.json").read_text())
             groups = ev.get("by", {}).get("groups", {})
-            niche_n = sum(groups[t]["problems"] for t in ("carry", "decade") if t in groups)
-            niche = sum(groups[t]["pass@1"] * groups[t]["problems"] for t in ("carry", "decade") if t in groups)
+            niche_n = sum(groups[t]["problems"] for t in task.niche_types if t in groups)
+            niche = sum(groups[t]["pass@1"] * groups[t]["problems"] for t in task.niche_types if t in groups)
             metrics = _read_jsonl(d / "metrics.jsonl")
             per_seed.append({
                 "seed": seed, **{k: v for k, v in ev["overall"].items() if k != "problems"},
@@ -175,15 +196,16 @@ def curves(out: Path, keys: tuple[str, ...] = ("reward/mean", "strategy/max_mass
     return res
 
 
-def thresholds(out: Path) -> dict[str, tuple[float, str]]:
+def thresholds(out: Path, events: dict[str, tuple[str, str, float | None]] | None = None,
+               niches: tuple[str, ...] = ("carry", "decade")) -> dict[str, tuple[float, str]]:
     """Calibrated threshold per signal (and per calibrated event) from the warm-start probes."""
     from meshrl.testbed.signals import calibrated_threshold
 
-    base = [_with_niche_min(b) for b in _read_jsonl(out / "baseline_probes.jsonl")]
+    base = [_with_niche_min(b, niches) for b in _read_jsonl(out / "baseline_probes.jsonl")]
     th: dict[str, tuple[float, str]] = {}
     for name, (key, direction) in SIGNALS.items():
         th[name] = (calibrated_threshold([b[key] for b in base], direction), direction)
-    for name, (key, direction, fixed) in EVENTS.items():
+    for name, (key, direction, fixed) in (events or EVENTS).items():
         th[name] = (fixed if fixed is not None else calibrated_threshold([b[key] for b in base], direction),
                     direction)
     return th
@@ -196,12 +218,15 @@ def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
 
     if not (out / "baseline_probes.jsonl").is_file():
         return {}
-    th = thresholds(out)
-    keys = {**{n: k for n, (k, _) in SIGNALS.items()}, **{n: k for n, (k, _, _) in EVENTS.items()}}
+    task = experiment_task(out)
+    events = niche_events(task)
+    th = thresholds(out, events, task.niche_types)
+    keys = {**{n: k for n, (k, _) in SIGNALS.items()}, **{n: k for n, (k, _, _) in events.items()}}
     per_run = []
     for arm, seeds in _runs(out).items():
         for seed, d in sorted(seeds.items()):
-            probes = sorted(map(_with_niche_min, _read_jsonl(d / "probes.jsonl")), key=lambda r: r["step"])
+            probes = sorted((_with_niche_min(r, task.niche_types) for r in _read_jsonl(d / "probes.jsonl")),
+                            key=lambda r: r["step"])
             probes = [p for p in probes if p["step"] > 0]  # events and warnings are changes after the start
             if not probes:
                 continue
@@ -211,7 +236,7 @@ def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
             per_run.append({"arm": arm, "seed": seed, "dir": str(d), "crossings": cross,
                             "final": {n: probes[-1].get(k) for n, k in keys.items()}})
     return {"thresholds": {k: {"value": v, "direction": d} for k, (v, d) in th.items()}, "runs": per_run,
-            "summary": lead_summary(per_run, tuple(SIGNALS), tuple(EVENTS))}
+            "summary": lead_summary(per_run, tuple(SIGNALS), tuple(events))}
 
 
 def lead_summary(per_run: list[dict[str, Any]], signals: tuple[str, ...], events: tuple[str, ...]
@@ -247,35 +272,45 @@ def _training_truth(run_dir: Path, task) -> dict[int, float]:
             for step, g in sorted(groups.items())}
 
 
-def training_warning_table(out: Path, arms: tuple[str, ...] = ("grpo", "dapo", "grpo_kl", "grpo_js"),
+def training_warning_table(out: Path, arms: tuple[str, ...] | None = None,
                            calib_steps: int = 5, patience: int = 2) -> dict[str, Any]:
     """Step-resolution version from the training logs of the baseline runs: thresholds are mean +- 3 sd of
     each signal over the run's first ``calib_steps`` steps; events are the per-problem max strategy share
     of the training rollouts passing 0.8 and the training niche accuracy falling below its calibrated
     threshold, both for ``patience`` consecutive steps (single steps are noisy)."""
-    from meshrl.tasks import load_task
     from meshrl.testbed.signals import calibrated_threshold, first_crossing
 
-    task = load_task("testbed:add")
-    runs, per_run = _runs(out), []
+    task = experiment_task(out)
+    if arms is None:  # the probed arms of the experiment (round one: the four GRPO-family baselines)
+        settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
+        arms = tuple(settings.get("probe_arms", ("grpo", "dapo", "grpo_kl", "grpo_js")))
+    fall = f"{task.headline_niche} accuracy < {NICHE_FALL_AT:g}"
+    runs, per_run, skipped = _runs(out), [], []
     for arm in arms:
         for seed, d in sorted(runs.get(arm, {}).items()):
             metrics = _read_jsonl(d / "metrics.jsonl")
+            if len(metrics) < 2:  # no per-run calibration from fewer than two steps: recorded, not crashed on
+                log.warning("warning table: %s seed %d has %d logged step(s); skipped", arm, seed, len(metrics))
+                skipped.append({"arm": arm, "seed": seed, "steps": len(metrics)})
+                continue
             truth = _training_truth(d, task)
             steps = [m["step"] for m in metrics]
-            niche = [_with_niche_min(m)["acc/niche_min"] for m in metrics]
+            niche = [_with_niche_min(m, task.niche_types)["acc/niche_min"] for m in metrics]
             cross: dict[str, int | None] = {
                 "true max mass > 0.8": first_crossing(steps, [truth.get(s, math.nan) for s in steps], 0.8, "up",
                                                       patience),
                 "niche accuracy falls": first_crossing(
-                    steps, niche, calibrated_threshold(niche[:calib_steps], "down"), "down", patience)}
+                    steps, niche, calibrated_threshold(niche[:calib_steps], "down"), "down", patience),
+                fall: first_crossing(steps, [m.get(f"acc/type/{task.headline_niche}", math.nan) for m in metrics],
+                                     NICHE_FALL_AT, "down", patience)}
             for name, (key, direction) in TRAIN_SIGNALS.items():
                 vals = [m.get(key, math.nan) for m in metrics]
                 th = calibrated_threshold(vals[:calib_steps], direction)
                 cross[name] = first_crossing(steps[calib_steps:], vals[calib_steps:], th, direction, patience)
             per_run.append({"arm": arm, "seed": seed, "crossings": cross})
-    return {"runs": per_run,
-            "summary": lead_summary(per_run, tuple(TRAIN_SIGNALS), ("true max mass > 0.8", "niche accuracy falls"))}
+    return {"runs": per_run, "skipped": skipped,
+            "summary": lead_summary(per_run, tuple(TRAIN_SIGNALS), ("true max mass > 0.8", "niche accuracy falls",
+                                                                    fall))}
 
 
 def partition_agreement(out: Path) -> dict[str, Any]:
@@ -306,20 +341,21 @@ def coach_following(out: Path, window: int = 4) -> dict[str, Any]:
     prefix describes (prefix k = ``task.strategies[k]``, the rule coach's order), and the share of correct
     conditioned rollouts that did *not* follow their prefix; mean over seeds, first and last ``window``
     steps averaged."""
-    from meshrl.tasks import load_task
+    from meshrl.testbed.round2 import prefix_procedures
 
-    task = load_task("testbed:add")
-    names = tuple(task.strategies)
+    task = experiment_task(out)
     res: dict[str, Any] = {}
     for arm, seeds in _runs(out).items():
         follow: dict[int, list[float]] = defaultdict(list)
         deviate: dict[int, list[float]] = defaultdict(list)
-        for d in seeds.values():
+        for seed, d in seeds.items():
             per_step: dict[int, list[tuple[bool, bool]]] = defaultdict(list)
+            named = prefix_procedures(out, arm, seed)  # problem id -> the procedure each prefix names
             for r in _read_jsonl(d / "samples.jsonl"):
                 k = r.get("strategy", -1)
                 if k >= 0:
-                    per_step[r["step"]].append((task.label_strategy(r["completion"]) == names[k], r["score"] >= 1))
+                    wanted = named[r["problem_id"]][k] if r["problem_id"] in named else task.strategies[k]
+                    per_step[r["step"]].append((task.label_strategy(r["completion"]) == wanted, r["score"] >= 1))
             for step, rows in per_step.items():
                 follow[step].append(sum(f for f, _ in rows) / len(rows))
                 good = [f for f, ok in rows if ok]
@@ -387,6 +423,21 @@ def mei_vs_truth(out: Path) -> dict[str, Any]:
     return res
 
 
+def round_two(out: Path, res: dict[str, Any], k: int) -> dict[str, Any]:
+    """Issue 16's tables (``meshrl.testbed.round2``): niche outcomes per seed with exact tests, final vs
+    best checkpoint, compute per arm, and which warning signals separate kept from lost runs."""
+    from meshrl.testbed.round2 import checkpoint_table, compute_table, niche_outcomes, signal_separation
+
+    settings = res["settings"]
+    task = experiment_task(out)
+    kept_at = float(settings.get("niche_kept_at", 0.5))
+    outcomes = niche_outcomes(res["arms"], task.headline_niche, kept_at, k=k)
+    return {"outcomes": outcomes, "checkpoints": checkpoint_table(out, task.headline_niche),
+            "compute": compute_table(out),
+            "separation": {"probes": signal_separation(res["warning"], outcomes),
+                           "training": signal_separation(res["warning_training"], outcomes)}}
+
+
 def summarize_experiment(out: Path) -> dict[str, Any]:
     """Everything above into ``out/results.json``; returns it."""
     settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
@@ -397,5 +448,6 @@ def summarize_experiment(out: Path) -> dict[str, Any]:
            "partition": partition_agreement(out), "mei_vs_truth": mei_vs_truth(out),
            "coach_following": coach_following(out),
            "curves": curves(out)}
+    res.update(round_two(out, res, k))
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     return res

@@ -153,7 +153,8 @@ def probe_signals(model, tok, task, problems: Sequence, *, group_size: int = 12,
         by_type[r["type"]].append(r["acc"])
     for t, v in by_type.items():
         scalars[f"acc/type/{t}"] = sum(v) / len(v)
-    niche = [r["acc"] for r in per_problem if r["type"] in NICHES]
+    niches = getattr(task, "niche_types", NICHES)
+    niche = [r["acc"] for r in per_problem if r["type"] in niches]
     scalars["acc/niche"] = sum(niche) / len(niche) if niche else math.nan
     scalars["ref_logp/min"] = min(scalars[f"ref_logp/{s}"] for s in names)
     scalars.update(scalars_pooled)

@@ -53,6 +53,35 @@ COACH_TEXT: dict[str, str] = {  # short on purpose: Mesh conditions every rollou
     "t": "Add the tens of the second number, then its ones.",
     "r": "Round the second number up to tens, then take back.",
 }
+#: Three distinct phrasings per procedure (the first is ``COACH_TEXT``): an applicable-strategy coach
+#: that has fewer fitting procedures than ``mesh.m`` repeats one, and meshrl's prefix validation rejects
+#: identical or near-identical prefixes of one problem (token Jaccard >= 0.7), so repeats are rephrased.
+COACH_VARIANTS: dict[str, tuple[str, ...]] = {
+    "c": (COACH_TEXT["c"], "Write each column sum, ones first, and carry.", "Work digit by digit with carries."),
+    "t": (COACH_TEXT["t"], "Jump by the tens first, then add the ones.", "First the tens jump, ones after."),
+    "r": (COACH_TEXT["r"], "Use the next whole ten and subtract the excess.", "Overshoot to a ten, then adjust."),
+}
+COACHES = ("all", "applicable")
+
+
+def prefix_strategy(prefix: str) -> str | None:
+    """The procedure a coach prefix (any of ``COACH_VARIANTS``) describes, or ``None``."""
+    for name, texts in COACH_VARIANTS.items():
+        if prefix.strip() in texts:
+            return name
+    return None
+
+
+def applicable_prefixes(feasible: set[str], m: int = 3) -> list[str]:
+    """The applicable-strategy coach: ``m`` prefixes describing only procedures in ``feasible`` (those that
+    can solve the problem), cycling over them in ``STRATEGIES`` order; the j-th repeat of a procedure uses
+    its j-th phrasing. ``{"r"}`` -> the three phrasings of ``r``; ``{"c", "r"}`` -> c, r, c (second phrasing)."""
+    names = [s for s in STRATEGIES if s in feasible]
+    if not names:
+        raise ValueError("applicable coach: no procedure can solve this problem")
+    if m > len(names) * len(COACH_VARIANTS[names[0]]):
+        raise ValueError(f"applicable coach: {m} prefixes need more phrasings than {len(names)} procedure(s) have")
+    return [COACH_VARIANTS[names[i % len(names)]][i // len(names)] for i in range(m)]
 
 
 def problem_type(a: int, b: int) -> str | None:
@@ -147,15 +176,23 @@ class AddTestbed(StaticTask):
     strategies = STRATEGIES
     types = TYPES
 
+    niche_types: tuple[str, ...] = ("carry", "decade")  # types a single-procedure collapse loses
+    headline_niche = "decade"  # the niche of the rare specialist; "kept" = accuracy >= 0.5 on it
+
     def __init__(self, *, seed: int = 0, size: int = 2000, eval_size: int = 512, mix: Any = None,
-                 budget: int = DEFAULT_BUDGET, reward: str = "trace") -> None:
+                 budget: int = DEFAULT_BUDGET, reward: str = "trace", coach: str = "all",
+                 follow: bool = False) -> None:
         if size < 1 or eval_size < 0:
             raise ValueError(f"testbed:add: need size >= 1 and eval_size >= 0, got {size}, {eval_size}")
         if budget < 4:
             raise ValueError(f"testbed:add: budget must be >= 4 characters, got {budget}")
         if reward not in REWARDS:
             raise ValueError(f"testbed:add: reward must be one of {REWARDS}, got {reward!r}")
-        self.reward = reward
+        if coach not in COACHES:
+            raise ValueError(f"testbed:add: coach must be one of {COACHES}, got {coach!r}")
+        if not isinstance(follow, bool):  # bool("false") is True: accept real booleans only
+            raise ValueError(f"testbed:add: follow must be true or false, got {follow!r}")
+        self.reward, self.coach, self.follow = reward, coach, follow
         self.mix = parse_mix(mix)
         self.budget = int(budget)
         splits = {
@@ -199,8 +236,23 @@ class AddTestbed(StaticTask):
         return forced_prompt(problem, strategy)
 
     def coach_strategies(self, problem: Problem) -> list[str]:
-        """Rule-coach prefixes, one per procedure in ``STRATEGIES`` order (no numbers of the problem)."""
+        """Rule-coach prefixes (no numbers of the problem): ``coach="all"`` (default) one per procedure in
+        ``STRATEGIES`` order for every problem; ``coach="applicable"`` only procedures that fit this
+        problem's budget (:func:`applicable_prefixes`), what a strong coach that can solve it would say."""
+        if self.coach == "applicable":
+            return applicable_prefixes(self.feasible(problem), len(STRATEGIES))
         return coach_strategies(problem)
+
+    def conditioned_score(self, score: float, completion: str, problem: Problem, prefix: str) -> float:
+        """Score of a rollout sampled under coach ``prefix`` (the trainer calls this for Mesh rollouts).
+
+        With ``follow=True`` (the coach-following reward) a rollout that does not use the procedure its
+        prefix describes earns 0: strict parser label (tag and well-formed trace) against
+        :func:`prefix_strategy`. Otherwise the score is unchanged. Unconditioned rollouts are never touched.
+        """
+        if not self.follow or score <= 0:
+            return score
+        return score if label_strategy(completion) == prefix_strategy(prefix) else 0.0
 
 
 class ForcedPrompt:
@@ -239,5 +291,6 @@ def _testbed_add(*, seed: int = 0, **options: Any) -> AddTestbed:
     from meshrl.tasks.base import take_options
 
     opts = take_options("testbed:add", options,
-                        {"size": 2000, "eval_size": 512, "mix": None, "budget": DEFAULT_BUDGET, "reward": "trace"})
+                        {"size": 2000, "eval_size": 512, "mix": None, "budget": DEFAULT_BUDGET, "reward": "trace",
+                         "coach": "all", "follow": False})
     return AddTestbed(seed=seed, **opts)

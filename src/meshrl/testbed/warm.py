@@ -39,13 +39,19 @@ from typing import Any
 
 import torch
 
-from meshrl.testbed.task import COACH_TEXT, DEFAULT_BUDGET, parse_mix, sample_problems
+from meshrl.testbed.audit import AUDIT_BUDGET, AUDIT_PRIOR, parse_audit_mix, sample_audit_problems
+from meshrl.testbed.task import COACH_TEXT, COACH_VARIANTS, DEFAULT_BUDGET, parse_mix, sample_problems
 from meshrl.testbed.traces import STRATEGIES, reference_trace
 
 WARM_VERSION = "testbed-add-warm-v2"  # bump when data, format or training loop change the weights
 MARKER = "warm_start.json"
 DEFAULT_STEPS = 700
 COACH_TEMPLATES = ("wrapped", "plain")
+#: task family -> (problem sampler, mix parser, procedure prior or None = uniform, budget)
+FAMILIES: dict[str, tuple[Any, Any, dict[str, float] | None, int]] = {
+    "testbed:add": (sample_problems, parse_mix, None, DEFAULT_BUDGET),
+    "testbed:audit": (sample_audit_problems, parse_audit_mix, AUDIT_PRIOR, AUDIT_BUDGET),
+}
 
 
 def coach_system_prompt(text: str, template: str) -> str:
@@ -68,12 +74,24 @@ def cache_root() -> Path:
 
 
 def warm_settings(*, seed: int, steps: int, preset: str, batch_size: int, lr: float, coach_fraction: float,
-                  coach_templates: tuple[str, ...] = ("plain",), mix: Any = None) -> dict[str, Any]:
-    """Everything that determines the warm-start weights (and names the cache directory)."""
-    return {"version": WARM_VERSION, "task": "testbed:add", "budget": DEFAULT_BUDGET, "seed": int(seed),
-            "steps": int(steps), "preset": preset, "batch_size": int(batch_size), "lr": float(lr),
-            "coach_fraction": float(coach_fraction), "coach_templates": list(coach_templates),
-            "mix": parse_mix(mix), "coach_text": dict(COACH_TEXT)}
+                  coach_templates: tuple[str, ...] = ("plain",), mix: Any = None, task: str = "testbed:add",
+                  coach_variants: bool = False) -> dict[str, Any]:
+    """Everything that determines the warm-start weights (and names the cache directory).
+
+    Keys that only a non-default family or option needs (``prior``, ``coach_variants``) are left out at
+    their defaults, so the default warm start keeps its cache name and its weights."""
+    if task not in FAMILIES:
+        raise ValueError(f"warm start: unknown task family {task!r}; known: {', '.join(FAMILIES)}")
+    _, mix_parser, prior, budget = FAMILIES[task]
+    settings = {"version": WARM_VERSION, "task": task, "budget": budget, "seed": int(seed),
+                "steps": int(steps), "preset": preset, "batch_size": int(batch_size), "lr": float(lr),
+                "coach_fraction": float(coach_fraction), "coach_templates": list(coach_templates),
+                "mix": mix_parser(mix), "coach_text": dict(COACH_TEXT)}
+    if prior is not None:
+        settings["prior"] = dict(prior)
+    if coach_variants:
+        settings["coach_variants"] = {s: list(v) for s, v in COACH_VARIANTS.items()}
+    return settings
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
@@ -85,7 +103,8 @@ def settings_hash(settings: dict[str, Any]) -> str:
 def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps: int = DEFAULT_STEPS,
                preset: str = "tiny:small", force: bool = False, batch_size: int = 64, lr: float = 3e-3,
                coach_fraction: float = 0.06, coach_templates: tuple[str, ...] = ("plain",), mix: Any = None,
-               threads: int | None = None, progress: bool = True) -> Path:
+               threads: int | None = None, progress: bool = True, task: str = "testbed:add",
+               coach_variants: bool = False) -> Path:
     """Return the directory of a warm-started testbed model, training it first if it is not cached.
 
     Args:
@@ -102,6 +121,10 @@ def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps
         mix: problem-type weights of the training data (default: the task's).
         threads: ``torch.set_num_threads`` during training (default ``min(4, cpu count)``; restored).
         progress: show a rich progress bar.
+        task: the task family (``FAMILIES``): ``testbed:add`` (procedures drawn uniformly) or
+            ``testbed:audit`` (drawn from ``AUDIT_PRIOR``, which makes ``c`` rare).
+        coach_variants: teach every phrasing of ``COACH_VARIANTS`` in the coach examples (drawn
+            uniformly), not only ``COACH_TEXT``: what the applicable-strategy coach's repeats need.
     """
     if steps < 0 or batch_size < 1 or not 0 <= coach_fraction < 1 or lr <= 0:
         raise ValueError(f"bad warm-start settings: steps={steps}, batch_size={batch_size}, lr={lr}, "
@@ -110,7 +133,8 @@ def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps
     if bad or not coach_templates:
         raise ValueError(f"coach_templates must be a non-empty subset of {COACH_TEMPLATES}, got {coach_templates}")
     settings = warm_settings(seed=seed, steps=steps, preset=preset, batch_size=batch_size, lr=lr,
-                             coach_fraction=coach_fraction, coach_templates=tuple(coach_templates), mix=mix)
+                             coach_fraction=coach_fraction, coach_templates=tuple(coach_templates), mix=mix,
+                             task=task, coach_variants=coach_variants)
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / f"warm_{settings_hash(settings)}"
     if not force and _complete(target, settings):
         return target
@@ -194,15 +218,24 @@ class _Examples:
         self.batch = settings["batch_size"]
         self.per_step = settings["batch_size"] * settings["coach_fraction"]  # coach examples per step, on average
         self.templates = list(settings["coach_templates"])
-        self.systems = {(s, t): coach_system_prompt(COACH_TEXT[s], t) for s in STRATEGIES for t in self.templates}
+        self.sample, _, _, _ = FAMILIES[settings.get("task", "testbed:add")]
+        self.prior = [settings["prior"][s] for s in STRATEGIES] if "prior" in settings else None
+        texts = settings.get("coach_variants") or {s: [COACH_TEXT[s]] for s in STRATEGIES}
+        self.systems = {(s, t): [coach_system_prompt(x, t) for x in texts[s]]
+                        for s in STRATEGIES for t in self.templates}
         self.eos = tok.eos_token_id
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos
 
     def _rows(self, n: int, template: str | None) -> list[tuple[list[int], list[int]]]:
         rows = []
-        for problem in sample_problems(n, self.mix, self.rng, held_out=False):
-            strategy = self.rng.choice(STRATEGIES)
-            system = self.systems[strategy, template] if template else None
+        for problem in self.sample(n, self.mix, self.rng, held_out=False):
+            # draws only where a setting asks for them, so the default stream (and its weights) is unchanged
+            strategy = self.rng.choice(STRATEGIES) if self.prior is None else \
+                self.rng.choices(STRATEGIES, weights=self.prior)[0]
+            system = None
+            if template:
+                options = self.systems[strategy, template]
+                system = options[0] if len(options) == 1 else self.rng.choice(options)
             prompt = self.encode(self.tok, problem.prompt, system=system)
             trace = reference_trace(problem.meta["a"], problem.meta["b"], strategy)
             rows.append((prompt, self.tok.encode(trace, add_special_tokens=False) + [self.eos]))

@@ -140,6 +140,7 @@ class MeshConfig:
     # meshrl's extension, one-sided on the unconditioned logps (meshrl.mesh.support)
     bare_group: bool = False  # meshrl extension: one more group per query sampled WITHOUT a prefix, so the
     # policy that runs at test time is trained too; matched budget: m + 1 groups of G/(m + 1)
+    bare_groups: int = 1  # prefix-free groups when bare_group is on (testbed round two: m = half the budget)
     subtract_ref: bool = True  # r = z - z_ref (paper); False = the release variant without the reference
     reduction: str = "mean"  # over queries: "mean" (all queries), "mean_active", "sum" (release)
 
@@ -287,9 +288,11 @@ class RunConfig:
                 raise ValueError(f"{key}={value!r}; known: {', '.join(allowed)}")
         if m.m < 1 or m.mu < 0:
             raise ValueError(f"mesh.m must be >= 1 and mesh.mu >= 0, got m={m.m} mu={m.mu}")
-        groups = m.m + int(m.bare_group)
+        if m.bare_groups < 1:
+            raise ValueError(f"mesh.bare_groups must be >= 1, got {m.bare_groups}")
+        groups = m.m + (m.bare_groups if m.bare_group else 0)
         if self.mesh_enabled and m.budget == "matched" and self.rollout.group_size % groups:
-            extra = " + 1 (mesh.bare_group)" if m.bare_group else ""
+            extra = f" + {m.bare_groups} (mesh.bare_group)" if m.bare_group else ""
             raise ValueError(f"matched budget needs rollout.group_size={self.rollout.group_size} divisible by "
                              f"mesh.m={m.m}{extra}")
 

@@ -99,7 +99,7 @@ class Trainer:
         self.evaluator = (PeriodicEval(cfg, self.task, self.tokenizer, self.backend, runner, encode_prompt)
                           if cfg.eval.every > 0 else None)
         per_prefix = cfg.mesh_enabled and cfg.mesh.budget == "per_prefix"
-        group = cfg.rollout.group_size * (cfg.mesh.m + int(cfg.mesh.bare_group) if per_prefix else 1)
+        group = cfg.rollout.group_size * (cfg.mesh.m + cfg.mesh.bare_groups * cfg.mesh.bare_group if per_prefix else 1)
         self.mei = MeiMonitor(cfg, group) if cfg.diag.mei.every > 0 else None
         self.pending_events: list[dict[str, Any]] = []
         self._mei_collect = False

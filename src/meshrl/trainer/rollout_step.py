@@ -188,9 +188,10 @@ class RolloutStep:
         from meshrl.mesh import budget_groups
 
         m, bare = self.cfg.mesh.m, self.cfg.mesh.bare_group
-        # The bare group (strategy -1: no prefix) is one more group of the same size as a prefix group.
-        n = budget_groups(g, m + int(bare), self.cfg.mesh.budget)[0]
-        strategies = [*range(m), -1] if bare else list(range(m))
+        # Each bare group (strategy -1: no prefix) is one more group of the same size as a prefix group.
+        nb = self.cfg.mesh.bare_groups if bare else 0
+        n = budget_groups(g, m + nb, self.cfg.mesh.budget)[0]
+        strategies = [*range(m), *[-1] * nb]
         return [(j, k) for j in range(len(chosen)) for k in strategies], n
 
     def _fits(self, problem) -> bool:
@@ -255,6 +256,10 @@ class RolloutStep:
             data.group_ids.append(positions[j] if per_query else (positions[j], k))
             data.rollout_logps.append(None if out.engine_logprobs is None else list(out.engine_logprobs[r]))
         data.scores = self.rewards(data.texts, data.problems)
+        if self.prefixes is not None and hasattr(self.task, "conditioned_score"):  # e.g. a coach-following reward
+            data.scores = [self.task.conditioned_score(s, t, p, self.prefixes[p.id][k]) if k >= 0 else s
+                           for s, t, p, k in zip(data.scores, data.texts, data.problems, data.strategy_ids,
+                                                 strict=True)]
         return data, next_cursor
 
     def run(self, step: int, cursor: int) -> tuple[StepData, int]:
