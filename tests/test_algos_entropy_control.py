@@ -141,6 +141,15 @@ def test_kl_cov_on_policy_penalty_is_zero_and_min_one_token() -> None:
     assert not kl_cov_selection(logp, adv, torch.zeros_like(mask)).any()
 
 
+def test_kl_cov_ignores_only_ppo_clips_keywords() -> None:
+    # It drops in for ppo_clip (whose clip settings it ignores), but a misspelt setting was silently ignored too.
+    logp, adv, mask = tensors()
+    loss, _ = kl_cov_loss(logp, logp, adv, mask, clip_low=0.2, clip_high=0.28, clip_dual=3.0)
+    torch.testing.assert_close(loss, kl_cov_loss(logp, logp, adv, mask)[0])
+    with pytest.raises(TypeError, match="coeff"):
+        kl_cov_loss(logp, logp, adv, mask, coeff=0.5)
+
+
 def test_entropy_advantage_hand_case() -> None:
     adv = torch.tensor([1.0, -1.0, 0.0])
     entropy = torch.tensor([[0.5, 2.0], [0.5, 2.0], [3.0, 3.0]])

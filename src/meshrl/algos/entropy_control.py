@@ -222,7 +222,9 @@ def kl_cov_loss(
     *,
     ratio: float = 2e-4,
     coef: float = 1.0,
-    **_unused_clip: float | None,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    clip_dual: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov: unclipped policy gradient plus an |log-ratio| penalty on the top-covariance tokens.
 
@@ -231,10 +233,12 @@ def kl_cov_loss(
 
         L_t = -A_t r_t + coef * |log r_t| * 1[t in top-k by cov_t]
 
-    No clipping (``clip_*`` keywords are accepted and ignored so it drops in for ``ppo_clip``). On-policy
+    No clipping (``ppo_clip``'s ``clip_low``, ``clip_high``, ``clip_dual`` are accepted and ignored so it
+    drops in for ``ppo_clip``; any other keyword, e.g. a misspelt ``coeff``, is a ``TypeError``). On-policy
     (one optimiser step per batch, ``r = 1``) the penalty and its gradient are exactly 0.
     Metrics: ``klcov/frac_tokens``, ``klcov/penalty`` (mean penalty over the valid tokens), ``approx_kl``...
     """
+    del clip_low, clip_high, clip_dual  # KL-Cov's surrogate is unclipped
     log_ratio, adv, m = _prepare(logp, old_logp, advantages, mask)
     chosen = kl_cov_selection(logp, adv, m, ratio=ratio)
     penalty = kl_cov_penalty(logp, old_logp, chosen, coef=coef)
