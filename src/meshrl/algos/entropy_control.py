@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from meshrl.algos._checks import check_choice, check_mask, check_tensor
-from meshrl.algos.policy_losses import PolicyLossFn, _prepare, _ratio_metrics
+from meshrl.algos.policy_losses import PolicyLossFn, _prepare, _ratio_metrics, ppo_clip_loss
 
 COVARIANCE_LOSSES: dict[str, PolicyLossFn] = {}
 ADVANTAGE_SHAPERS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
@@ -180,27 +180,16 @@ def clip_cov_loss(
 
     with ``c_t`` from :func:`clip_cov_selection` (the paper's DAPO scripts use ``eps = 1`` and token-mean).
     Returns ``loss_mat [B, T]`` and metrics ``clipcov/frac_tokens`` (share of valid tokens detached),
-    ``clipcov/n_tokens``, ``clip/frac_low``, ``clip/frac_high``, ``approx_kl``, ``ratio/*``.
+    ``clipcov/n_tokens`` and those of :func:`~meshrl.algos.policy_losses.ppo_clip_loss` (its base loss).
     """
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}/{clip_high}")
+    base, metrics = ppo_clip_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high)
     log_ratio, adv, m = _prepare(logp, old_logp, advantages, mask)
-    r = log_ratio.exp()
-    base = torch.maximum(-adv * r, -adv * r.clamp(1 - clip_low, 1 + clip_high))
-    rd = r.detach()
-    clipped = _clipped_tokens(rd, adv, clip_low, clip_high) & (m > 0)
+    clipped = _clipped_tokens(log_ratio.detach().exp(), adv, clip_low, clip_high) & (m > 0)
     chosen = clip_cov_selection(logp, adv, m, clipped, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
                                 generator=generator)
-    loss = base * (~chosen).to(base.dtype)
     n = float(m.sum().clamp(min=1))
-    metrics = {
-        "clipcov/frac_tokens": float(chosen.sum()) / n,
-        "clipcov/n_tokens": float(chosen.sum()),
-        "clip/frac_low": float((((rd < 1 - clip_low) & (adv < 0)).to(m.dtype) * m).sum()) / n,
-        "clip/frac_high": float((((rd > 1 + clip_high) & (adv > 0)).to(m.dtype) * m).sum()) / n,
-        **_ratio_metrics(log_ratio, m),
-    }
-    return loss, metrics
+    metrics.update({"clipcov/frac_tokens": float(chosen.sum()) / n, "clipcov/n_tokens": float(chosen.sum())})
+    return base * (~chosen).to(base.dtype), metrics
 
 
 def kl_cov_penalty(
