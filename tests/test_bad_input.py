@@ -371,6 +371,26 @@ def test_eval_skips_and_lists_prompts_too_long_for_the_model(tmp_path):
     assert {r["problem_id"] for r in read_jsonl(tmp_path / "ev" / "eval_samples.jsonl")} == {"p0", "p1"}
 
 
+def test_eval_measures_a_huge_prompt_from_its_head_only(tmp_path, monkeypatch):
+    # docs/reliability.md: a 1M-character problem is measured from its first characters only. meshrl eval
+    # encoded it whole (and held-out evaluation during training did too).
+    import meshrl.models
+
+    longest: list[int] = []
+    real = meshrl.models.encode_prompt
+
+    def spy(tok, text, **kw):
+        longest.append(len(text))
+        return real(tok, text, **kw)
+
+    monkeypatch.setattr(meshrl.models, "encode_prompt", spy)
+    f = _long_file(tmp_path, n_short=1, long={"long1m": 1_000_000})
+    s = run_eval(EvalConfig(model="tiny", data=f"jsonl:{f}?kind=number", n=1, max_new_tokens=3), tmp_path / "ev",
+                 progress=False)
+    assert set(s["skipped_long_prompts"]) == {"long1m"}
+    assert max(longest) <= 16 * 4096  # PROBE_CHARS_PER_POSITION x the tiny model's positions
+
+
 def test_eval_refuses_when_no_prompt_fits(tmp_path):
     f = _long_file(tmp_path, n_short=0, long={"a": 10_000})
     with pytest.raises(ValueError, match=r"every problem's prompt is too long for the model"):
@@ -479,7 +499,8 @@ SINGLE_ERRORS = 5  # config path is a directory; max_new_tokens past the positio
 # held-out evaluation during training)
 CORPUS = {
     "clear error": sum(map(len, ERROR_LISTS)) + SINGLE_ERRORS,
-    "counted skip": 3,  # prompts too long for the model: in training, in evaluation, in held-out eval in training
+    "counted skip": 4,  # prompts too long for the model: in training, in evaluation (a 10k- and a 1M-character
+    # one), in held-out evaluation during training
     "accepted as valid": len(SET_VALID) + len(YAML_VALID) + len(DATA_VALID),
 }
 

@@ -102,6 +102,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     from meshrl.rewards.grading import extract_for_kind
     from meshrl.rollout import SamplingParams, make_backend
     from meshrl.tasks import load_task
+    from meshrl.trainer.periodic_eval import encode_within_limit
     from meshrl.trainer.policy import load_policy
 
     cfg.validate()
@@ -136,7 +137,8 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                 if all(p.id in done_ids for p in chunk):
                     advance()
                     continue
-                encoded = [(p, encode_prompt(tok, task.format_prompt(p))) for p in chunk]
+                encoded = [(p, encode_within_limit(encode_prompt, tok, task.format_prompt(p), budget.limit))
+                           for p in chunk]
                 encoded = [(p, ids) for p, ids in encoded if budget.fits(p.id, len(ids))]
                 if not encoded:
                     advance()

@@ -36,7 +36,7 @@ class PeriodicEval:
         setting = "eval.max_new_tokens" if ev.max_new_tokens else "rollout.max_new_tokens"
         budget = PromptBudget(context_limit(getattr(backend, "model", None), tokenizer),
                               ev.max_new_tokens or cfg.rollout.max_new_tokens, setting)
-        encoded = [(p, _encode_within(encode_prompt, tokenizer, task.format_prompt(p), budget.limit))
+        encoded = [(p, encode_within_limit(encode_prompt, tokenizer, task.format_prompt(p), budget.limit))
                    for p in self.problems]
         # A held-out prompt past the model's positions would index beyond its position table (or preallocate a
         # cache for the whole prompt) at the first evaluation: skip it, logged once, counted in every eval row.
@@ -75,7 +75,7 @@ class PeriodicEval:
         }
 
 
-def _encode_within(encode_prompt, tokenizer, text: str, limit: int | None) -> list[int]:
+def encode_within_limit(encode_prompt, tokenizer, text: str, limit: int | None) -> list[int]:
     """The prompt's token ids, or only its head's when the head alone is already past ``limit`` positions
     (bounded work for a 1M-character problem: the head's length is a lower bound that settles the skip)."""
     if limit is not None and len(text) > PROBE_CHARS_PER_POSITION * limit:
