@@ -68,7 +68,7 @@ def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.T
 
     Args:
         logp: ``[B, T]`` log-probs of the sampled tokens (detached here).
-        advantages: ``[B, T]`` token advantages.
+        advantages: ``[B]`` (one per sequence, broadcast over its tokens) or ``[B, T]``.
         mask: ``[B, T]`` 0/1, the valid tokens the means run over.
     Returns:
         ``[B, T]`` covariance terms; 0 at masked positions (callers select among valid tokens only).
@@ -76,7 +76,7 @@ def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.T
     m = check_mask("mask", mask, logp, "logp")
     n = m.sum().clamp(min=1)
     lp = logp.detach()
-    adv = advantages.detach().to(lp.dtype)
+    adv = _token_advantages(advantages, lp)
     cov = (adv - (adv * m).sum() / n) * (lp - (lp * m).sum() / n)
     return cov * m
 
@@ -101,7 +101,7 @@ def clip_cov_selection(
     the draw of verl's ``compute_policy_loss_clip_cov`` under the same CPU generator state.
 
     Args:
-        logp, advantages, mask: ``[B, T]``.
+        logp, mask: ``[B, T]``; advantages: ``[B]`` or ``[B, T]``.
         already_clipped: ``[B, T]`` bool, tokens the base loss already clipped (left out of the draw).
         generator: CPU generator of the draw (None: torch's global one, as verl).
     Returns:
@@ -133,6 +133,8 @@ def kl_cov_selection(
     row-major order, as verl's ``compute_policy_loss_kl_cov``. ``ratio`` is a fraction (verl's
     ``kl_cov_ratio``; the paper's scripts give it in percent: 0.2 % = 2e-3 for 7B, 0.02 % = 2e-4 for 32B).
 
+    ``advantages`` is ``[B]`` (one per sequence) or ``[B, T]``.
+
     Returns:
         ``[B, T]`` bool (all False when no token is valid).
     """
@@ -144,7 +146,7 @@ def kl_cov_selection(
     if n == 0:
         return chosen
     # The covariance over the valid tokens only, flattened in row-major order.
-    adv = advantages.detach().to(logp.dtype)[valid]
+    adv = _token_advantages(advantages, logp)[valid]
     lp = logp.detach()[valid]
     cov = (adv - adv.mean()) * (lp - lp.mean())
     top = torch.topk(cov, max(1, int(n * ratio)), largest=True).indices
