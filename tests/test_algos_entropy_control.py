@@ -141,6 +141,34 @@ def test_kl_cov_on_policy_penalty_is_zero_and_min_one_token() -> None:
     assert not kl_cov_selection(logp, adv, torch.zeros_like(mask)).any()
 
 
+def test_selections_take_one_advantage_per_sequence() -> None:
+    # The trainer's advantages are [B] (one per rollout): KL-Cov's selection (used on top of every token-level
+    # loss but ppo_clip) raised IndexError on them, and the covariance broadcast a [B] vector along T when
+    # B == T (silently wrong) instead of along each row's tokens.
+    torch.manual_seed(0)
+    logp = -torch.rand(4, 4, dtype=torch.float64) * 3
+    adv = torch.tensor([1.5, -0.5, 2.0, -3.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float64)
+    per_token = adv[:, None].expand(4, 4)
+    torch.testing.assert_close(token_covariance(logp, adv, mask), token_covariance(logp, per_token, mask))
+    assert token_covariance(logp, adv, mask)[0, 0] != token_covariance(logp, adv[None, :].expand(4, 4), mask)[0, 0]
+    assert torch.equal(kl_cov_selection(logp, adv, mask, ratio=0.3), kl_cov_selection(logp, per_token, mask, ratio=0.3))
+    none = torch.zeros(4, 4, dtype=torch.bool)
+    assert torch.equal(clip_cov_selection(logp, adv, mask, none, ratio=1.0, cov_lb=0.1, cov_ub=5.0),
+                       clip_cov_selection(logp, per_token, mask, none, ratio=1.0, cov_lb=0.1, cov_ub=5.0))
+    with pytest.raises(ValueError, match="advantages shape"):
+        kl_cov_selection(logp, adv[:3], mask)
+
+
+def test_kl_cov_ignores_only_ppo_clips_keywords() -> None:
+    # It drops in for ppo_clip (whose clip settings it ignores), but a misspelt setting was silently ignored too.
+    logp, adv, mask = tensors()
+    loss, _ = kl_cov_loss(logp, logp, adv, mask, clip_low=0.2, clip_high=0.28, clip_dual=3.0)
+    torch.testing.assert_close(loss, kl_cov_loss(logp, logp, adv, mask)[0])
+    with pytest.raises(TypeError, match="coeff"):
+        kl_cov_loss(logp, logp, adv, mask, coeff=0.5)
+
+
 def test_entropy_advantage_hand_case() -> None:
     adv = torch.tensor([1.0, -1.0, 0.0])
     entropy = torch.tensor([[0.5, 2.0], [0.5, 2.0], [3.0, 3.0]])

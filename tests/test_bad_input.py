@@ -322,6 +322,33 @@ def test_a_resume_past_skipped_prompts_draws_the_same_problems(tmp_path):
     assert drawn("part") == drawn("full")
 
 
+def test_held_out_evaluation_during_training_skips_and_counts_prompts_too_long(tmp_path, caplog):
+    # 6 short + 4 long (10k tokens; tiny has 4096 positions); half held out: PeriodicEval encoded every
+    # held-out prompt and generated past the model's positions at the first evaluation.
+    f = _long_file(tmp_path, n_short=6, long={f"long{i}": 10_000 for i in range(4)})
+    spec = f"task=jsonl:{f}?kind=number&eval_fraction=0.5"
+    held = {p.id for p in load_task(spec.removeprefix("task="), seed=0).problems("eval")}
+    n_long = len({p for p in held if p.startswith("long")})
+    assert 0 < n_long < len(held)  # the seeded split holds both kinds
+    cfg = load_config(overrides=[*FAST, spec, "steps=1", "eval.every=1", "eval.n=1", "eval.max_new_tokens=3",
+                                 "seed=0"])
+    with caplog.at_level(logging.WARNING, logger="meshrl"):
+        hist = train(cfg, tmp_path / "run")
+    assert hist[-1]["eval/skipped_long_prompts"] == n_long
+    assert sum("skipped" in r.getMessage() and "eval.max_new_tokens=3" in r.getMessage()
+               for r in caplog.records) == n_long
+
+
+def test_held_out_evaluation_refuses_when_no_held_out_prompt_fits(tmp_path):
+    f = _long_file(tmp_path, n_short=1, long={"a": 10_000})
+    spec = f"jsonl:{f}?eval_fraction=0.5"
+    assert [p.id for p in load_task(spec, seed=1).problems("eval")] == ["a"]  # seed 1 holds out the long one
+    cfg = load_config(overrides=[*FAST, f"task={spec}", "steps=1", "eval.every=1", "eval.n=1", "seed=1"])
+    with pytest.raises(ValueError, match=r"every held-out prompt is too long for the model \(4096 positions with "
+                                         r"rollout\.max_new_tokens=4\)"):
+        train(cfg, tmp_path / "run")
+
+
 def test_training_refuses_when_no_prompt_fits(tmp_path):
     f = _long_file(tmp_path, n_short=0, long={"a": 10_000, "b": 10_000})
     cfg = load_config(overrides=[*FAST, f"task=jsonl:{f}", "steps=1"])
@@ -342,6 +369,26 @@ def test_eval_skips_and_lists_prompts_too_long_for_the_model(tmp_path):
                  progress=False)
     assert set(s["skipped_long_prompts"]) == {"long10k"} and s["overall"]["problems"] == 2
     assert {r["problem_id"] for r in read_jsonl(tmp_path / "ev" / "eval_samples.jsonl")} == {"p0", "p1"}
+
+
+def test_eval_measures_a_huge_prompt_from_its_head_only(tmp_path, monkeypatch):
+    # docs/reliability.md: a 1M-character problem is measured from its first characters only. meshrl eval
+    # encoded it whole (and held-out evaluation during training did too).
+    import meshrl.models
+
+    longest: list[int] = []
+    real = meshrl.models.encode_prompt
+
+    def spy(tok, text, **kw):
+        longest.append(len(text))
+        return real(tok, text, **kw)
+
+    monkeypatch.setattr(meshrl.models, "encode_prompt", spy)
+    f = _long_file(tmp_path, n_short=1, long={"long1m": 1_000_000})
+    s = run_eval(EvalConfig(model="tiny", data=f"jsonl:{f}?kind=number", n=1, max_new_tokens=3), tmp_path / "ev",
+                 progress=False)
+    assert set(s["skipped_long_prompts"]) == {"long1m"}
+    assert max(longest) <= 16 * 4096  # PROBE_CHARS_PER_POSITION x the tiny model's positions
 
 
 def test_eval_refuses_when_no_prompt_fits(tmp_path):
@@ -448,10 +495,12 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, argv, needle):
 # --- the corpus, by verdict (docs/reliability.md states these counts) ---------------------------------------
 ERROR_LISTS = [SET_ERRORS, YAML_ERRORS, SPEC_ERRORS, DATA_ERRORS, FORMAT_ERRORS, TRAIN_ERRORS, EVAL_ERRORS,
                EVAL_RUN_ERRORS, EVAL_KIND_ERRORS, CLI_ERRORS]
-SINGLE_ERRORS = 4  # config path is a directory; max_new_tokens past the positions; no prompt fits (train, eval)
+SINGLE_ERRORS = 5  # config path is a directory; max_new_tokens past the positions; no prompt fits (train, eval,
+# held-out evaluation during training)
 CORPUS = {
     "clear error": sum(map(len, ERROR_LISTS)) + SINGLE_ERRORS,
-    "counted skip": 2,  # prompts too long for the model, in training and in evaluation
+    "counted skip": 4,  # prompts too long for the model: in training, in evaluation (a 10k- and a 1M-character
+    # one), in held-out evaluation during training
     "accepted as valid": len(SET_VALID) + len(YAML_VALID) + len(DATA_VALID),
 }
 

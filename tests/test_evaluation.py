@@ -175,3 +175,16 @@ def test_training_and_eval_agree_on_last_number_and_a_mismatch_is_named(tmp_path
                  tmp_path / "ev", progress=False)
     assert any("trained with reward kind 'last_number'" in r.getMessage() and "--kind last_number" in r.getMessage()
                for r in caplog.records)
+    # Following that advice (--kind) grades as in training, but the prompts still ask for a \boxed{} answer
+    # (with_kind changes grading only): said aloud too; the training spec itself raises neither warning.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="meshrl"):
+        run_eval(EvalConfig(model=str(tmp_path / "run"), data=f"jsonl:{f}", kind="last_number", n=1, limit=2,
+                            max_new_tokens=2), tmp_path / "ev2", progress=False)
+    warned = [r.getMessage() for r in caplog.records if "was trained" in r.getMessage()]
+    assert len(warned) == 1 and LAST_NUMBER_INSTRUCTION in warned[0] and "instruction" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="meshrl"):
+        run_eval(EvalConfig(model=str(tmp_path / "run"), data=spec, n=1, limit=2, max_new_tokens=2),
+                 tmp_path / "ev3", progress=False)
+    assert not [r for r in caplog.records if "was trained" in r.getMessage()]

@@ -329,6 +329,18 @@ def test_math_grade_works_off_the_main_thread() -> None:
         ("1,23", "23"),  # malformed thousands groups are two numbers
         ("pi is about 3.14", "3.14"),
         ("\u22127", "-7"),  # unicode minus
+        ("The probability is .5", ".5"),  # a bare decimal point: was read as 5
+        ("so x = -.25.", "-.25"),  # was 25: sign and point lost
+        ("done in step2", None),  # digits inside a word are not a number (was 2)
+        ("8 moles of H2O", "8"),  # was 2
+        ("The answer is 8 (see eq2).", "8"),
+        ("So it is 7/2.", "7/2"),  # one fraction, not 2
+        (r"\boxed{\frac{7}{2}}", r"\frac{7}{2}"),  # was 2, which `number` grades 3.5
+        (r"\boxed{-\dfrac{1}{4}}", r"-\dfrac{1}{4}"),
+        (r"\boxed{1{,}234}", "1{,}234"),  # was 234
+        ("version 1.2.3", "1.2"),  # a dotted run ends at its first decimal
+        ("It costs $12, or 8%.", "8"),
+        ("8 cm", "8"),  # a unit after the number is fine
         ("no digits here", None),
         ("", None),
     ],
@@ -345,6 +357,13 @@ def test_last_number_scores_bare_answers_that_number_refuses() -> None:
         assert grade(completion, "8", "number") == 0.0
         assert grade(completion, "8", "last_number") == 1.0
     assert grade("1,000", "1000", "last_number") == 1.0
+    # Answers the strict kind grades right are graded right by the permissive one too (they scored 0).
+    for completion, ref in [(r"\boxed{\frac{7}{2}}", "3.5"), (r"\boxed{1{,}234}", "1234"), ("#### 7/2", "3.5"),
+                            (r"\boxed{1\,234}", "1234"), (r"\boxed{-\frac{1}{4}}", "-0.25")]:
+        assert grade(completion, ref, "number") == 1.0 == grade(completion, ref, "last_number"), completion
+    assert grade("The probability is .5", "0.5", "last_number") == 1.0
+    assert grade("so x = -.25", "-0.25", "last_number") == 1.0
+    assert grade("The probability is .5", "5", "last_number") == 0.0
     assert grade("The answer is 8 because 5 + 3", "8", "last_number") == 0.0  # last number is 3
 
 

@@ -83,3 +83,21 @@ def test_lr_is_logged_per_step_and_a_resume_sets_the_same_rates(tmp_path):
     assert [m["loss/policy"] for m in resumed] == pytest.approx([m["loss/policy"] for m in full[2:]], abs=1e-6)
     saved = yaml.safe_load((tmp_path / "resumed" / "config.yaml").read_text())
     assert saved["optim"]["schedule"] == "cosine" and saved["optim"]["min_lr_ratio"] == pytest.approx(0.1)
+
+
+def test_decay_equals_hugging_face_schedulers_and_warmup_is_one_step_ahead():
+    import torch
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    T, W = 12, 3
+    for schedule, make in (("linear", get_linear_schedule_with_warmup), ("cosine", get_cosine_schedule_with_warmup)):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = make(opt, num_warmup_steps=W, num_training_steps=T)
+        hf = []
+        for _ in range(T):
+            hf.append(opt.param_groups[0]["lr"])  # the rate of update i
+            opt.step()
+            sched.step()
+        ours = [lr_at(_optim(schedule, warmup=W), i, T) for i in range(T)]
+        assert ours[W:] == pytest.approx(hf[W:], rel=1e-12), schedule
+        assert ours[: W - 1] == pytest.approx(hf[1:W], rel=1e-12) and hf[0] == 0.0

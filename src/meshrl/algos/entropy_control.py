@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from meshrl.algos._checks import check_choice, check_mask, check_tensor
-from meshrl.algos.policy_losses import PolicyLossFn, _prepare, _ratio_metrics
+from meshrl.algos.policy_losses import PolicyLossFn, _prepare, _ratio_metrics, ppo_clip_loss
 
 COVARIANCE_LOSSES: dict[str, PolicyLossFn] = {}
 ADVANTAGE_SHAPERS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
@@ -68,7 +68,7 @@ def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.T
 
     Args:
         logp: ``[B, T]`` log-probs of the sampled tokens (detached here).
-        advantages: ``[B, T]`` token advantages.
+        advantages: ``[B]`` (one per sequence, broadcast over its tokens) or ``[B, T]``.
         mask: ``[B, T]`` 0/1, the valid tokens the means run over.
     Returns:
         ``[B, T]`` covariance terms; 0 at masked positions (callers select among valid tokens only).
@@ -76,7 +76,7 @@ def token_covariance(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.T
     m = check_mask("mask", mask, logp, "logp")
     n = m.sum().clamp(min=1)
     lp = logp.detach()
-    adv = advantages.detach().to(lp.dtype)
+    adv = _token_advantages(advantages, lp)
     cov = (adv - (adv * m).sum() / n) * (lp - (lp * m).sum() / n)
     return cov * m
 
@@ -101,7 +101,7 @@ def clip_cov_selection(
     the draw of verl's ``compute_policy_loss_clip_cov`` under the same CPU generator state.
 
     Args:
-        logp, advantages, mask: ``[B, T]``.
+        logp, mask: ``[B, T]``; advantages: ``[B]`` or ``[B, T]``.
         already_clipped: ``[B, T]`` bool, tokens the base loss already clipped (left out of the draw).
         generator: CPU generator of the draw (None: torch's global one, as verl).
     Returns:
@@ -133,6 +133,8 @@ def kl_cov_selection(
     row-major order, as verl's ``compute_policy_loss_kl_cov``. ``ratio`` is a fraction (verl's
     ``kl_cov_ratio``; the paper's scripts give it in percent: 0.2 % = 2e-3 for 7B, 0.02 % = 2e-4 for 32B).
 
+    ``advantages`` is ``[B]`` (one per sequence) or ``[B, T]``.
+
     Returns:
         ``[B, T]`` bool (all False when no token is valid).
     """
@@ -144,7 +146,7 @@ def kl_cov_selection(
     if n == 0:
         return chosen
     # The covariance over the valid tokens only, flattened in row-major order.
-    adv = advantages.detach().to(logp.dtype)[valid]
+    adv = _token_advantages(advantages, logp)[valid]
     lp = logp.detach()[valid]
     cov = (adv - adv.mean()) * (lp - lp.mean())
     top = torch.topk(cov, max(1, int(n * ratio)), largest=True).indices
@@ -180,27 +182,16 @@ def clip_cov_loss(
 
     with ``c_t`` from :func:`clip_cov_selection` (the paper's DAPO scripts use ``eps = 1`` and token-mean).
     Returns ``loss_mat [B, T]`` and metrics ``clipcov/frac_tokens`` (share of valid tokens detached),
-    ``clipcov/n_tokens``, ``clip/frac_low``, ``clip/frac_high``, ``approx_kl``, ``ratio/*``.
+    ``clipcov/n_tokens`` and those of :func:`~meshrl.algos.policy_losses.ppo_clip_loss` (its base loss).
     """
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}/{clip_high}")
+    base, metrics = ppo_clip_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high)
     log_ratio, adv, m = _prepare(logp, old_logp, advantages, mask)
-    r = log_ratio.exp()
-    base = torch.maximum(-adv * r, -adv * r.clamp(1 - clip_low, 1 + clip_high))
-    rd = r.detach()
-    clipped = _clipped_tokens(rd, adv, clip_low, clip_high) & (m > 0)
+    clipped = _clipped_tokens(log_ratio.detach().exp(), adv, clip_low, clip_high) & (m > 0)
     chosen = clip_cov_selection(logp, adv, m, clipped, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
                                 generator=generator)
-    loss = base * (~chosen).to(base.dtype)
     n = float(m.sum().clamp(min=1))
-    metrics = {
-        "clipcov/frac_tokens": float(chosen.sum()) / n,
-        "clipcov/n_tokens": float(chosen.sum()),
-        "clip/frac_low": float((((rd < 1 - clip_low) & (adv < 0)).to(m.dtype) * m).sum()) / n,
-        "clip/frac_high": float((((rd > 1 + clip_high) & (adv > 0)).to(m.dtype) * m).sum()) / n,
-        **_ratio_metrics(log_ratio, m),
-    }
-    return loss, metrics
+    metrics.update({"clipcov/frac_tokens": float(chosen.sum()) / n, "clipcov/n_tokens": float(chosen.sum())})
+    return base * (~chosen).to(base.dtype), metrics
 
 
 def kl_cov_penalty(
@@ -222,7 +213,9 @@ def kl_cov_loss(
     *,
     ratio: float = 2e-4,
     coef: float = 1.0,
-    **_unused_clip: float | None,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    clip_dual: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov: unclipped policy gradient plus an |log-ratio| penalty on the top-covariance tokens.
 
@@ -231,10 +224,12 @@ def kl_cov_loss(
 
         L_t = -A_t r_t + coef * |log r_t| * 1[t in top-k by cov_t]
 
-    No clipping (``clip_*`` keywords are accepted and ignored so it drops in for ``ppo_clip``). On-policy
+    No clipping (``ppo_clip``'s ``clip_low``, ``clip_high``, ``clip_dual`` are accepted and ignored so it
+    drops in for ``ppo_clip``; any other keyword, e.g. a misspelt ``coeff``, is a ``TypeError``). On-policy
     (one optimiser step per batch, ``r = 1``) the penalty and its gradient are exactly 0.
     Metrics: ``klcov/frac_tokens``, ``klcov/penalty`` (mean penalty over the valid tokens), ``approx_kl``...
     """
+    del clip_low, clip_high, clip_dual  # KL-Cov's surrogate is unclipped
     log_ratio, adv, m = _prepare(logp, old_logp, advantages, mask)
     chosen = kl_cov_selection(logp, adv, m, ratio=ratio)
     penalty = kl_cov_penalty(logp, old_logp, chosen, coef=coef)

@@ -102,6 +102,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     from meshrl.rewards.grading import extract_for_kind
     from meshrl.rollout import SamplingParams, make_backend
     from meshrl.tasks import load_task
+    from meshrl.trainer.periodic_eval import encode_within_limit
     from meshrl.trainer.policy import load_policy
 
     cfg.validate()
@@ -111,7 +112,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
         from meshrl.tasks import with_kind
 
         task = with_kind(task, cfg.kind)
-    _warn_on_kind_mismatch(cfg, task.reward_kind)
+    _warn_on_training_mismatch(cfg, task)
     problems = task.problems(cfg.split)[: cfg.limit] if cfg.limit else task.problems(cfg.split)
     if not problems:
         raise ValueError(f"{cfg.data} split {cfg.split!r} has no problems")
@@ -136,7 +137,8 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                 if all(p.id in done_ids for p in chunk):
                     advance()
                     continue
-                encoded = [(p, encode_prompt(tok, task.format_prompt(p))) for p in chunk]
+                encoded = [(p, encode_within_limit(encode_prompt, tok, task.format_prompt(p), budget.limit))
+                           for p in chunk]
                 encoded = [(p, ids) for p, ids in encoded if budget.fits(p.id, len(ids))]
                 if not encoded:
                     advance()
@@ -171,8 +173,9 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     return summary
 
 
-def trained_kind(model: str) -> str | None:
-    """The reward kind a run directory (or one of its checkpoints) was trained with, from its config.yaml."""
+def trained_task(model: str) -> dict[str, Any] | None:
+    """The task a run directory (or one of its checkpoints) was trained on, as its config.yaml resolved it
+    (``name``, ``reward_kind``, ``instruction``), or ``None``."""
     import yaml
 
     from meshrl.trainer.policy import is_run_dir
@@ -187,15 +190,31 @@ def trained_kind(model: str) -> str | None:
     except (yaml.YAMLError, UnicodeDecodeError, OSError):
         return None  # load_policy reports a broken config.yaml itself
     resolved = saved.get("resolved_task") if isinstance(saved, dict) else None
-    return resolved.get("reward_kind") if isinstance(resolved, dict) else None
+    return resolved if isinstance(resolved, dict) else None
 
 
-def _warn_on_kind_mismatch(cfg: EvalConfig, kind: str) -> None:
-    """Say so when a run trained under one reward kind is graded under another (e.g. last_number vs number)."""
-    trained = trained_kind(cfg.model)
-    if trained is not None and trained != kind and cfg.kind is None:
+def trained_kind(model: str) -> str | None:
+    """The reward kind a run directory (or one of its checkpoints) was trained with, from its config.yaml."""
+    resolved = trained_task(model)
+    return resolved.get("reward_kind") if resolved else None
+
+
+def _warn_on_training_mismatch(cfg: EvalConfig, task) -> None:
+    """Say so when a run trained under one reward kind is graded under another (e.g. last_number vs number),
+    and when its training prompts ended with another answer-format instruction (``--kind`` changes only the
+    grading: a run trained on ``kind=last_number`` prompts is then asked for a ``\\boxed{}`` answer)."""
+    trained = trained_task(cfg.model)
+    if trained is None:
+        return
+    kind = trained.get("reward_kind")
+    if kind is not None and kind != task.reward_kind and cfg.kind is None:
         log.warning("%s was trained with reward kind %r but %s grades with %r; pass --kind %s to grade as in "
-                    "training", cfg.model, trained, cfg.data, kind, trained)
+                    "training", cfg.model, kind, cfg.data, task.reward_kind, kind)
+    if "instruction" in trained and trained["instruction"] != task.instruction:
+        log.warning("%s was trained on prompts ending with the instruction %r but %s's prompts end with %r: the "
+                    "scores are for other prompts than training's; give the data spec the options of training "
+                    "(e.g. ?kind=%s, or instruction=...)", cfg.model, trained["instruction"], cfg.data,
+                    task.instruction, kind)
 
 
 def _valid_rows(path: Path, cfg: EvalConfig) -> list[dict[str, Any]]:

@@ -43,9 +43,16 @@ _STATEMENTS = (
     ),
     re.compile(r"\banswer\s*(?:is|=)\s*:?\s*(?P<x>.+)$", re.IGNORECASE | re.MULTILINE),
 )
-# A plain decimal number: a minus sign only where it cannot be a subtraction (not after a digit, letter,
-# closing bracket or point), thousands separators in well-formed groups of three, optional decimals.
-_LAST_NUMBER = re.compile(r"(?:(?<![\w)\].])[-\u2212])?(?:\d{1,3}(?:,\d{3})+(?![\d,])|\d+)(?:\.\d+)?")
+# The last number (``last_number`` kind): a minus sign only where it cannot be a subtraction (not after a
+# digit, letter, closing bracket or point); digits that continue a word (``step2``, ``H2O``) or a dotted
+# run (``1.2.3``) are not a number; thousands separators (``,``, LaTeX ``{,}`` and ``\,``) only in
+# well-formed groups of three; optional decimals or a bare ``.5``; a fraction ``7/2`` or ``\frac{7}{2}``
+# is one number (``parse_number`` reads each form, so the strict ``number`` kind and this one agree on it).
+_DECIMAL = r"(?<![\w.])(?:(?:\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?![\d,])|\d+)(?:\.\d+)?|\.\d+)"
+_LAST_NUMBER = re.compile(
+    r"(?:(?<![\w)\].])[-\u2212])?"
+    rf"(?:\\[dt]?frac\{{\s*\d+\s*\}}\{{\s*\d+\s*\}}|{_DECIMAL}(?:\s*/\s*\d+(?!\d|[.,]\d))?)"
+)
 # End of the first sentence: a full stop (or ! ?) followed by whitespace or the end, not a decimal point.
 _SENTENCE_END = re.compile(r"(?<=\S)[.!?](?=\s|$)")
 _DELIMS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("**", "**"), ("__", "__"), ("`", "`"))
@@ -177,14 +184,15 @@ def extract_answer(completion: str) -> str | None:
 
 
 def extract_last_number(completion: str) -> str | None:
-    """The last plain decimal number in ``completion`` (``-3``, ``1,234``, ``2.5``), or ``None``.
+    """The last number in ``completion`` (``-3``, ``1,234``, ``-.5``, ``7/2``, ``\\frac{7}{2}``), or ``None``.
 
     Rule: numbers are read left to right with :data:`_LAST_NUMBER` and the last one wins, wherever it
     stands (inside ``\\boxed{}``, after ``=``, alone). A minus sign counts only where it cannot be a
-    subtraction (``5-3`` ends with ``3``); ``1,23`` is ``1`` then ``23``; fractions and LaTeX (``\\frac{1}{2}``)
-    are read as their last integer. Known weakness: restated numbers or intermediate results that happen
-    to come last are taken as the answer (see the module docstring), so this is for the ``last_number``
-    reward kind only, never the default.
+    subtraction (``5-3`` ends with ``3``); ``1,23`` is ``1`` then ``23``; digits inside a word (``step2``,
+    ``H2O``) are not a number; a fraction (``7/2``, ``\\frac{7}{2}``) is one number and ``1{,}234`` is
+    ``1234``; other LaTeX (``10^{3}``, ``\\sqrt{2}``) is read as its last plain number. Known weakness:
+    restated numbers or intermediate results that happen to come last are taken as the answer (see the
+    module docstring), so this is for the ``last_number`` reward kind only, never the default.
     """
     if not isinstance(completion, str):
         raise ValueError(f"completion must be a str, got {type(completion).__name__}")

@@ -9,8 +9,8 @@ never the raw completion; a completion without a final answer scores 0. Kinds:
   math-verify reads a bare word as a product of symbols (``Evelyn`` == ``Nevely``).
 - ``number``: one real number (:func:`~meshrl.rewards.normalize.parse_number`), equal within
   ``rel_tol=1e-6`` / ``abs_tol=1e-9``; the GSM8K convention.
-- ``last_number``: the last plain decimal number anywhere in the completion
-  (:func:`~meshrl.rewards.extract.extract_last_number`), compared as ``number``. The permissive
+- ``last_number``: the last number anywhere in the completion (a decimal, ``7/2`` or ``\\frac{7}{2}``;
+  :func:`~meshrl.rewards.extract.extract_last_number`), compared as ``number``. The permissive
   alternative to ``number`` (a bare ``8`` or ``7 + 1 = 8`` scores), with a known weakness: it rewards a
   completion whose last number is a restated number of the question or an intermediate result that happens
   to equal the answer, so a policy can learn to end on a number rather than to state a result.

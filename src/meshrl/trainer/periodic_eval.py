@@ -12,7 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshrl.trainer.rollout_step import CORRECT_AT, strategy_figures
+from meshrl.trainer.rollout_step import (
+    CORRECT_AT,
+    PROBE_CHARS_PER_POSITION,
+    PromptBudget,
+    context_limit,
+    strategy_figures,
+)
 
 
 class PeriodicEval:
@@ -27,7 +33,21 @@ class PeriodicEval:
         self.problems = problems[: ev.limit] if ev.limit else problems
         if not self.problems:
             raise ValueError(f"task {task.name} split {split!r} is empty: nothing to evaluate on")
-        self.prompts = [encode_prompt(tokenizer, task.format_prompt(p)) for p in self.problems]
+        setting = "eval.max_new_tokens" if ev.max_new_tokens else "rollout.max_new_tokens"
+        budget = PromptBudget(context_limit(getattr(backend, "model", None), tokenizer),
+                              ev.max_new_tokens or cfg.rollout.max_new_tokens, setting)
+        encoded = [(p, encode_within_limit(encode_prompt, tokenizer, task.format_prompt(p), budget.limit))
+                   for p in self.problems]
+        # A held-out prompt past the model's positions would index beyond its position table (or preallocate a
+        # cache for the whole prompt) at the first evaluation: skip it, logged once, counted in every eval row.
+        kept = [(p, ids) for p, ids in encoded if budget.fits(p.id, len(ids))]
+        if not kept:
+            raise ValueError(f"task {task.name} split {split!r}: every held-out prompt is too long for the model "
+                             f"({budget.limit} positions with {setting}={budget.max_new_tokens}); nothing to "
+                             f"evaluate on")
+        self.problems = [p for p, _ in kept]
+        self.prompts = [ids for _, ids in kept]
+        self.skipped_long = len(budget.too_long)
         self.backend, self.rewards, self.task = backend, reward_runner, task
 
     def __call__(self, step: int) -> dict[str, float]:
@@ -48,10 +68,21 @@ class PeriodicEval:
             "eval/mean@1": sum(sum(v) / len(v) for v in correct.values()) / n_prob,
             f"eval/pass@{ev.n}": sum(pass_at_k(len(v), sum(v), ev.n) for v in correct.values()) / n_prob,
             "eval/score_mean": sum(scores) / len(scores),
+            "eval/skipped_long_prompts": float(self.skipped_long),  # held-out problems too long for the model
             # the *unconditioned* policy's strategy masses: under Mesh the training rollouts are
             # coach-conditioned, so only these held-out samples show which strategy it picks on its own
             **strategy_figures(self.task, list(zip(out.texts, scores, probs, strict=True)), prefix="eval/"),
         }
+
+
+def encode_within_limit(encode_prompt, tokenizer, text: str, limit: int | None) -> list[int]:
+    """The prompt's token ids, or only its head's when the head alone is already past ``limit`` positions
+    (bounded work for a 1M-character problem: the head's length is a lower bound that settles the skip)."""
+    if limit is not None and len(text) > PROBE_CHARS_PER_POSITION * limit:
+        head = encode_prompt(tokenizer, text[: PROBE_CHARS_PER_POSITION * limit])
+        if len(head) > limit + 1:  # the whole prompt is at least len(head) - 1 tokens long
+            return head
+    return encode_prompt(tokenizer, text)
 
 
 def write_summary(run_dir: Path, key: str = "eval/mean@1") -> dict[str, Any] | None:

@@ -11,7 +11,9 @@ steps (``optim.warmup_steps``) and floor ratio ``r`` (``optim.min_lr_ratio``):
   - ``cosine``:   ``lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)``.
 
 The first step after warm-up runs at ``lr``; the decay reaches ``lr * r`` at ``i = T``, the rate after the
-last update, as in the Hugging Face schedulers (``get_linear_schedule_with_warmup``; the cosine form with
+last update. The decay is that of the Hugging Face schedulers at the same 0-based update index
+(``get_linear_schedule_with_warmup``: ``(T - i) / (T - W)``); the warm-up is one step ahead of theirs
+(``i / W``, whose first update runs at rate 0), so the last warm-up step already reaches ``lr`` (the cosine form with
 a floor is verl's ``get_cosine_schedule_with_warmup`` with ``min_lr_ratio``, half a cycle). TRL's GRPO
 default is ``linear`` with ``r = 0``. The schedule depends on ``T``: resuming with a larger ``--steps``
 stretches the decay from the resumed step on.
