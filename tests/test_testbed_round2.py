@@ -254,6 +254,15 @@ def test_experiment_presets_and_resume_guard(tmp_path):
     assert r1.seeds == (0, 1, 2) and r1.arms == ROUND1_ARMS and r1.steps == 10 and r1.ckpt_eval_every == 0
     assert checkpoint_overrides("mesh_follow", r2) == ["checkpoint.every=8", "checkpoint.keep_last=6"]
     assert checkpoint_overrides("grpo", r2) == ["checkpoint.every=4", "checkpoint.keep_last=11"]
+    plug = preset_settings("plugins")
+    assert plug.arms[0] == "grpo" and len(plug.arms) == 5 and len(plug.seeds) >= 3 and not plug.warm_coach_variants
+    assert {a for a in plug.arms if a != "grpo"} == {"grpo_clip_cov", "grpo_kl_cov", "grpo_entropy_adv", "grpo_fork"}
+    from meshrl.trainer.config import load_config
+
+    for arm in plug.arms:  # every plug-in arm is a valid meshrl train config with the plug-in on
+        cfg = load_config(overrides=["model=tiny", "task=testbed:add", *ARMS[arm]])
+        on = [name for name in ("clip_cov", "kl_cov", "entropy_adv", "fork") if getattr(cfg.plugins, name).enabled]
+        assert on == ([] if arm == "grpo" else [arm.removeprefix("grpo_")])
     with pytest.raises(ValueError, match="unknown preset"):
         preset_settings("round3")
     s = ExperimentSettings(steps=4)

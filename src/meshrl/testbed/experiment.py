@@ -7,9 +7,11 @@ held-out problems (pass@k, by problem type), evaluates every kept checkpoint on 
 (one thread each) and everything is resumable: a finished run, evaluation or probe is never redone.
 ``summarize_experiment(out)`` reads it all back into ``results.json`` (see ``docs/testbed.md``).
 
-Two presets (``PRESETS``): ``round1`` is issue 7's experiment (15 arms x 3 seeds, the figures of
+Three presets (``PRESETS``): ``round1`` is issue 7's experiment (15 arms x 3 seeds, the figures of
 docs/testbed.md's first part); ``round2`` (the default) is issue 16's: the headline arms x 5 seeds, the
-rollout-budget arms and the variants designed from round one's mechanism.
+rollout-budget arms and the variants designed from round one's mechanism; ``plugins`` is issue 14's: GRPO with
+each of the reading list's entropy-collapse plug-ins (Clip-Cov, KL-Cov, entropy advantage, forking tokens) x 5
+seeds from round one's warm start.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ ARMS: dict[str, list[str]] = {
     "support_bare_half_mu1e-1": ["recipe=mesh", "mesh.balance=support", "mesh.mu=1e-1", "mesh.bare_group=true",
                                  "mesh.bare_groups=3"],
     "cp_bare_half": ["recipe=cp_only", "mesh.bare_group=true", "mesh.bare_groups=3"],
+    # ---- the reading list's entropy-collapse plug-ins on GRPO (issue 14; docs/plugins.md), paper defaults ----
+    "grpo_clip_cov": ["recipe=grpo", "plugins.clip_cov.enabled=true"],
+    "grpo_kl_cov": ["recipe=grpo", "plugins.kl_cov.enabled=true"],
+    "grpo_entropy_adv": ["recipe=grpo", "plugins.entropy_adv.enabled=true"],
+    "grpo_fork": ["recipe=grpo", "plugins.fork.enabled=true"],
 }
 PROBE_ARMS = ("grpo", "dapo", "grpo_kl", "grpo_js")  # round one's probed baselines
 ROUND1_ARMS: tuple[str, ...] = (
@@ -68,11 +75,14 @@ ROUND1_ARMS: tuple[str, ...] = (
 ROUND2_ARMS: tuple[str, ...] = (
     "grpo", "mesh_mu1e-5", "cp_only", "grpo_g36", "mesh_pp_mu1e-5", "cp_pp", "mesh_applicable", "mesh_follow",
     "mesh_applicable_follow", "support_bare_half_mu1e-1", "cp_bare_half")
+PLUGIN_ARMS: tuple[str, ...] = ("grpo", "grpo_clip_cov", "grpo_kl_cov", "grpo_entropy_adv", "grpo_fork")
 #: preset -> settings that differ from ExperimentSettings' defaults
 PRESETS: dict[str, dict[str, Any]] = {
     "round1": {"arms": ROUND1_ARMS, "seeds": (0, 1, 2), "probe_arms": PROBE_ARMS, "ckpt_eval_every": 0,
                "warm_coach_variants": False},
     "round2": {},
+    # Do the entropy-collapse techniques keep the niche where GRPO loses it? (issue 14) Round one's warm start.
+    "plugins": {"arms": PLUGIN_ARMS, "probe_arms": ("grpo",), "warm_coach_variants": False},
 }
 
 
