@@ -149,8 +149,9 @@ def test_no_pairs_step_adds_nothing(tmp_path, monkeypatch):
     ("plugins.dpo.pairs=random", "plugins.dpo.pairs"),
     ("plugins.dpo.loss_type=ipo", "plugins.dpo.loss_type"),
     ("plugins.dpo.label_smoothing=0.5", "plugins.dpo.label_smoothing"),
+    ("plugins.dpo.loss_type=hinge,plugins.dpo.label_smoothing=0.1", "plugins.dpo.label_smoothing"),
     ("plugins.dpo.typo=1", "plugins.dpo.typo"),
 ])
 def test_bad_dpo_settings_name_the_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        load_config(overrides=["plugins.dpo.enabled=true", override])
+        load_config(overrides=["plugins.dpo.enabled=true", *override.split(",")])

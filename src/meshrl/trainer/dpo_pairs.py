@@ -54,7 +54,9 @@ def dpo_checks(c: DpoConfig) -> dict[str, bool]:
         "plugins.dpo.coef": c.coef > 0,
         "plugins.dpo.pairs": c.pairs in PAIR_RULES,
         "plugins.dpo.loss_type": c.loss_type in DPO_LOSSES,
-        "plugins.dpo.label_smoothing": 0 <= c.label_smoothing < 0.5,
+        # the hinge has no smoothed form: a non-zero eps there would be silently ignored
+        "plugins.dpo.label_smoothing": 0 <= c.label_smoothing < 0.5 and (c.label_smoothing == 0
+                                                                          or c.loss_type == "sigmoid"),
     }
 
 
