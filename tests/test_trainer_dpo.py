@@ -131,6 +131,25 @@ def test_dpo_trains_on_tiny_and_logs_its_metrics(tmp_path, monkeypatch, extra):
             assert "dpo/loss" not in m
 
 
+def test_repeated_updates_on_one_batch_open_the_margin(tmp_path):
+    """The term optimises what it says: at the start the policy is the reference (margin 0); after two
+    updates on the same pairs the implicit-reward margin is positive and more pairs are ranked right."""
+    t = Trainer(_cfg("plugins.dpo.enabled=true", "plugins.dpo.beta=1.0", "optim.lr=1e-2", "train.update_workers=1",
+                     "train.ppo_epochs=2"), tmp_path / "t")
+    try:
+        data, _ = t.sampler.run(0, 0)
+        data.scores = list(SCORES)
+        data.advantages = torch.zeros(len(data))  # the DPO term alone moves the policy
+        first = t.update(data)
+        assert first["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-6)
+        t.update(data)
+        last = t.update(data)
+        assert last["dpo/reward_margin"] > 0.01 and last["dpo/accuracy"] > 0.5
+        assert last["dpo/loss"] < first["dpo/loss"]
+    finally:
+        t.close()
+
+
 def test_no_pairs_step_adds_nothing(tmp_path, monkeypatch):
     """Groups all wrong (the untrained model): no pair, ``dpo/pairs`` 0, and the update is plain GRPO's."""
     t = Trainer(_cfg("plugins.dpo.enabled=true", "train.update_workers=1"), tmp_path / "t")

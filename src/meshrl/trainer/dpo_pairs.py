@@ -116,9 +116,12 @@ class DpoTerm:
         self.cfg = cfg
         self.weights: torch.Tensor | None = None
 
-    def begin(self, trainer: Any, data: Any, ref_logps: list[torch.Tensor] | None) -> dict[str, float]:
+    def begin(self, trainer: Any, data: Any, policy_logps: list[torch.Tensor] | None,
+              ref_logps: list[torch.Tensor] | None) -> dict[str, float]:
         """Form the step's pairs and weights at the current (start) parameters; ``dpo/*`` metrics, of which
-        ``dpo/term`` (``coef * dpo/loss``) is what the update adds to ``loss/total``."""
+        ``dpo/term`` (``coef * dpo/loss``) is what the update adds to ``loss/total``. ``policy_logps`` and
+        ``ref_logps``: per-row token log-probs the update already has (of the current policy and of the
+        reference), or None to score them here."""
         self.weights = None
         if not self.cfg.enabled or not len(data):
             return {}
@@ -127,7 +130,9 @@ class DpoTerm:
             return {"dpo/pairs": 0.0, "dpo/groups": 0.0}
         rows = sorted({i for p in pairs for i in p})
         with torch.no_grad():
-            seq = _seq_logps(trainer._logps(trainer.model, data), len(data))
+            if policy_logps is None:
+                policy_logps = trainer._logps(trainer.model, data)
+            seq = _seq_logps(policy_logps, len(data))
             if ref_logps is None:
                 ref_logps = trainer._ref_logps(data)
             ref_seq = _seq_logps(ref_logps, len(data))

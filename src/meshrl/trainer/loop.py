@@ -269,6 +269,7 @@ class Trainer:
         single_pass = tc.ppo_epochs == 1 and tc.mini_batches == 1
         # With one optimiser step per batch the old policy IS the current one: reuse logp.detach().
         old_logps = None if single_pass and not self.paper_balance else self._logps(self.model, data)
+        start_logps = old_logps  # the policy's own at the step's start, or None (plugins.dpo reuses them)
         old_logps = self.plugins.behaviour_logps(data, old_logps)  # plugins.replay: a reused batch's sampler
         need_ref_logp = (rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled")
                          or (self.paper_balance and self.cfg.mesh.subtract_ref))
@@ -280,7 +281,7 @@ class Trainer:
             seq = torch.stack([lp.sum() for lp in old_logps])
             ref_seq = torch.stack([lp.sum() for lp in ref_logps]) if self.cfg.mesh.subtract_ref else None
             self.balance_w, balance_stats = balance_row_weights(self.cfg, data, seq, ref_seq)
-        balance_stats.update(self.plugins.dpo.begin(self, data, ref_logps))  # plugins.dpo: the step's row weights
+        balance_stats.update(self.plugins.dpo.begin(self, data, start_logps, ref_logps))  # plugins.dpo: row weights
         sums: dict[str, float] = defaultdict(float)
         n_updates = 0
         gen = torch.Generator().manual_seed(self.cfg.seed * 7 + self.step_idx)
