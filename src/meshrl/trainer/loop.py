@@ -70,7 +70,8 @@ class Trainer:
         self.balance_on = cfg.mesh_enabled and cfg.balance_mu > 0
         self.paper_balance = self.balance_on and cfg.mesh.balance == "paper"
         self.support_balance = self.balance_on and cfg.mesh.balance == "support"
-        needs_ref = self.recipe.needs_reference or (self.paper_balance and cfg.mesh.subtract_ref)
+        needs_ref = (self.recipe.needs_reference or (self.paper_balance and cfg.mesh.subtract_ref)
+                     or cfg.plugins.dpo.enabled)
         if cfg.train.lora_r > 0:  # the reference is the adapter-disabled base model
             from meshrl.models import apply_lora
 
@@ -268,6 +269,7 @@ class Trainer:
         single_pass = tc.ppo_epochs == 1 and tc.mini_batches == 1
         # With one optimiser step per batch the old policy IS the current one: reuse logp.detach().
         old_logps = None if single_pass and not self.paper_balance else self._logps(self.model, data)
+        start_logps = old_logps  # the policy's own at the step's start, or None (plugins.dpo reuses them)
         old_logps = self.plugins.behaviour_logps(data, old_logps)  # plugins.replay: a reused batch's sampler
         need_ref_logp = (rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled")
                          or (self.paper_balance and self.cfg.mesh.subtract_ref))
@@ -279,6 +281,7 @@ class Trainer:
             seq = torch.stack([lp.sum() for lp in old_logps])
             ref_seq = torch.stack([lp.sum() for lp in ref_logps]) if self.cfg.mesh.subtract_ref else None
             self.balance_w, balance_stats = balance_row_weights(self.cfg, data, seq, ref_seq)
+        balance_stats.update(self.plugins.dpo.begin(self, data, start_logps, ref_logps))  # plugins.dpo: row weights
         sums: dict[str, float] = defaultdict(float)
         n_updates = 0
         gen = torch.Generator().manual_seed(self.cfg.seed * 7 + self.step_idx)
@@ -299,6 +302,8 @@ class Trainer:
         out = {**{k: v / max(n_updates, 1) for k, v in sums.items()}, **balance_stats}
         if "mesh/balance_loss" in balance_stats and "loss/total" in out:
             out["loss/total"] += balance_stats["mesh/balance_loss"]
+        if "dpo/term" in balance_stats and "loss/total" in out:
+            out["loss/total"] += balance_stats["dpo/term"]
         return out
 
     def _ref_logps(self, data: StepData) -> list[torch.Tensor]:
@@ -393,9 +398,11 @@ class Trainer:
         detached per-token (logp, entropy, js or None))``."""
         w = micro_weight(self.recipe.loss_agg, mb.response_mask, *totals)
         loss, mstats, seq_logp, terms = self._micro_loss(idx, mb, data, old_logps, ref_logps)
+        # plugins.dpo: sum_i w_i seq_logp_i, unweighted (its weights already give the step's gradient)
+        loss = loss * w + self.plugins.dpo.surrogate(idx, seq_logp)
         if not torch.isfinite(loss):
             return False, mstats, seq_logp, terms
-        (loss * w).backward(retain_graph=self.balance_w is not None)
+        loss.backward(retain_graph=self.balance_w is not None)
         return True, mstats, seq_logp, terms
 
     def _update_workers(self, params) -> UpdateWorkers | None:

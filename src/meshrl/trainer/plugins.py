@@ -10,6 +10,8 @@ recipes included, whose balancing term is separate):
 - ``plugins.luffy``: off-policy traces from a JSONL mixed into each group, shaped loss on them (Yan et al.
   2025);
 - ``plugins.distill``: a top-K forward-KL term to a teacher model on the rollouts (on-policy distillation);
+- ``plugins.dpo``: a DPO term on (correct, wrong) pairs of each group's own rollouts against the frozen
+  reference (Rafailov et al. 2023; :mod:`meshrl.trainer.dpo_pairs`);
 - ``plugins.replay``: each batch of rollouts trained on at ``1 + reuse_steps`` consecutive steps, against the
   log-probs of the policy that sampled it (the stale-rollout setting M2PO is made for);
 - ``plugins.rollout_corr``: the policy loss weighted by ``pi_old_train / pi_rollout`` against the sampler's own
@@ -50,6 +52,7 @@ from meshrl.algos import (
     topk_forward_kl,
 )
 from meshrl.algos.entropy_control import _clipped_tokens
+from meshrl.trainer.dpo_pairs import DpoConfig, DpoTerm, dpo_checks
 from meshrl.trainer.rollout_corr import (
     MismatchMonitor,
     RolloutCorrConfig,
@@ -129,7 +132,8 @@ class PromptFilterConfig:
     readmit_after: int = 5  # ... for this many steps; then it is sampled again (its history cleared)
 
 
-PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy", "distill", "rollout_corr")
+PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy", "distill", "rollout_corr", "dpo")
+SEQUENCE_LEVEL_PLUGINS = ("dpo",)  # act on whole sequences: fine with the sequence-level losses
 
 
 @dataclass
@@ -142,6 +146,7 @@ class PluginsConfig:
     luffy: LuffyConfig = field(default_factory=LuffyConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     rollout_corr: RolloutCorrConfig = field(default_factory=RolloutCorrConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)  # not loss terms: not in enabled()
     prompt_filter: PromptFilterConfig = field(default_factory=PromptFilterConfig)
 
@@ -173,6 +178,7 @@ def validate_plugins(plugins: PluginsConfig, policy_loss_name: str) -> None:
         "plugins.prompt_filter.window": p.prompt_filter.window >= 1,
         "plugins.prompt_filter.readmit_after": p.prompt_filter.readmit_after >= 1,
         **rollout_corr_checks(p.rollout_corr),
+        **dpo_checks(p.dpo),
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -185,9 +191,11 @@ def validate_plugins(plugins: PluginsConfig, policy_loss_name: str) -> None:
     if "clip_cov" in on and "kl_cov" in on:
         raise ValueError("plugins.clip_cov.enabled and plugins.kl_cov.enabled exclude each other "
                          "(two covariance rules for the same tokens)")
-    if on and policy_loss_name in SEQUENCE_LEVEL_LOSSES:
-        raise ValueError(f"plugins.{on[0]}.enabled needs a token-level policy loss; the recipe's policy_loss is "
-                         f"{policy_loss_name!r} (one ratio per sequence): use gspo_token, ppo_clip or cispo")
+    token_level = [name for name in on if name not in SEQUENCE_LEVEL_PLUGINS]
+    if token_level and policy_loss_name in SEQUENCE_LEVEL_LOSSES:
+        raise ValueError(f"plugins.{token_level[0]}.enabled needs a token-level policy loss; the recipe's "
+                         f"policy_loss is {policy_loss_name!r} (one ratio per sequence): use gspo_token, ppo_clip "
+                         "or cispo")
 
 
 def _get(plugins: PluginsConfig, dotted: str) -> Any:
@@ -208,6 +216,7 @@ class TrainPlugins:
         # plugins.replay: (the batch, its behaviour log-probs, its LUFFY rows, the step it was sampled at)
         self._replay: tuple[Any, list[torch.Tensor], set[int], int] | None = None
         self.mismatch = MismatchMonitor()  # every run: the sampler's log-probs against the update's
+        self.dpo = DpoTerm(plugins.dpo)  # plugins.dpo: per-row weights of the step, a surrogate per micro-batch
 
     @property
     def changes_loss(self) -> bool:
