@@ -332,7 +332,8 @@ def test_corrupt_config_or_state_in_a_resume_names_the_file(tmp_path, capsys, tw
     good = (run / "config.yaml").read_text()
     (run / "config.yaml").write_text(good[: len(good) // 2] + "\n  : [unclosed\n")
     assert cli_main(["train", "--resume", str(run), "--steps", "3"]) == 2
-    assert f"{run / 'config.yaml'} is corrupt" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{run / 'config.yaml'}, line" in err and "YAML syntax error" in err  # names the file and the line
     (run / "config.yaml").write_text(good)
     (run / "checkpoints" / "step_000002" / "state.json").write_bytes(b"\x00\xff garbage")
     assert cli_main(["train", "--resume", str(run), "--steps", "3"]) == 2
