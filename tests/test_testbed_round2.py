@@ -132,10 +132,11 @@ def test_warm_settings_per_family_keep_the_default_cache_name():
 
 def _step(cfg, task, prefixes, texts_for):
     """A RolloutStep over a fake backend that answers each prompt with ``texts_for(problem, strategy)``."""
-    from meshrl.trainer.rollout_step import ProblemSampler, RolloutStep
+    from meshrl.trainer.rollout_step import ProblemSampler, PromptBudget, RolloutStep
 
     step = RolloutStep.__new__(RolloutStep)
     step.task, step.problems, step.cfg, step.prefixes = task, task.problems("train"), cfg, prefixes
+    step.budget = PromptBudget(None, cfg.rollout.max_new_tokens)  # the fake model has no position limit
     step.sampler = ProblemSampler(len(step.problems), cfg.seed)
     step.prompt_ids = lambda problem, k=-1: [k + 2]
     step.rewards = lambda texts, problems: [task.score(t, p) for t, p in zip(texts, problems, strict=True)]
@@ -146,7 +147,8 @@ def _step(cfg, task, prefixes, texts_for):
             arms = step._arms_cache
             texts = [texts_for(step._chosen[arms[i][0]], arms[i][1]) for i, _ in rows]
             return SimpleNamespace(prompt_index=[i for i, _ in rows], prompt_ids=[[0]] * len(rows),
-                                   response_ids=[[1]] * len(rows), texts=texts, truncated=[False] * len(rows))
+                                   response_ids=[[1]] * len(rows), texts=texts, truncated=[False] * len(rows),
+                                   engine_logprobs=None)
 
     original = step._arms
 
@@ -168,7 +170,7 @@ def test_trainer_hooks_bare_groups_and_conditioned_score():
                                  "mesh.bare_group=true", "mesh.bare_groups=3", "rollout.prompts_per_step=2"])
     # every rollout writes the round-and-adjust trace: correct on low/carry problems whatever its prefix
     step = _step(cfg, task, prefixes, lambda p, k: reference_trace(p.meta["a"], p.meta["b"], "r"))
-    data = step._sample(0, 2, seed=0)
+    data, _ = step._sample(0, 2, seed=0)
     assert len(data) == 24 and data.strategy_ids.count(-1) == 12  # half the budget prefix-free
     assert {data.strategy_ids.count(k) for k in range(3)} == {4}
     for score, k, p in zip(data.scores, data.strategy_ids, data.problems, strict=True):
