@@ -17,6 +17,7 @@ from meshrl.mesh.coach import (
     RuleCoach,
     generate_prefixes,
     load_prefixes,
+    prefixes_by_problem,
     query_key,
     wrap_prefix,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "budget_groups",
     "generate_prefixes",
     "load_prefixes",
+    "prefixes_by_problem",
     "query_key",
     "strategy_balance_loss",
     "strategy_balance_row_weights",

@@ -18,7 +18,7 @@ def prepare_prefixes(cfg, task, problems, run_dir: Path) -> dict[str, list[str]]
     same validation and cached in ``RUN_DIR/prefixes.jsonl``. A problem without valid prefixes is an error
     that names it: training on a mixture of conditioned and unconditioned queries would be silent bias.
     """
-    from meshrl.mesh import RuleCoach, generate_prefixes, load_prefixes, query_key
+    from meshrl.mesh import RuleCoach, generate_prefixes, prefixes_by_problem
 
     m = cfg.mesh.m
     path = Path(cfg.mesh.prefixes) if cfg.mesh.prefixes else run_dir / "prefixes.jsonl"
@@ -32,14 +32,7 @@ def prepare_prefixes(cfg, task, problems, run_dir: Path) -> dict[str, list[str]]
         generate_prefixes(queries, coach, m=m, out_path=path)
     elif not path.is_file():
         raise ValueError(f"mesh.prefixes file not found: {path}")
-    table = load_prefixes(path)
-    out, missing = {}, []
-    for p in problems:
-        found = table.get(query_key(p.prompt))
-        if found is None or len(found) < m:
-            missing.append(p.id)
-        else:
-            out[p.id] = list(found[:m])
+    out, missing = prefixes_by_problem(path, problems, m)
     if missing:
         raise ValueError(f"{len(missing)} of {len(problems)} training problems have no {m} valid prefixes in "
                          f"{path} (first: {', '.join(missing[:5])}); see its .rejects.jsonl or rerun `meshrl coach`")

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshrl.mesh import load_prefixes, query_key, wrap_prefix
+from meshrl.mesh import prefixes_by_problem, wrap_prefix
 from meshrl.tasks import load_task
 
 TEMPLATES = ("wrapped", "plain")
@@ -63,14 +63,7 @@ def prefixes_for(problems: list[Any], path: Path, m: int) -> dict[str, list[str]
     """Problem id -> its first ``m`` prefixes from a ``meshrl coach`` file; every problem must have ``m``."""
     if not path.is_file():
         raise ValueError(f"prefix file not found: {path}")
-    table = load_prefixes(path)
-    out, missing = {}, []
-    for p in problems:
-        found = table.get(query_key(p.prompt))
-        if found is None or len(found) < m:
-            missing.append(p.id)
-        else:
-            out[p.id] = list(found[:m])
+    out, missing = prefixes_by_problem(path, problems, m)
     if missing:
         raise ValueError(f"prefix file {path}: {len(missing)} of {len(problems)} problems have no {m} prefixes "
                          f"(first: {', '.join(missing[:5])}); was it made by `meshrl coach` for this task?")

@@ -21,6 +21,7 @@ from meshrl.mesh.coach.generate import (
     load_prefix_records,
     load_prefixes,
     normalize_problem,
+    prefixes_by_problem,
     query_key,
 )
 from meshrl.mesh.coach.prompts import (
@@ -70,6 +71,7 @@ __all__ = [
     "leaks_answer",
     "load_prefix_records",
     "load_prefixes",
+    "prefixes_by_problem",
     "normalize_problem",
     "normalize_text",
     "number_tokens",

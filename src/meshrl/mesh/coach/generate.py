@@ -114,6 +114,21 @@ def load_prefixes(path: str | Path) -> dict[str, list[str]]:
     return out
 
 
+def prefixes_by_problem(path: str | Path, problems: Sequence[Any], m: int) -> tuple[dict[str, list[str]], list[str]]:
+    """Each problem's first ``m`` prefixes from a prefix file, keyed by problem id (problems need ``.id`` and
+    ``.prompt``), and the ids of the problems that have fewer than ``m``: ``(found, missing)``."""
+    table = load_prefixes(path)
+    found: dict[str, list[str]] = {}
+    missing: list[str] = []
+    for p in problems:
+        prefixes = table.get(query_key(p.prompt))
+        if prefixes is None or len(prefixes) < m:
+            missing.append(p.id)
+        else:
+            found[p.id] = list(prefixes[:m])
+    return found, missing
+
+
 def _check_queries(queries: Sequence[dict[str, Any]]) -> None:
     if isinstance(queries, dict | str) or not isinstance(queries, Sequence):
         raise ValueError("queries must be a list of dicts with 'id', 'problem' and 'answer'")
