@@ -109,7 +109,8 @@ def by_step(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
     return [merged[s] for s in sorted(merged)]
 
 
-def _dig(mapping: Any, dotted: str) -> Any:
+def dig(mapping: Any, dotted: str) -> Any:
+    """``mapping["a"]["b"]`` for ``"a.b"``; ``None`` when any level is missing or not a mapping."""
     node = mapping
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -138,10 +139,10 @@ def _reward_kind(task: str | None, options: dict[str, Any], notes: list[str]) ->
 
 def meshrl_config(cfg: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     """The settings the checks use, from a resolved meshrl ``config.yaml``."""
-    threshold = _dig(cfg, "diag.mei.threshold")
+    threshold = dig(cfg, "diag.mei.threshold")
     return {
-        "max_new_tokens": _dig(cfg, "rollout.max_new_tokens"), "group_size": _dig(cfg, "rollout.group_size"),
-        "lr": _dig(cfg, "optim.lr"), "warmup_steps": _dig(cfg, "optim.warmup_steps"), "steps": cfg.get("steps"),
+        "max_new_tokens": dig(cfg, "rollout.max_new_tokens"), "group_size": dig(cfg, "rollout.group_size"),
+        "lr": dig(cfg, "optim.lr"), "warmup_steps": dig(cfg, "optim.warmup_steps"), "steps": cfg.get("steps"),
         "task": cfg.get("task"), "recipe": cfg.get("recipe"),
         **dict(zip(("reward_kind", "extracts_answer"),
                    _reward_kind(cfg.get("task"), cfg.get("task_options") or {}, notes), strict=True)),

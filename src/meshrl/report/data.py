@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from meshrl.doctor.records import read_jsonl
+from meshrl.doctor.records import dig, read_jsonl
 
 log = logging.getLogger("meshrl.report")
 
@@ -43,16 +43,6 @@ def _read_mapping(path: Path, notes: list[str], loader: str) -> dict[str, Any]:
         notes.append(f"{path.name}: not a mapping")
         return {}
     return data
-
-
-def dig(mapping: Any, dotted: str) -> Any:
-    """``mapping["a"]["b"]`` for ``"a.b"``; ``None`` when any level is missing or not a mapping."""
-    node = mapping
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 @dataclass
