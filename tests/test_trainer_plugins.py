@@ -381,3 +381,69 @@ def test_prompt_filter_in_training_logs_its_share(tmp_path, monkeypatch):
     assert hist[2]["filter/skipped"] > 0 and 0 < hist[2]["filter/skipped_frac"] <= 1
     with pytest.raises(ValueError, match=r"plugins\.prompt_filter\.window"):
         load_config(overrides=["plugins.prompt_filter.window=0"])
+
+
+def _without_times(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+
+
+@pytest.mark.parametrize("extra", [
+    ["plugins.replay.reuse_steps=2", "plugins.m2po.enabled=true"],
+    ["plugins.prompt_filter.enabled=true", "plugins.prompt_filter.readmit_after=2", "task_options.size=8"],
+])
+def test_replay_and_prompt_filter_state_survives_a_resume(tmp_path, monkeypatch, extra):
+    # A resume from step 2 (mid replay cycle; after the filter has a history) must reproduce the uninterrupted run.
+    if "plugins.prompt_filter.enabled=true" in extra:
+        from meshrl.tasks.tiny import RepeatTask
+
+        real = RepeatTask.score
+        # problems p with an even id are always wrong (uniform groups: skipped), the others score as usual
+        monkeypatch.setattr(RepeatTask, "score", lambda self, c, p: 0.0 if hash(p.id) % 2 == 0 else real(self, c, p))
+    over = [*extra, "checkpoint.every=1", "checkpoint.keep_last=10", "train.update_workers=1"]
+    full = train(_cfg(*over, steps=5), tmp_path / "full")
+    part = tmp_path / "part"
+    train(_cfg(*over, steps=2), part)
+    state = json.loads((part / "checkpoints" / "step_000002" / "state.json").read_text())
+    key = "replay" if "plugins.replay.reuse_steps=2" in extra else "prompt_filter"
+    assert state["plugins"][key] is not None
+    resumed = train(_cfg(*over, steps=5), part, resume=True)
+    assert _without_times(resumed) == _without_times(full[2:])
+    if key == "prompt_filter":
+        assert any(m["filter/skipped"] > 0 for m in full)
+
+
+def test_a_checkpoint_without_plugin_state_resumes_afresh_with_a_warning(tmp_path, caplog):
+    over = ["plugins.replay.reuse_steps=2", "checkpoint.every=1", "train.update_workers=1"]
+    run = tmp_path / "r"
+    train(_cfg(*over, steps=1), run)
+    path = run / "checkpoints" / "step_000001" / "state.json"
+    state = json.loads(path.read_text())
+    del state["plugins"]
+    path.write_text(json.dumps(state))
+    with caplog.at_level("WARNING", logger="meshrl"):
+        hist = train(_cfg(*over, steps=2), run, resume=True)
+    assert "no state of plugins.replay" in caplog.text
+    assert hist[-1]["replay/age"] == 0.0  # a new cycle: fresh rollouts
+
+
+def test_plugin_state_round_trips_step_data_exactly(tmp_path):
+    from meshrl.trainer.plugin_state import replay_from_json, replay_to_json
+
+    t = _trainer(tmp_path, "t", "plugins.replay.reuse_steps=1", "train.update_workers=1")
+    data, _ = t.plugins.sample(t)
+    data.group_ids = [(g, 1) for g in data.query_ids]  # tuple groups (Mesh prefix groups) too
+    logps = [lp.to(torch.bfloat16) for lp in t._logps(t.model, data)]
+    text = json.dumps(replay_to_json((data, logps, {1, 3}, 7)))
+    back, back_logps, off, born = replay_from_json(json.loads(text), {str(p.id): p for p in t.problems})
+    assert (off, born) == ({1, 3}, 7)
+    for name in ("prompt_ids", "response_ids", "texts", "truncated", "query_ids", "strategy_ids", "scores",
+                 "rollout_logps", "group_ids", "stats"):
+        assert getattr(back, name) == getattr(data, name), name
+    assert [p.id for p in back.problems] == [p.id for p in data.problems]
+    assert torch.equal(back.advantages, data.advantages) and torch.equal(back.rewards, data.rewards)
+    assert [(x, s, p.id) for x, s, p in back.seen] == [(x, s, p.id) for x, s, p in data.seen]
+    for a, b in zip(back_logps, logps, strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    with pytest.raises(ValueError, match="not among the task's training problems"):
+        replay_from_json(json.loads(text), {})
+    t.close()

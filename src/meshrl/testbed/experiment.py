@@ -62,6 +62,12 @@ ARMS: dict[str, list[str]] = {
     "support_bare_half_mu1e-1": ["recipe=mesh", "mesh.balance=support", "mesh.mu=1e-1", "mesh.bare_group=true",
                                  "mesh.bare_groups=3"],
     "cp_bare_half": ["recipe=cp_only", "mesh.bare_group=true", "mesh.bare_groups=3"],
+    # Coach-guided exploration (plugins.coach_guide): the coach's procedure opens the *response* (the tag, forced,
+    # off-policy, LUFFY-shaped) under the unconditioned prompt, one advantage group per query; "half": 3 strategies
+    # x 2 guided + 3 bare groups x 2 free rollouts per query, "all": 3 x 4 guided.
+    "guide_half": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "mesh.adv_unit=query",
+                   "mesh.bare_group=true", "mesh.bare_groups=3"],
+    "guide_all": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "mesh.adv_unit=query"],
     # ---- the reading list's entropy-collapse plug-ins on GRPO (issue 14; docs/plugins.md), paper defaults ----
     "grpo_clip_cov": ["recipe=grpo", "plugins.clip_cov.enabled=true"],
     "grpo_kl_cov": ["recipe=grpo", "plugins.kl_cov.enabled=true"],

@@ -235,6 +235,14 @@ class AddTestbed(StaticTask):
         """The prompt that forces ``strategy`` (see :func:`forced_prompt`)."""
         return forced_prompt(problem, strategy)
 
+    def response_opening(self, problem: Problem, prefix: str) -> str:
+        """What a coach-guided response (``plugins.coach_guide``) starts with: the tag of the procedure coach
+        ``prefix`` describes, as :func:`forced_prompt` forces it (``"t:"``)."""
+        strategy = prefix_strategy(prefix)
+        if strategy is None:
+            raise ValueError(f"coach prefix {prefix!r} describes none of the testbed's procedures")
+        return f"{strategy}:"
+
     def coach_strategies(self, problem: Problem) -> list[str]:
         """Rule-coach prefixes (no numbers of the problem): ``coach="all"`` (default) one per procedure in
         ``STRATEGIES`` order for every problem; ``coach="applicable"`` only procedures that fit this

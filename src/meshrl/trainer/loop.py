@@ -134,7 +134,7 @@ class Trainer:
         if self.saved_step == self.step_idx and path.is_dir():
             return path
         state = {"cursor": self.cursor, "bad_in_row": self.bad_in_row, "stalled_in_row": self.health.stalled_in_row,
-                 "mei": self.mei.state_dict() if self.mei else None}
+                 "mei": self.mei.state_dict() if self.mei else None, "plugins": self.plugins.state_dict(self)}
         path = save_checkpoint(self.run_dir, self.step_idx, self.model, self.optimizer, state,
                                keep_last=self.cfg.checkpoint.keep_last, rng=self.boundary_rng)
         self.saved_step = self.step_idx
@@ -152,6 +152,7 @@ class Trainer:
         self.saved_step = self.step_idx
         if self.mei and state.get("mei"):
             self.mei.load_state_dict(state["mei"])
+        self.plugins.load_state_dict(self, state.get("plugins"))
         self.backend.sync_weights(self.model)
 
     # ------------------------------------------------------------------ one step

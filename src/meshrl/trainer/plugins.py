@@ -9,6 +9,8 @@ recipes included, whose balancing term is separate):
 - ``plugins.m2po``: second-moment mask against the behaviour policy (Zheng et al. 2025);
 - ``plugins.luffy``: off-policy traces from a JSONL mixed into each group, shaped loss on them (Yan et al.
   2025);
+- ``plugins.coach_guide``: the coach's strategy as the first, off-policy tokens of the response under the
+  unconditioned prompt, LUFFY-shaped (coach-guided exploration, :mod:`meshrl.trainer.coach_guide`);
 - ``plugins.distill``: a top-K forward-KL term to a teacher model on the rollouts (on-policy distillation);
 - ``plugins.dpo``: a DPO term on (correct, wrong) pairs of each group's own rollouts against the frozen
   reference (Rafailov et al. 2023; :mod:`meshrl.trainer.dpo_pairs`);
@@ -52,7 +54,9 @@ from meshrl.algos import (
     topk_forward_kl,
 )
 from meshrl.algos.entropy_control import _clipped_tokens
+from meshrl.trainer.coach_guide import CoachGuideConfig, coach_guide_checks, guide_step_stats, guided_policy_term
 from meshrl.trainer.dpo_pairs import DpoConfig, DpoTerm, dpo_checks
+from meshrl.trainer.prompt_filter import FilteredProblems, PromptFilterConfig
 from meshrl.trainer.rollout_corr import (
     MismatchMonitor,
     RolloutCorrConfig,
@@ -125,14 +129,8 @@ class ReplayConfig:
     reuse_steps: int = 0  # S: new rollouts every S + 1 steps, each batch reused S times (0 = off)
 
 
-@dataclass
-class PromptFilterConfig:
-    enabled: bool = False
-    window: int = 1  # skip a problem when its last `window` groups were all correct or all wrong
-    readmit_after: int = 5  # ... for this many steps; then it is sampled again (its history cleared)
-
-
-PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy", "distill", "rollout_corr", "dpo")
+PLUGINS = ("clip_cov", "kl_cov", "entropy_adv", "fork", "m2po", "luffy", "coach_guide", "distill", "rollout_corr",
+           "dpo")
 SEQUENCE_LEVEL_PLUGINS = ("dpo",)  # act on whole sequences: fine with the sequence-level losses
 
 
@@ -144,6 +142,7 @@ class PluginsConfig:
     fork: ForkConfig = field(default_factory=ForkConfig)
     m2po: M2poConfig = field(default_factory=M2poConfig)
     luffy: LuffyConfig = field(default_factory=LuffyConfig)
+    coach_guide: CoachGuideConfig = field(default_factory=CoachGuideConfig)  # needs a coach recipe
     distill: DistillConfig = field(default_factory=DistillConfig)
     rollout_corr: RolloutCorrConfig = field(default_factory=RolloutCorrConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
@@ -179,6 +178,7 @@ def validate_plugins(plugins: PluginsConfig, policy_loss_name: str) -> None:
         "plugins.prompt_filter.readmit_after": p.prompt_filter.readmit_after >= 1,
         **rollout_corr_checks(p.rollout_corr),
         **dpo_checks(p.dpo),
+        **coach_guide_checks(p.coach_guide),
     }
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
@@ -212,6 +212,7 @@ class TrainPlugins:
         self._step, self._calls = -1, 0
         self.traces = load_traces(Path(plugins.luffy.traces)) if plugins.luffy.enabled else {}
         self.off_rows: set[int] = set()  # rows of the current step that are off-policy traces
+        self.forced: dict[int, int] = {}  # plugins.coach_guide: row -> forced opening tokens of the current step
         self._teacher: torch.nn.Module | None = None
         # plugins.replay: (the batch, its behaviour log-probs, its LUFFY rows, the step it was sampled at)
         self._replay: tuple[Any, list[torch.Tensor], set[int], int] | None = None
@@ -240,7 +241,8 @@ class TrainPlugins:
         mask with the recipe's mode.
 
         Order: advantages shaped (entropy_adv) -> base loss (kl_cov's unclipped form replaces ``ppo_clip``;
-        M2PO drops the clip) -> LUFFY's shaped loss on the off-policy rows -> Clip-Cov detach -> M2PO and
+        M2PO drops the clip) -> LUFFY's shaped loss on the off-policy rows and on coach_guide's forced opening
+        tokens -> Clip-Cov detach -> M2PO and
         forking masks (loss weights) -> rollout correction (weights and rejection, last: it reweights the
         finished per-token loss)."""
         c = self.cfg
@@ -267,6 +269,11 @@ class TrainPlugins:
         stats.update(s)
         if c.luffy.enabled:
             pg_mat, s = self._luffy(idx, logp, adv, mask, pg_mat)
+            stats.update(s)
+        if c.coach_guide.enabled:
+            token_adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
+            pg_mat, s = guided_policy_term(c.coach_guide, [self.forced.get(j, 0) for j in idx], logp, token_adv,
+                                           mask, pg_mat)
             stats.update(s)
         if c.clip_cov.enabled:
             pg_mat, s = self._clip_cov(step, logp, old, adv, mask, pg_mat, loss_cfg)
@@ -352,7 +359,7 @@ class TrainPlugins:
         """The step's rollouts and the new problem cursor: fresh from the sampler, or (``plugins.replay``) the
         stored batch while it is younger than ``reuse_steps + 1`` steps. A fresh batch's behaviour log-probs
         are scored here, before any update moves the policy; a reused one logs ``rollouts/count`` 0 and its
-        age (``replay/age``). The buffer is not checkpointed: a resumed run starts a new cycle."""
+        age (``replay/age``). The buffer is in the checkpoint (:meth:`state_dict`): a resumed run goes on with it."""
         s = self.cfg.replay.reuse_steps
         step = trainer.step_idx
         if s > 0 and self._replay is not None and step - self._replay[3] <= s:
@@ -360,24 +367,65 @@ class TrainPlugins:
             stats = {**data.stats, "rollouts/count": 0.0, "time/rollout_s": 0.0, "replay/age": float(step - born)}
             self.begin_mismatch(trainer, data)
             return dataclasses.replace(data, stats=stats), trainer.cursor
-        if self.cfg.prompt_filter.enabled and not isinstance(trainer.sampler.sampler, FilteredProblems):
-            trainer.sampler.sampler = FilteredProblems(trainer.sampler.sampler, trainer.problems,
-                                                       self.cfg.prompt_filter)
+        self.install_filter(trainer)
         data, cursor = trainer.sampler.run(step, trainer.cursor)
         if isinstance(trainer.sampler.sampler, FilteredProblems):
             data.stats.update(trainer.sampler.sampler.record(step, data.seen))
         data = self.mix(trainer, data)
+        if self.cfg.coach_guide.enabled:
+            data.stats.update(guide_step_stats(trainer.task, data))
         if s > 0:
             data.stats["replay/age"] = 0.0
             self._replay = (data, trainer._logps(trainer.model, data), set(self.off_rows), step)
         self.begin_mismatch(trainer, data)
         return data, cursor
 
+    def install_filter(self, trainer: Any) -> FilteredProblems | None:
+        """``plugins.prompt_filter``: wrap the trainer's problem stream (once); return the filter."""
+        if not self.cfg.prompt_filter.enabled:
+            return None
+        if not isinstance(trainer.sampler.sampler, FilteredProblems):
+            trainer.sampler.sampler = FilteredProblems(trainer.sampler.sampler, trainer.problems,
+                                                       self.cfg.prompt_filter)
+        return trainer.sampler.sampler
+
+    def state_dict(self, trainer: Any) -> dict[str, Any] | None:
+        """What must survive a resume (JSON): the replay buffer and the prompt filter's state; None when neither
+        plug-in is on."""
+        from meshrl.trainer.plugin_state import replay_to_json
+
+        out: dict[str, Any] = {}
+        if self.cfg.replay.reuse_steps > 0:
+            out["replay"] = replay_to_json(self._replay)
+        if self.cfg.prompt_filter.enabled:
+            out["prompt_filter"] = self.install_filter(trainer).state_dict()
+        return out or None
+
+    def load_state_dict(self, trainer: Any, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`state_dict`'s output; a checkpoint without it (written before plug-in state was kept)
+        starts a new replay cycle and an empty filter history, with a warning."""
+        import logging
+
+        from meshrl.trainer.plugin_state import replay_from_json
+
+        state = state or {}
+        needed = [k for k, on in (("replay", self.cfg.replay.reuse_steps > 0),
+                                  ("prompt_filter", self.cfg.prompt_filter.enabled)) if on and k not in state]
+        if needed:
+            logging.getLogger("meshrl").warning("the checkpoint has no state of plugins.%s: the resumed run starts it "
+                                                "afresh", ", plugins.".join(needed))
+        by_id = {str(p.id): p for p in trainer.problems}
+        if state.get("replay") is not None:
+            self._replay = replay_from_json(state["replay"], by_id)
+        if state.get("prompt_filter") is not None:
+            self.install_filter(trainer).load_state_dict(state["prompt_filter"])
+
     def begin_mismatch(self, trainer: Any, data: Any) -> None:
         """Start the step's mismatch record; ``plugins.rollout_corr`` needs the sampler's log-probs."""
-        self.mismatch.begin(data, self.off_rows)
-        if self.cfg.rollout_corr.enabled and len(data) and not any(
-                r is not None for j, r in enumerate(data.rollout_logps) if j not in self.off_rows):
+        self.forced = {i: n for i, n in enumerate(data.forced_tokens) if n}
+        self.mismatch.begin(data, self.off_rows | set(self.forced))
+        sampled = [r for j, r in enumerate(data.rollout_logps) if j not in self.off_rows and j not in self.forced]
+        if self.cfg.rollout_corr.enabled and sampled and all(r is None for r in sampled):
             raise ValueError(f"plugins.rollout_corr.enabled: the rollout backend {trainer.backend.name!r} returned no "
                              "log-probs of its samples")
 
@@ -471,62 +519,3 @@ def load_traces(path: Path) -> dict[str, list[str]]:
     if not out:
         raise ValueError(f"{path}: no traces")
     return out
-
-
-class FilteredProblems:
-    """The sampler's problem stream with RIF-RFT's filter: cursor position ``p`` maps to the ``p``-th problem
-    of the underlying stream that is not skipped when it comes up. A problem is skipped while its last
-    ``window`` groups were all correct or all wrong (it teaches nothing: its advantages are 0), until
-    ``readmit_after`` steps have passed since its last group; then its history is cleared and it is sampled
-    again. A position, once mapped, keeps its problem. The filter's state is not checkpointed."""
-
-    CORRECT_AT = 1.0 - 1e-6  # as meshrl.trainer.rollout_step: a rollout is correct when its score reaches 1
-
-    def __init__(self, inner: Any, problems: list[Any], cfg: PromptFilterConfig) -> None:
-        self.inner, self.problems, self.cfg = inner, problems, cfg
-        self.n = len(problems)
-        self._mapped: dict[int, int] = {}  # cursor position -> problem index, filled in order
-        self._next = 0  # next position of the underlying stream
-        self._history: dict[str, list[bool]] = {}  # problem id -> uniform (all right / all wrong) per group
-        self._last_seen: dict[str, int] = {}
-        self._step = 0
-        self._skipped_now = 0
-
-    def index(self, cursor: int) -> int:
-        while cursor not in self._mapped:
-            self._mapped[len(self._mapped)] = self._admit()
-        return self._mapped[cursor]
-
-    def _admit(self) -> int:
-        for _ in range(self.n):  # at most one pass over the problems, then admit anyway
-            i = self.inner.index(self._next)
-            self._next += 1
-            if not self._skip(str(self.problems[i].id)):
-                return i
-            self._skipped_now += 1
-        i = self.inner.index(self._next)
-        self._next += 1
-        return i
-
-    def _skip(self, pid: str) -> bool:
-        h = self._history.get(pid, [])
-        if len(h) < self.cfg.window or not all(h[-self.cfg.window:]):
-            return False
-        if self._step - self._last_seen[pid] >= self.cfg.readmit_after:
-            self._history.pop(pid)  # readmitted: judged again on its next groups
-            return False
-        return True
-
-    def record(self, step: int, seen: list[tuple[str, float, Any]]) -> dict[str, float]:
-        """Log the step's groups (every sampled rollout, before any dynamic-sampling drop); return
-        ``filter/skipped`` (problems skipped while this step was sampled) and ``filter/skipped_frac``."""
-        groups: dict[str, list[bool]] = {}
-        for _, score, problem in seen:
-            groups.setdefault(str(problem.id), []).append(score >= self.CORRECT_AT)
-        for pid, correct in groups.items():
-            self._history.setdefault(pid, []).append(all(correct) or not any(correct))
-            self._last_seen[pid] = step
-        skipped, self._skipped_now = self._skipped_now, 0
-        self._step = step + 1
-        admitted = len(groups)
-        return {"filter/skipped": float(skipped), "filter/skipped_frac": skipped / max(skipped + admitted, 1)}

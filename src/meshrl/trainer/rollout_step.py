@@ -109,6 +109,8 @@ class StepData:
     # The sampler's own log-prob of each response token (Rollouts.engine_logprobs), None for a row that has none
     # (a backend without them, an off-policy trace): compared with the update's in the mismatch diagnostic.
     rollout_logps: list[list[float] | None] = field(default_factory=list)
+    # plugins.coach_guide: how many leading response tokens were forced to the coach's opening (0 = sampled)
+    forced_tokens: list[int] = field(default_factory=list)
     rewards: torch.Tensor | None = None  # shaped reward [N]
     advantages: torch.Tensor | None = None  # [N]
     stats: dict[str, float] = field(default_factory=dict)
@@ -120,6 +122,7 @@ class StepData:
         for name in ("prompt_ids", "response_ids", "texts", "truncated", "problems", "group_ids", "query_ids",
                      "strategy_ids", "scores", "rollout_logps"):
             getattr(self, name).extend(getattr(other, name)[i] for i in keep)
+        self.forced_tokens.extend(other.forced_tokens[i] if other.forced_tokens else 0 for i in keep)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -152,6 +155,7 @@ class RolloutStep:
         self.budget = PromptBudget(context_limit(getattr(backend, "model", None), tokenizer),
                                    cfg.rollout.max_new_tokens)
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
+        self._opening_cache: dict[tuple[str, int], tuple[list[int], str]] = {}
         self._encode = encode_prompt
         self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
         self.last = StepData()
@@ -197,7 +201,28 @@ class RolloutStep:
     def _fits(self, problem) -> bool:
         """Whether every prompt of ``problem`` (each coach prefix, the bare one) fits the model's positions."""
         arms, _ = self._arms([problem])
-        return all(self.budget.fits(problem.id, self._prompt_tokens(problem, k)) for _, k in arms)
+        return all(self.budget.fits(problem.id, self._prompt_tokens(problem, self._prompt_arm(k))) for _, k in arms)
+
+    @property
+    def guided(self) -> bool:
+        """``plugins.coach_guide``: the prefix arms open the *response* with the coach's strategy instead."""
+        return self.prefixes is not None and self.cfg.plugins.coach_guide.enabled
+
+    def _prompt_arm(self, strategy: int) -> int:
+        """The prompt a rollout of coach arm ``strategy`` is sampled under (-1: the unconditioned prompt)."""
+        return -1 if self.guided else strategy
+
+    def opening(self, problem, strategy: int) -> tuple[list[int], str]:
+        """``(token ids, text)`` a rollout of arm ``strategy`` starts its response with (``([], "")``: free)."""
+        if not self.guided or strategy < 0:
+            return [], ""
+        key = (problem.id, strategy)
+        if key not in self._opening_cache:
+            from meshrl.trainer.coach_guide import opening_ids, response_opening
+
+            text = response_opening(self.task, problem, self.prefixes[problem.id][strategy])
+            self._opening_cache[key] = (opening_ids(self.tokenizer, text, self.cfg.rollout.max_new_tokens), text)
+        return self._opening_cache[key]
 
     def _prompt_tokens(self, problem, strategy: int) -> int:
         """Token count of a prompt, or a lower bound past the model's positions: a very long text is first
@@ -240,21 +265,33 @@ class RolloutStep:
         arms, n = self._arms(chosen)
         params = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                                 top_p=ro.top_p, n=n)
-        out = self.backend.generate([self.prompt_ids(chosen[j], k) for j, k in arms], params, seed=seed)
+        prompts = [self.prompt_ids(chosen[j], self._prompt_arm(k)) for j, k in arms]
+        if self.guided:
+            from meshrl.trainer.coach_guide import generate_guided
+
+            rows = generate_guided(self.backend, prompts, [self.opening(chosen[j], k) for j, k in arms], params,
+                                   seed=seed)
+        else:
+            out = self.backend.generate(prompts, params, seed=seed)
+            rows = [{"prompt_index": ai, "prompt_ids": out.prompt_ids[r], "response_ids": out.response_ids[r],
+                     "text": out.texts[r], "truncated": out.truncated[r], "forced": 0,
+                     "logps": None if out.engine_logprobs is None else out.engine_logprobs[r]}
+                    for r, ai in enumerate(out.prompt_index)]
         data = StepData()
         # One advantage group per query, unless each prefix group (the bare one included) is its own.
         per_query = self.cfg.mesh.adv_unit == "query" or self.prefixes is None
-        for r, ai in enumerate(out.prompt_index):
-            j, k = arms[ai]
-            data.prompt_ids.append(list(out.prompt_ids[r]))
-            data.response_ids.append(list(out.response_ids[r]))
-            data.texts.append(out.texts[r])
-            data.truncated.append(bool(out.truncated[r]))
+        for row in rows:
+            j, k = arms[row["prompt_index"]]
+            data.prompt_ids.append(list(row["prompt_ids"]))
+            data.response_ids.append(list(row["response_ids"]))
+            data.texts.append(row["text"])
+            data.truncated.append(bool(row["truncated"]))
             data.problems.append(chosen[j])
             data.query_ids.append(positions[j])
             data.strategy_ids.append(k)
             data.group_ids.append(positions[j] if per_query else (positions[j], k))
-            data.rollout_logps.append(None if out.engine_logprobs is None else list(out.engine_logprobs[r]))
+            data.rollout_logps.append(None if row["logps"] is None else list(row["logps"]))
+            data.forced_tokens.append(int(row["forced"]))
         data.scores = self.rewards(data.texts, data.problems)
         if self.prefixes is not None and hasattr(self.task, "conditioned_score"):  # e.g. a coach-following reward
             data.scores = [self.task.conditioned_score(s, t, p, self.prefixes[p.id][k]) if k >= 0 else s
