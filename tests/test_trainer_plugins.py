@@ -447,3 +447,26 @@ def test_plugin_state_round_trips_step_data_exactly(tmp_path):
     with pytest.raises(ValueError, match="not among the task's training problems"):
         replay_from_json(json.loads(text), {})
     t.close()
+
+
+def test_clip_cov_candidates_leave_out_what_each_loss_already_clipped():
+    from meshrl.algos import policy_loss
+    from meshrl.trainer.plugins import clipped_by_loss
+
+    g = torch.Generator().manual_seed(3)
+    logp = -torch.rand(4, 6, generator=g).requires_grad_()
+    old = logp.detach() + 0.6 * (torch.rand(4, 6, generator=g) - 0.5)
+    adv = torch.tensor([1.0, -1.0, 2.0, -0.5])[:, None].expand(4, 6)
+    mask = torch.ones(4, 6)
+    mask[3, 4:] = 0
+    for name, cfg in [("ppo_clip", {"clip_low": 0.1, "clip_high": 0.1, "clip_dual": 1.2}),
+                      ("gspo_token", {"clip_low": 0.01, "clip_high": 0.01}),
+                      ("cispo", {"clip_low": 0.05, "clip_high": 0.05})]:
+        # a token is "already clipped" exactly when the recipe's loss gives it no gradient
+        loss, _ = policy_loss(name, logp, old, adv, mask, **cfg)
+        grad, = torch.autograd.grad((loss * mask).sum(), logp)
+        no_grad = (grad == 0) & (mask > 0)
+        clipped = clipped_by_loss(name, logp, old, adv, mask, cfg) & (mask > 0)
+        assert torch.equal(clipped, no_grad), name
+        if name != "cispo":
+            assert clipped.any(), name  # the case exercises the clip

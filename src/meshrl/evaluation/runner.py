@@ -102,8 +102,8 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     from meshrl.rewards.grading import extract_for_kind
     from meshrl.rollout import SamplingParams, make_backend
     from meshrl.tasks import load_task
-    from meshrl.trainer.periodic_eval import encode_within_limit
     from meshrl.trainer.policy import load_policy
+    from meshrl.trainer.rollout_step import encode_within_limit
 
     cfg.validate()
     out_dir.mkdir(parents=True, exist_ok=True)

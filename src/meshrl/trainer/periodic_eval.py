@@ -14,9 +14,9 @@ from typing import Any
 
 from meshrl.trainer.rollout_step import (
     CORRECT_AT,
-    PROBE_CHARS_PER_POSITION,
     PromptBudget,
     context_limit,
+    encode_within_limit,
     strategy_figures,
 )
 
@@ -73,16 +73,6 @@ class PeriodicEval:
             # coach-conditioned, so only these held-out samples show which strategy it picks on its own
             **strategy_figures(self.task, list(zip(out.texts, scores, probs, strict=True)), prefix="eval/"),
         }
-
-
-def encode_within_limit(encode_prompt, tokenizer, text: str, limit: int | None) -> list[int]:
-    """The prompt's token ids, or only its head's when the head alone is already past ``limit`` positions
-    (bounded work for a 1M-character problem: the head's length is a lower bound that settles the skip)."""
-    if limit is not None and len(text) > PROBE_CHARS_PER_POSITION * limit:
-        head = encode_prompt(tokenizer, text[: PROBE_CHARS_PER_POSITION * limit])
-        if len(head) > limit + 1:  # the whole prompt is at least len(head) - 1 tokens long
-            return head
-    return encode_prompt(tokenizer, text)
 
 
 def write_summary(run_dir: Path, key: str = "eval/mean@1") -> dict[str, Any] | None:

@@ -276,7 +276,7 @@ class TrainPlugins:
                                            mask, pg_mat)
             stats.update(s)
         if c.clip_cov.enabled:
-            pg_mat, s = self._clip_cov(step, logp, old, adv, mask, pg_mat, loss_cfg)
+            pg_mat, s = self._clip_cov(step, loss_name, logp, old, adv, mask, pg_mat, loss_cfg)
             stats.update(s)
         agg_mask = mask.to(pg_mat.dtype)
         if c.m2po.enabled:
@@ -293,12 +293,12 @@ class TrainPlugins:
             stats.update(s)
         return pg_mat, stats, agg_mask
 
-    def _clip_cov(self, step, logp, old, adv, mask, pg_mat, loss_cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    def _clip_cov(self, step, loss_name, logp, old, adv, mask, pg_mat, loss_cfg
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
         """Detach a random subset of the mid-covariance tokens the base loss's clip has not already clipped."""
         c = self.cfg.clip_cov
         token_adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
-        ratio = (logp.detach() - old).exp()
-        clipped = _clipped_tokens(ratio, token_adv, loss_cfg.get("clip_low", 0.2), loss_cfg.get("clip_high", 0.2))
+        clipped = clipped_by_loss(loss_name, logp, old, token_adv, mask, loss_cfg)
         chosen = clip_cov_selection(logp, token_adv, mask, clipped & (mask > 0), ratio=c.ratio, cov_lb=c.cov_lb,
                                     cov_ub=c.cov_ub, generator=self._generator(step))
         n = float(mask.sum().clamp(min=1))
@@ -489,6 +489,26 @@ class TrainPlugins:
                            "offpolicy/groups_without_trace": float(missing),
                            "offpolicy/skipped_long": float(too_long)})
         return data
+
+
+def clipped_by_loss(loss_name: str, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                    loss_cfg: dict[str, Any]) -> torch.Tensor:
+    """``[n, T]`` bool: the tokens whose gradient the recipe's own clip already removed (Clip-Cov leaves them out
+    of its candidates). ``ppo_clip``: ``A>0, r>1+eh`` or ``A<0, r<1-el`` on the token ratio, and with a dual clip
+    ``A<0, r>c``; ``gspo_token``: the same bounds on the sequence ratio ``s_i`` (its value for every token of the
+    row); ``cispo`` clips the weight, never the gradient: none."""
+    ratio = (logp.detach() - old).exp()
+    low, high = loss_cfg.get("clip_low", 0.2), loss_cfg.get("clip_high", 0.2)
+    if loss_name == "cispo":
+        return torch.zeros_like(ratio, dtype=torch.bool)
+    if loss_name == "gspo_token":
+        m = mask.to(ratio.dtype)
+        seq = (((logp.detach() - old) * m).sum(-1) / m.sum(-1).clamp(min=1)).exp()
+        return _clipped_tokens(seq[:, None].expand_as(ratio), adv, low, high)
+    clipped = _clipped_tokens(ratio, adv, low, high)
+    if loss_cfg.get("clip_dual") is not None:  # -A c: a constant, no gradient
+        clipped = clipped | ((adv < 0) & (ratio > loss_cfg["clip_dual"]))
+    return clipped
 
 
 def trace_ids(tokenizer: Any, text: str) -> list[int]:

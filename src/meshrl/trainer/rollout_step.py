@@ -93,6 +93,22 @@ def strategy_figures(task, samples: list[tuple[str, float, Any]], prefix: str = 
     return out
 
 
+def long_head_ids(encode_prompt, tokenizer, text: str, limit: int | None, **extra: str) -> list[int] | None:
+    """The ids of the head of a very long ``text`` when that head alone is already past ``limit`` positions (the
+    whole prompt is at least ``len(head) - 1`` tokens: the skip is settled with bounded work for a 1M-character
+    problem); None when the text must be encoded whole."""
+    if limit is None or len(text) <= PROBE_CHARS_PER_POSITION * limit:
+        return None
+    head = encode_prompt(tokenizer, text[: PROBE_CHARS_PER_POSITION * limit], **extra)
+    return list(head) if len(head) > limit + 1 else None
+
+
+def encode_within_limit(encode_prompt, tokenizer, text: str, limit: int | None) -> list[int]:
+    """The prompt's token ids, or only its head's when the head alone is already past ``limit`` positions."""
+    head = long_head_ids(encode_prompt, tokenizer, text, limit)
+    return head if head is not None else encode_prompt(tokenizer, text)
+
+
 @dataclass
 class StepData:
     """Rollouts of one training step, flattened to one row per sample."""
@@ -229,12 +245,10 @@ class RolloutStep:
         encoded from its head only (bounded work for a 1M-character problem), and a prompt that cannot fit is
         not kept in the cache."""
         limit = self.budget.limit
-        text = self.task.format_prompt(problem)
-        if limit is not None and len(text) > PROBE_CHARS_PER_POSITION * limit:
-            extra = self.conditioning(problem, strategy) if strategy >= 0 else {}
-            head = len(self._encode(self.tokenizer, text[: PROBE_CHARS_PER_POSITION * limit], **extra))
-            if head > limit + 1:  # the whole prompt is at least head - 1 tokens long
-                return head
+        extra = self.conditioning(problem, strategy) if strategy >= 0 else {}
+        head = long_head_ids(self._encode, self.tokenizer, self.task.format_prompt(problem), limit, **extra)
+        if head is not None:
+            return len(head)
         n = len(self.prompt_ids(problem, strategy))
         if limit is not None and n + self.budget.max_new_tokens > limit:
             self._prompt_cache.pop((problem.id, strategy), None)
