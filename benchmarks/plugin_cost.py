@@ -11,7 +11,10 @@ Two measurements, both interleaved round by round so that machine load hits ever
 2. **Whole step** (``Trainer.step``: sampling included) for the arms whose sampling differs: ``plugins.replay``
    (rollouts reused), ``plugins.coach_guide`` (forced openings; against ``cp_only``, its recipe without it).
 
-Prints medians, the ratio to the baseline and the load average at start and end.
+Prints medians of the process's CPU seconds (``time.process_time``: on a shared machine far steadier than wall
+time, since waiting for a core is not counted; one torch thread, and ``grpo``'s update worker processes, if its
+auto setting forks any, are not counted, which flatters it) and of wall seconds, the ratios to the baselines and
+the load average at start and end.
 
     python benchmarks/plugin_cost.py                              # tiny:small on testbed:add, P16 G12 L23
     python benchmarks/plugin_cost.py --model PATH --rounds 12     # e.g. the testbed's warm start
@@ -62,15 +65,11 @@ def make_trainer(args, extra: list[str], root: Path, name: str) -> Trainer:
     return Trainer(load_config(overrides=[*over, *extra]), root / name)
 
 
-def median_ratio(times: dict[str, list[float]], base: str) -> list[tuple[str, float, float]]:
-    b = statistics.median(times[base])
-    return [(name, statistics.median(v), statistics.median(v) / b) for name, v in times.items()]
-
-
-def bench_updates(args, root: Path) -> dict[str, list[float]]:
+def bench_updates(args, root: Path) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     trainers = {name: make_trainer(args, extra, root, f"u_{name}") for name, extra in UPDATE_ARMS.items()}
     sampler = trainers["grpo_plain"]
     times: dict[str, list[float]] = {name: [] for name in trainers}
+    cpu: dict[str, list[float]] = {name: [] for name in trainers}
     try:
         for rnd in range(args.rounds + 1):
             data, _ = sampler.plugins.sample(sampler)
@@ -79,33 +78,36 @@ def bench_updates(args, root: Path) -> dict[str, list[float]]:
                 t = trainers[name]
                 batch = copy.deepcopy(data)
                 t.plugins.begin_mismatch(t, batch)  # what Trainer.step does before its update
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 t.update(batch)
                 t.plugins.mismatch_metrics(t)
                 if rnd > 0:  # round 0 warms caches and forks the update workers
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
             sampler.step_idx += 1
     finally:
         for t in trainers.values():
             t.close()
-    return times
+    return cpu, times
 
 
-def bench_steps(args, root: Path) -> dict[str, list[float]]:
+def bench_steps(args, root: Path) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     trainers = {name: make_trainer(args, extra, root, f"s_{name}") for name, extra in STEP_ARMS.items()}
     times: dict[str, list[float]] = {name: [] for name in trainers}
+    cpu: dict[str, list[float]] = {name: [] for name in trainers}
     try:
         for rnd in range(args.rounds + 1):
             order = list(trainers) if rnd % 2 == 0 else list(reversed(trainers))
             for name in order:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 trainers[name].step()
                 if rnd > 0:
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
     finally:
         for t in trainers.values():
             t.close()
-    return times
+    return cpu, times
 
 
 def main() -> None:
@@ -124,17 +126,20 @@ def main() -> None:
           f"{args.threads} thread(s); load average at start {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
-        updates = bench_updates(args, root)
-        print("\nupdate on shared rollouts (median s; ratio to grpo_plain, and to grpo with meshrl's defaults)")
-        plain = statistics.median(updates["grpo_plain"])
-        for name, med, ratio in median_ratio(updates, "grpo"):
-            print(f"  {name:13s} {med:8.3f} s   x{med / plain:5.2f} vs grpo_plain   x{ratio:5.2f} vs grpo")
-        steps = bench_steps(args, root)
-        print("\nwhole step, sampling included (median s; ratio to grpo)")
-        for name, med, ratio in median_ratio(steps, "grpo"):
-            print(f"  {name:13s} {med:8.3f} s   x{ratio:5.2f}")
-        cp, guide = statistics.median(steps["cp_only"]), statistics.median(steps["coach_guide"])
-        print(f"  coach_guide / cp_only (its recipe without the plug-in): x{guide / cp:.2f}")
+        cpu, wall = bench_updates(args, root)
+        print("\nupdate on shared rollouts (median CPU s | wall s; CPU ratio to grpo_plain and to grpo)")
+        plain, base = statistics.median(cpu["grpo_plain"]), statistics.median(cpu["grpo"])
+        for name in cpu:
+            c, w = statistics.median(cpu[name]), statistics.median(wall[name])
+            print(f"  {name:13s} {c:7.3f} | {w:7.3f} s   x{c / plain:5.2f} vs grpo_plain   x{c / base:5.2f} vs grpo")
+        cpu, wall = bench_steps(args, root)
+        print("\nwhole step, sampling included (median CPU s | wall s; CPU ratio to grpo)")
+        base = statistics.median(cpu["grpo"])
+        for name in cpu:
+            c, w = statistics.median(cpu[name]), statistics.median(wall[name])
+            print(f"  {name:13s} {c:7.3f} | {w:7.3f} s   x{c / base:5.2f}")
+        cp, guide = statistics.median(cpu["cp_only"]), statistics.median(cpu["coach_guide"])
+        print(f"  coach_guide / cp_only (its recipe without the plug-in, same bare groups): x{guide / cp:.2f}")
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
 
 
