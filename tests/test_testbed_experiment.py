@@ -75,6 +75,18 @@ def test_experiment_end_to_end_at_toy_size(tmp_path, monkeypatch):
     assert {r["arm"] for r in res["warning_training"]["runs"]} == {"grpo"}
     assert "### Warning signals" in (out / "results.md").read_text()
     assert (out / "figures" / "testbed_final_by_type.png").is_file()
+    # the compact pack rebuilds every table (the training rollouts replaced by the per-step series read from them)
+    pack = tmp_path / "pack.json.gz"
+    assert cli_main(["experiment", "--out", str(out), "--summarize-only", "--pack", str(pack)]) == 0
+    again = tmp_path / "again"
+    assert cli_main(["experiment", "--out", str(again), "--summarize-only", "--unpack", str(pack)]) == 0
+    res2 = json.loads((again / "results.json").read_text())
+    for key in ("arms", "paired_vs_grpo", "warning", "warning_training", "mei_vs_truth", "outcomes", "checkpoints",
+                "compute", "separation", "curves", "coach_following", "partition"):
+        # as text (NaN != NaN), with the directories' names taken out
+        assert json.dumps(res2[key]).replace(str(again), "OUT") == json.dumps(res[key]).replace(str(out), "OUT"), key
+    assert not (again / "runs" / "grpo" / "seed_0" / "samples.jsonl").exists()
+    assert not (again / "runs" / "grpo" / "seed_0" / "checkpoints").exists()
 
 
 def test_lead_summary_hand_case():

@@ -34,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="evaluate a checkpoint every N steps in every arm (0 = final only)")
     p.add_argument("--workers", type=int, default=None, help="runs in parallel (one thread each)")
     p.add_argument("--summarize-only", action="store_true", help="only rebuild the tables and figures")
+    p.add_argument("--pack", type=Path, default=None, metavar="FILE.json.gz",
+                   help="after the tables, write the compact per-run data (no weights, no training rollouts)")
+    p.add_argument("--unpack", type=Path, default=None, metavar="FILE.json.gz",
+                   help="first write a pack's files into --out (then use --summarize-only to rebuild the tables)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -53,8 +57,11 @@ def settings_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from meshrl.report.testbed import plot_results, results_markdown
     from meshrl.testbed.experiment import run_experiment
+    from meshrl.testbed.pack import pack_experiment, unpack_experiment
     from meshrl.testbed.results import summarize_experiment
 
+    if args.unpack is not None:
+        unpack_experiment(args.unpack, args.out)
     if not args.summarize_only:
         run_experiment(args.out, settings_from_args(args), progress=not args.no_progress)
     if not (args.out / "runs").is_dir():
@@ -63,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     md = results_markdown(res)
     (args.out / "results.md").write_text(md + "\n")
     figures = plot_results(res, args.out / "figures")
+    if args.pack is not None:
+        pack_experiment(args.out, args.pack)
     print(md)
     print(json.dumps({"results": str(args.out / "results.json"), "figures": [str(f) for f in figures]}, indent=1))
     return 0

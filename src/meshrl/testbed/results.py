@@ -263,8 +263,21 @@ TRAIN_SIGNALS: dict[str, tuple[str, str]] = {"MEI bias (online)": ("mei/query", 
                                              "overall max mass (training)": ("strategy/max_mass", "up")}
 
 
+DERIVED = "derived.json"  # per-run series kept by a pack in place of the training rollouts (meshrl.testbed.pack)
+
+
+def _derived(run_dir: Path, key: str) -> dict[int, Any] | None:
+    """A per-step series that a pack stored instead of ``samples.jsonl`` (None when the rollouts are there)."""
+    if (run_dir / "samples.jsonl").is_file() or not (run_dir / DERIVED).is_file():
+        return None
+    return {int(k): v for k, v in json.loads((run_dir / DERIVED).read_text()).get(key, {}).items()}
+
+
 def _training_truth(run_dir: Path, task) -> dict[int, float]:
     """Step -> mean over the step's problems of the per-problem max strategy share (all rollouts)."""
+    stored = _derived(run_dir, "training_truth")
+    if stored is not None:
+        return stored
     groups: dict[int, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
     for r in _read_jsonl(run_dir / "samples.jsonl"):
         groups[r["step"]][r["problem_id"]][task.label_strategy(r["completion"]) or "other"] += 1
@@ -336,31 +349,43 @@ def partition_agreement(out: Path) -> dict[str, Any]:
     return res
 
 
+def coach_following_run(out: Path, arm: str, seed: int, d: Path, task) -> dict[int, tuple[float, float | None]]:
+    """Step -> (share of the run's conditioned rollouts that follow their prefix, share of its correct ones that
+    do not; None without a correct one)."""
+    from meshrl.testbed.round2 import prefix_procedures
+
+    stored = _derived(d, "coach_following")
+    if stored is not None:
+        return {step: (v[0], v[1]) for step, v in stored.items()}
+    per_step: dict[int, list[tuple[bool, bool]]] = defaultdict(list)
+    named = prefix_procedures(out, arm, seed)  # problem id -> the procedure each prefix names
+    for r in _read_jsonl(d / "samples.jsonl"):
+        k = r.get("strategy", -1)
+        if k >= 0:
+            wanted = named[r["problem_id"]][k] if r["problem_id"] in named else task.strategies[k]
+            per_step[r["step"]].append((task.label_strategy(r["completion"]) == wanted, r["score"] >= 1))
+    out_rows: dict[int, tuple[float, float | None]] = {}
+    for step, rows in sorted(per_step.items()):
+        good = [f for f, ok in rows if ok]
+        out_rows[step] = (sum(f for f, _ in rows) / len(rows), 1 - sum(good) / len(good) if good else None)
+    return out_rows
+
+
 def coach_following(out: Path, window: int = 4) -> dict[str, Any]:
     """Coach-conditioned arms: per step, the share of conditioned rollouts whose procedure is the one their
     prefix describes (prefix k = ``task.strategies[k]``, the rule coach's order), and the share of correct
     conditioned rollouts that did *not* follow their prefix; mean over seeds, first and last ``window``
     steps averaged."""
-    from meshrl.testbed.round2 import prefix_procedures
-
     task = experiment_task(out)
     res: dict[str, Any] = {}
     for arm, seeds in _runs(out).items():
         follow: dict[int, list[float]] = defaultdict(list)
         deviate: dict[int, list[float]] = defaultdict(list)
         for seed, d in seeds.items():
-            per_step: dict[int, list[tuple[bool, bool]]] = defaultdict(list)
-            named = prefix_procedures(out, arm, seed)  # problem id -> the procedure each prefix names
-            for r in _read_jsonl(d / "samples.jsonl"):
-                k = r.get("strategy", -1)
-                if k >= 0:
-                    wanted = named[r["problem_id"]][k] if r["problem_id"] in named else task.strategies[k]
-                    per_step[r["step"]].append((task.label_strategy(r["completion"]) == wanted, r["score"] >= 1))
-            for step, rows in per_step.items():
-                follow[step].append(sum(f for f, _ in rows) / len(rows))
-                good = [f for f, ok in rows if ok]
-                if good:
-                    deviate[step].append(1 - sum(good) / len(good))
+            for step, (f, dv) in coach_following_run(out, arm, seed, d, task).items():
+                follow[step].append(f)
+                if dv is not None:
+                    deviate[step].append(dv)
         if not follow:
             continue
         steps = sorted(follow)
