@@ -33,7 +33,11 @@ def test_luffy_value_and_gradient_hand_case() -> None:
     assert metrics["offpolicy/prob_mean"] == pytest.approx(0.3)
     plain, _ = luffy_off_policy_loss(logp, adv, mask, shape="none")
     torch.testing.assert_close(plain.detach(), -2 * p)
-    assert set(OFF_POLICY_SHAPES) == {"p_div_p", "none"}
+    as_sampled, _ = luffy_off_policy_loss(logp, adv, mask, shape="log")
+    torch.testing.assert_close(as_sampled.detach(), -2 * p.log())
+    (g,) = torch.autograd.grad((as_sampled * mask).sum(), logp)
+    torch.testing.assert_close(g, torch.tensor([[-2.0, -2.0, 0.0]], dtype=torch.float64))  # weight 1 at any p
+    assert set(OFF_POLICY_SHAPES) == {"p_div_p", "none", "log"}
     with pytest.raises(ValueError, match="gamma"):
         luffy_off_policy_loss(logp, adv, mask, gamma=0.0)
 

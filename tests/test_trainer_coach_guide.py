@@ -97,12 +97,15 @@ def test_guided_policy_term_is_luffy_on_the_opening_and_the_recipe_elsewhere():
     torch.testing.assert_close(out.detach()[:, :4], want[:, :4])
     assert stats["guide/frac_tokens"] == pytest.approx(3 / 10)
     assert stats["guide/prob_mean"] == pytest.approx(float((p[0, 0] + p[0, 1] + p[2, 0]) / 3))
+    assert stats["guide/logp_mean"] == pytest.approx(float((logp[0, 0] + logp[0, 1] + logp[2, 0]) / 3))
     # the gradient of a forced token is LUFFY's: -A gamma / (p + gamma)^2 * p  (d p / d logp = p)
     (out * mask).sum().backward()
     want_g = 1.5 * 0.1 / (p[0, 0] + 0.1) ** 2 * p[0, 0]
     assert float(-logp.grad[0, 0]) == pytest.approx(float(want_g), rel=1e-5)
     out2, _ = guided_policy_term(CoachGuideConfig(shape="none"), [1, 0, 0], logp.detach(), adv, mask, pg.detach())
     assert float(out2[0, 0]) == pytest.approx(float(-1.5 * p[0, 0]))
+    out3, _ = guided_policy_term(CoachGuideConfig(shape="log"), [1, 0, 0], logp.detach(), adv, mask, pg.detach())
+    assert float(out3[0, 0]) == pytest.approx(float(-1.5 * logp[0, 0]))
 
 
 def test_openings_come_from_the_task_or_default_to_the_prefix_line(tmp_path):

@@ -14,10 +14,14 @@ from meshrl.algos._checks import check_choice, check_mask, check_same_shape, che
 from meshrl.algos.divergences import LOG_RATIO_CLAMP
 
 OFF_POLICY_SHAPES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
-    # f(p) of LUFFY's ``off_policy_reshape``: "p_div_p" is p / (p + gamma) ("p_div_p_0.1" in its scripts).
-    "p_div_p": lambda p, gamma: p / (p + gamma),
+    # f of LUFFY's ``off_policy_reshape``, as functions of log p: "p_div_p" is p / (p + gamma) ("p_div_p_0.1" in
+    # its scripts).
+    "p_div_p": lambda logp, gamma: logp.exp() / (logp.exp() + gamma),
     # No shaping: -A * p, the importance ratio against a behaviour policy taken as deterministic.
-    "none": lambda p, gamma: p,
+    "none": lambda logp, gamma: logp.exp(),
+    # -A * log p: the tokens trained as if the policy had sampled them (advantage-weighted behaviour cloning;
+    # biased, but its gradient does not vanish as p -> 0, unlike the two above). meshrl's option, not LUFFY's.
+    "log": lambda logp, gamma: logp,
 }
 REJECTION_STATS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
                    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
@@ -40,6 +44,9 @@ def luffy_off_policy_loss(
 
         L_t = -A_t f(pi_theta(y_t)),    f(p) = p / (p + gamma)
 
+    ``shape`` picks f (``OFF_POLICY_SHAPES``): ``p_div_p`` (the formula above), ``none`` (f(p) = p, the ratio
+    against a deterministic behaviour policy) or ``log`` (f(p) = log p: the tokens trained as if sampled).
+
     Its gradient ``-A gamma / (p + gamma)^2 * grad p`` up-weights the low-probability tokens of the trace.
     The advantage is the mixed group's (off- and on-policy rollouts together).
 
@@ -60,8 +67,9 @@ def luffy_off_policy_loss(
             raise ValueError(f"advantages has {adv.shape[0]} rows but logp has {logp.shape[0]}")
         adv = adv[:, None].expand_as(logp)
     check_same_shape(advantages=adv, logp=logp)
-    p = logp.clamp(max=0.0).exp()
-    loss = -adv * OFF_POLICY_SHAPES[shape](p, gamma)
+    logp = logp.clamp(max=0.0)
+    p = logp.exp()
+    loss = -adv * OFF_POLICY_SHAPES[shape](logp, gamma)
     n = float(m.sum().clamp(min=1))
     return loss, {"offpolicy/prob_mean": float((p.detach() * m).sum()) / n}
 

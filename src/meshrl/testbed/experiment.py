@@ -68,6 +68,9 @@ ARMS: dict[str, list[str]] = {
     "guide_half": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "mesh.adv_unit=query",
                    "mesh.bare_group=true", "mesh.bare_groups=3"],
     "guide_all": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "mesh.adv_unit=query"],
+    # ... with the forced openings trained as if sampled (-A log p: a gradient that does not vanish at small p)
+    "guide_half_log": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "plugins.coach_guide.shape=log",
+                       "mesh.adv_unit=query", "mesh.bare_group=true", "mesh.bare_groups=3"],
     # ---- the reading list's entropy-collapse plug-ins on GRPO (issue 14; docs/plugins.md), paper defaults ----
     "grpo_clip_cov": ["recipe=grpo", "plugins.clip_cov.enabled=true"],
     "grpo_kl_cov": ["recipe=grpo", "plugins.kl_cov.enabled=true"],

@@ -17,8 +17,10 @@ policy's own choice of procedure gets no direct signal. This plug-in moves the c
 * **Loss.** The opening tokens were chosen by the coach, not sampled by the policy: they take LUFFY's shaped,
   unclipped off-policy loss ``-A f(pi_theta(y_t))``, ``f(p) = p / (p + gamma)`` (Yan et al. 2025, arXiv 2504.14945,
   eq. 6), or with ``shape=none`` the importance ratio against the coach as a deterministic behaviour policy,
-  ``-A pi_theta(y_t)``. The continuation was sampled by the policy given prompt and opening: the recipe's own
-  on-policy loss, its ratio against ``pi_old`` on the same context.
+  ``-A pi_theta(y_t)``, or with ``shape=log`` ``-A log pi_theta(y_t)`` (trained as if sampled: biased, but its
+  gradient does not vanish when the policy has all but dropped a strategy, where the other two's do). The
+  continuation was sampled by the policy given prompt and opening: the recipe's own on-policy loss, its ratio
+  against ``pi_old`` on the same context.
 
 This joins Coach Prompting (the strategies come from the coach) with off-policy guidance (LUFFY's shaping of tokens
 the policy did not choose); docs/plugins.md, "Coach-guided exploration". The sampler's own log-probs cover the
@@ -40,7 +42,7 @@ from meshrl.algos import OFF_POLICY_SHAPES, luffy_off_policy_loss
 class CoachGuideConfig:
     enabled: bool = False
     gamma: float = 0.1  # f(p) = p / (p + gamma) on the forced opening tokens
-    shape: str = "p_div_p"  # or "none": -A p, the ratio against the coach as a deterministic behaviour policy
+    shape: str = "p_div_p"  # "none": -A p (ratio against the coach as a point-mass behaviour policy); "log": -A log p
 
 
 def coach_guide_checks(c: CoachGuideConfig) -> dict[str, bool]:
@@ -119,8 +121,10 @@ def guided_policy_term(cfg: CoachGuideConfig, forced: list[int], logp: torch.Ten
                        mask: torch.Tensor, pg_mat: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """The recipe's per-token loss ``pg_mat`` with the forced opening tokens replaced by the shaped off-policy
     loss; ``forced`` is each row's opening length (0 for a free row). Logs ``guide/frac_tokens`` (share of the
-    valid tokens that are forced) and ``guide/prob_mean`` (mean pi_theta of the forced tokens: how likely the
-    policy itself is to open with the coach's strategy)."""
+    valid tokens that are forced), ``guide/prob_mean`` and ``guide/logp_mean`` (mean pi_theta and log pi_theta of
+    the forced tokens: how likely the policy itself is to open with the coach's strategies; with one opening per
+    strategy the mean probability of the tags stays near 1/m whatever the policy does, while the mean
+    log-probability falls as soon as one strategy is dropped)."""
     opening = opening_mask(forced, logp) & (mask > 0)
     off_mask = opening.to(mask.dtype)
     shaped, s = luffy_off_policy_loss(logp, adv, off_mask, gamma=cfg.gamma, shape=cfg.shape)
@@ -128,6 +132,7 @@ def guided_policy_term(cfg: CoachGuideConfig, forced: list[int], logp: torch.Ten
     stats = {"guide/frac_tokens": float(off_mask.sum()) / n}
     if bool(opening.any()):
         stats["guide/prob_mean"] = s["offpolicy/prob_mean"]
+        stats["guide/logp_mean"] = float((logp.detach() * off_mask).sum()) / float(off_mask.sum())
     return torch.where(opening, shaped, pg_mat), stats
 
 
