@@ -204,3 +204,25 @@ def test_guided_runs_give_the_same_metrics_with_the_same_seed(tmp_path):
 def test_bad_guide_settings_are_refused_by_key(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(overrides=[*GUIDED, *overrides])
+
+
+def test_luffy_traces_replace_guided_rows_whole(tmp_path):
+    import json
+
+    from meshrl.tasks import load_task
+
+    task = load_task("testbed:add", seed=0)
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(json.dumps({"id": p.id, "completion": task.reference_trace(p, "t")}) + "\n"
+                            for p in task.problems("train")))
+    t = Trainer(load_config(overrides=[*GUIDED, "plugins.luffy.enabled=true", f"plugins.luffy.traces={path}",
+                                       "steps=1"]), tmp_path / "t")
+    try:
+        data, _ = t.plugins.sample(t)
+        assert t.plugins.off_rows and all(data.forced_tokens[i] == 0 for i in t.plugins.off_rows)
+        assert all(data.forced_tokens[i] > 0 for i in range(len(data)) if i not in t.plugins.off_rows)
+        assert set(t.plugins.forced).isdisjoint(t.plugins.off_rows)
+        m = t.step()
+        assert m["offpolicy/rows"] >= 1 and m["guide/rows"] + m["offpolicy/rows"] == 24  # every row guided or a trace
+    finally:
+        t.close()

@@ -477,6 +477,8 @@ class TrainPlugins:
                 data.response_ids[i], data.texts[i], data.truncated[i] = ids, text, False
                 if i < len(data.rollout_logps):
                     data.rollout_logps[i] = None  # a trace was not sampled: no sampler log-probs
+                if i < len(data.forced_tokens):
+                    data.forced_tokens[i] = 0  # a whole trace is off-policy: no coach_guide opening in it
                 data.scores[i] = trainer.sampler.rewards([text], [problem])[0]
                 self.off_rows.add(i)
         # The same shaping and advantages as RolloutStep.run, now over the mixed groups.
