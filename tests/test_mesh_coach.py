@@ -67,6 +67,15 @@ class _Handler(BaseHTTPRequestHandler):
             n = len(srv.requests)
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+        done = False
+
+        def leave() -> None:  # before the reply goes out: once the client has it, it may send the next request
+            nonlocal done
+            if not done:
+                done = True
+                with srv.lock:
+                    srv.in_flight -= 1
+
         try:
             action = srv.respond(body, n)
             kind = action[0]
@@ -74,6 +83,7 @@ class _Handler(BaseHTTPRequestHandler):
                 time.sleep(action[1])
                 action = action[2]
                 kind = action[0]
+            leave()
             if kind == "ok":
                 payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": action[1]}}]})
                 self._send(200, payload)
@@ -82,8 +92,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
         finally:
-            with srv.lock:
-                srv.in_flight -= 1
+            leave()
 
     def _send(self, code: int, text: str) -> None:
         data = text.encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,19 +94,19 @@ def strategy_figures(task, samples: list[tuple[str, float, Any]], prefix: str = 
     return out
 
 
-def long_head_ids(encode_prompt, tokenizer, text: str, limit: int | None, **extra: str) -> list[int] | None:
-    """The ids of the head of a very long ``text`` when that head alone is already past ``limit`` positions (the
+def long_head_ids(encode: Callable[[str], list[int]], text: str, limit: int | None) -> list[int] | None:
+    """``encode`` of the head of a very long ``text`` when that head alone is already past ``limit`` positions (the
     whole prompt is at least ``len(head) - 1`` tokens: the skip is settled with bounded work for a 1M-character
     problem); None when the text must be encoded whole."""
     if limit is None or len(text) <= PROBE_CHARS_PER_POSITION * limit:
         return None
-    head = encode_prompt(tokenizer, text[: PROBE_CHARS_PER_POSITION * limit], **extra)
+    head = encode(text[: PROBE_CHARS_PER_POSITION * limit])
     return list(head) if len(head) > limit + 1 else None
 
 
 def encode_within_limit(encode_prompt, tokenizer, text: str, limit: int | None) -> list[int]:
     """The prompt's token ids, or only its head's when the head alone is already past ``limit`` positions."""
-    head = long_head_ids(encode_prompt, tokenizer, text, limit)
+    head = long_head_ids(lambda t: encode_prompt(tokenizer, t), text, limit)
     return head if head is not None else encode_prompt(tokenizer, text)
 
 
@@ -245,8 +246,12 @@ class RolloutStep:
         encoded from its head only (bounded work for a 1M-character problem), and a prompt that cannot fit is
         not kept in the cache."""
         limit = self.budget.limit
-        extra = self.conditioning(problem, strategy) if strategy >= 0 else {}
-        head = long_head_ids(self._encode, self.tokenizer, self.task.format_prompt(problem), limit, **extra)
+
+        def encode(text: str) -> list[int]:
+            extra = self.conditioning(problem, strategy) if strategy >= 0 else {}
+            return self._encode(self.tokenizer, text, **extra)
+
+        head = long_head_ids(encode, self.task.format_prompt(problem), limit)
         if head is not None:
             return len(head)
         n = len(self.prompt_ids(problem, strategy))
