@@ -23,5 +23,6 @@ def test_demo_pipeline_at_toy_size(tmp_path, monkeypatch):
         assert "strategy/max_mass" in metrics[-1] and "mei/query" in metrics[-1]
         ev = json.loads((tmp_path / "demo" / "evals" / arm / "eval.json").read_text())
         assert ev["overall"]["problems"] == 6 and ev["by"]["field"] == "type"
-    assert {"cp_only_vs_grpo", "mesh_vs_grpo"} <= set(summary["comparisons"])
+    assert {"fork_vs_grpo", "cp_only_vs_grpo", "mesh_vs_grpo"} <= set(summary["comparisons"])
+    assert ARMS == ("grpo", "fork", "cp_only", "mesh")
     assert (tmp_path / "demo" / "demo_summary.json").is_file()

@@ -8,10 +8,11 @@ from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="warm start, GRPO vs CP-only vs Mesh on the testbed, evaluation, report",
+    p = sub.add_parser("demo", help="warm start, GRPO vs forking tokens vs CP-only vs Mesh on the testbed, report",
                        description="Trains a small built-in model on the collapse testbed (cached warm start), "
-                       "then GRPO, CP-only and Mesh at the matched rollout budget with MEI and true strategy "
-                       "masses logged, evaluates pass@k on held-out problems by type and writes a report. "
+                       "then GRPO, GRPO with forking-token training, CP-only and Mesh at the matched rollout budget "
+                       "with MEI and true strategy masses logged, evaluates pass@k on held-out problems by type and "
+                       "writes a report. "
                        "Re-running with the same --out reuses finished parts.")
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
     p.add_argument("--quick", action="store_true", help="CI-sized version (about two minutes)")
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     summary = run_demo(args.out, quick=args.quick, seed=args.seed, progress=not args.no_progress)
     paths = [Path(p) for p in summary["runs"].values()] + [Path(p) for p in summary["evals"].values()]
-    index = build_report(paths, args.out / "report", title="meshrl demo: GRPO vs CP-only vs Mesh")
+    index = build_report(paths, args.out / "report", title="meshrl demo: GRPO vs forking tokens vs CP-only vs Mesh")
     md = summary_markdown(summary)
     (args.out / "results.md").write_text(md + "\n")
     print(md)
