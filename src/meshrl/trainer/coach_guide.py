@@ -105,7 +105,7 @@ def generate_guided(backend: Any, prompts: list[list[int]], openings: list[tuple
             op, op_text = openings[i]
             logps = None if out.engine_logprobs is None or op else list(out.engine_logprobs[r])
             rows.setdefault(i, []).append({
-                "prompt_index": i, "prompt_ids": list(prompts[i]),
+                "prompt_index": i, "prompt_ids": list(out.prompt_ids[r][: len(out.prompt_ids[r]) - len(op)]),
                 "response_ids": op + list(out.response_ids[r]), "text": op_text + out.texts[r],
                 "truncated": bool(out.truncated[r]), "logps": logps, "forced": len(op)})
     return [rec for i in range(len(prompts)) for rec in rows.get(i, [])]

@@ -271,9 +271,8 @@ class TrainPlugins:
             pg_mat, s = self._luffy(idx, logp, adv, mask, pg_mat)
             stats.update(s)
         if c.coach_guide.enabled:
-            token_adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
-            pg_mat, s = guided_policy_term(c.coach_guide, [self.forced.get(j, 0) for j in idx], logp, token_adv,
-                                           mask, pg_mat)
+            pg_mat, s = guided_policy_term(c.coach_guide, [self.forced.get(j, 0) for j in idx], logp, adv, mask,
+                                           pg_mat)
             stats.update(s)
         if c.clip_cov.enabled:
             pg_mat, s = self._clip_cov(step, loss_name, logp, old, adv, mask, pg_mat, loss_cfg)

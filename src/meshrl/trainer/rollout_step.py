@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from meshrl.algos import Recipe, dynamic_sampling_mask, group_advantages, overlong_penalty
+from meshrl.trainer.coach_guide import generate_guided, opening_ids, response_opening
 
 CORRECT_AT = 1.0 - 1e-6  # a rollout is "correct" when its task score reaches 1
 log = logging.getLogger("meshrl")
@@ -235,8 +236,6 @@ class RolloutStep:
             return [], ""
         key = (problem.id, strategy)
         if key not in self._opening_cache:
-            from meshrl.trainer.coach_guide import opening_ids, response_opening
-
             text = response_opening(self.task, problem, self.prefixes[problem.id][strategy])
             self._opening_cache[key] = (opening_ids(self.tokenizer, text, self.cfg.rollout.max_new_tokens), text)
         return self._opening_cache[key]
@@ -285,17 +284,8 @@ class RolloutStep:
         params = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                                 top_p=ro.top_p, n=n)
         prompts = [self.prompt_ids(chosen[j], self._prompt_arm(k)) for j, k in arms]
-        if self.guided:
-            from meshrl.trainer.coach_guide import generate_guided
-
-            rows = generate_guided(self.backend, prompts, [self.opening(chosen[j], k) for j, k in arms], params,
-                                   seed=seed)
-        else:
-            out = self.backend.generate(prompts, params, seed=seed)
-            rows = [{"prompt_index": ai, "prompt_ids": out.prompt_ids[r], "response_ids": out.response_ids[r],
-                     "text": out.texts[r], "truncated": out.truncated[r], "forced": 0,
-                     "logps": None if out.engine_logprobs is None else out.engine_logprobs[r]}
-                    for r, ai in enumerate(out.prompt_index)]
+        # without plugins.coach_guide every opening is empty: one plain backend call
+        rows = generate_guided(self.backend, prompts, [self.opening(chosen[j], k) for j, k in arms], params, seed=seed)
         data = StepData()
         # One advantage group per query, unless each prefix group (the bare one included) is its own.
         per_query = self.cfg.mesh.adv_unit == "query" or self.prefixes is None
