@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -343,3 +345,20 @@ def test_prefix_procedures_follow_the_arms_coach(tmp_path):
     by_type = {p.meta["type"]: named[p.id] for p in task.problems("train")}
     assert by_type["carry"] == ["r", "r", "r"] and by_type["decade"] == ["t", "t", "t"]
     assert by_type["low"][0] == "c"
+
+
+def test_experiment_settings_keep_earlier_arms_and_the_directory_is_locked(tmp_path):
+    from meshrl.testbed.experiment import ExperimentSettings, experiment_lock, write_settings
+
+    write_settings(tmp_path, ExperimentSettings(arms=("grpo", "cp_pp"), seeds=(0, 1), probe_arms=("grpo",)),
+                   Path("/warm"))
+    write_settings(tmp_path, ExperimentSettings(arms=("grpo_fork",), seeds=(3,), probe_arms=()), Path("/warm"))
+    saved = json.loads((tmp_path / "settings.json").read_text())
+    assert saved["arms"] == ["grpo", "cp_pp", "grpo_fork"] and saved["seeds"] == [0, 1, 3]
+    assert saved["probe_arms"] == ["grpo"] and saved["warm_start"] == "/warm"
+    with experiment_lock(tmp_path):
+        assert (tmp_path / ".lock").read_text() == str(os.getpid())
+        with pytest.raises(RuntimeError, match=f"pid {os.getpid()}.*another --out"), experiment_lock(tmp_path):
+            pass
+    with experiment_lock(tmp_path):  # released on exit: the next experiment may run
+        pass

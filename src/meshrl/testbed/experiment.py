@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -288,21 +290,62 @@ def run_experiment(out: Path, s: ExperimentSettings | None = None, *, progress: 
         raise ValueError(f"unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
     check_resumable(out, s)
     out.mkdir(parents=True, exist_ok=True)
-    model_path = warm_start(seed=s.warm_seed, steps=s.warm_steps, progress=progress, task=s.task,
-                            coach_variants=s.warm_coach_variants)
-    (out / "settings.json").write_text(json.dumps({**asdict(s), "warm_start": str(model_path)}, indent=1))
-    jobs = [(a, seed, out / "runs" / a / f"seed_{seed}") for seed in s.seeds for a in s.arms]
-    jobs.sort(key=lambda j: j[0] not in s.probe_arms)  # probed baselines first: the signal data comes early
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=s.workers, mp_context=ctx) as pool, \
-            progress_bar("experiment", total=len(jobs) + 1, enabled=progress) as bar:
-        futures = [pool.submit(_job, a, seed, d, s, model_path) for a, seed, d in jobs]
-        futures.append(pool.submit(baseline_probes, out, s, model_path))
-        for fut in as_completed(futures):
-            res = fut.result()
-            log.info("experiment: %s", res)
-            bar()
+    with experiment_lock(out):
+        model_path = warm_start(seed=s.warm_seed, steps=s.warm_steps, progress=progress, task=s.task,
+                                coach_variants=s.warm_coach_variants)
+        write_settings(out, s, model_path)
+        jobs = [(a, seed, out / "runs" / a / f"seed_{seed}") for seed in s.seeds for a in s.arms]
+        jobs.sort(key=lambda j: j[0] not in s.probe_arms)  # probed baselines first: the signal data comes early
+        ctx = mp.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=s.workers, mp_context=ctx) as pool, \
+                progress_bar("experiment", total=len(jobs) + 1, enabled=progress) as bar:
+            futures = [pool.submit(_job, a, seed, d, s, model_path) for a, seed, d in jobs]
+            futures.append(pool.submit(baseline_probes, out, s, model_path))
+            for fut in as_completed(futures):
+                res = fut.result()
+                log.info("experiment: %s", res)
+                bar()
     return out
+
+
+@contextmanager
+def experiment_lock(out: Path) -> Iterator[None]:
+    """Hold ``out/.lock`` exclusively for the whole experiment: two experiments training into one directory
+    would resume each other's half-written runs. A second one fails at once, naming the holder's pid; the
+    lock is the kernel's (``flock``), so a killed experiment never leaves a stale lock behind. Workers that
+    outlive a killed parent are not covered: kill them too (docs/testbed.md, Reproduce)."""
+    import fcntl
+    import os
+
+    fh = (out / ".lock").open("a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "unknown"
+        fh.close()
+        raise RuntimeError(f"{out}: another `meshrl experiment` (pid {holder}) is running in this directory; wait "
+                           "for it or use another --out") from None
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        yield
+    finally:
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+def write_settings(out: Path, s: ExperimentSettings, model_path: Path) -> None:
+    """``out/settings.json``: ``s``, with the arms, seeds and probed arms of earlier calls on the same
+    directory kept (a call that adds one arm must not drop the others from the tables, which read these)."""
+    path = out / "settings.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    new = {**asdict(s), "warm_start": str(model_path)}
+    for key in ("arms", "seeds", "probe_arms"):
+        new[key] = list(dict.fromkeys([*old.get(key, []), *new[key]]))
+    path.write_text(json.dumps(new, indent=1))
 
 
 #: settings that change what a finished run means; resuming with other values would mix two experiments
