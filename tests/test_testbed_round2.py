@@ -362,3 +362,17 @@ def test_experiment_settings_keep_earlier_arms_and_the_directory_is_locked(tmp_p
             pass
     with experiment_lock(tmp_path):  # released on exit: the next experiment may run
         pass
+
+
+def test_a_finished_run_is_never_retrained(tmp_path):
+    """A run with done.json (finished, or unpacked from a pack without checkpoints) is skipped whole: the
+    checkpoint test alone would see no checkpoint and train it again over its own files."""
+    from meshrl.testbed.experiment import ExperimentSettings, _job
+
+    run_dir = tmp_path / "runs" / "grpo" / "seed_0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "done.json").write_text("{}")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    res = _job("grpo", 0, run_dir, ExperimentSettings(steps=2), tmp_path / "no_such_model")
+    assert res["skipped"] == "done" and (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in run_dir.iterdir()) == ["done.json", "metrics.jsonl"]

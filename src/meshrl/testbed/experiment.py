@@ -207,6 +207,10 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     from meshrl.trainer import load_config, train
     from meshrl.trainer.checkpoint import latest_checkpoint
 
+    if (run_dir / "done.json").is_file():
+        # Finished: trained, evaluated, probed and pruned. Its checkpoints may be gone (pruned, or the run came
+        # from a pack), so the checkpoint test below would retrain it from scratch over its own files.
+        return {"arm": arm, "seed": seed, "seconds": 0.0, "skipped": "done"}
     torch.set_num_threads(1)
     t0, cpu0 = time.perf_counter(), time.process_time()
     task = load_task(s.task, seed=seed)
