@@ -376,3 +376,17 @@ def test_a_finished_run_is_never_retrained(tmp_path):
     res = _job("grpo", 0, run_dir, ExperimentSettings(steps=2), tmp_path / "no_such_model")
     assert res["skipped"] == "done" and (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert sorted(p.name for p in run_dir.iterdir()) == ["done.json", "metrics.jsonl"]
+
+
+def test_every_experiment_arm_is_a_valid_train_config(tmp_path):
+    """Each arm, on top of the experiment's shared overrides, passes the trainer's validation (the matched
+    budget's divisibility, the coach_guide prerequisites, the plug-ins' settings) before any run starts."""
+    from meshrl.testbed.experiment import ARMS, ExperimentSettings, base_overrides
+    from meshrl.trainer.config import load_config
+
+    s = ExperimentSettings()
+    for arm, overrides in ARMS.items():
+        cfg = load_config(overrides=[*base_overrides(s, tmp_path, 24), *overrides])
+        assert cfg.steps == s.steps, arm
+    guided = load_config(overrides=[*base_overrides(s, tmp_path, 24), *ARMS["guide_all_log"]])
+    assert guided.plugins.coach_guide.shape == "log" and not guided.mesh.bare_group

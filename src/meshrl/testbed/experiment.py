@@ -73,6 +73,9 @@ ARMS: dict[str, list[str]] = {
     # ... with the forced openings trained as if sampled (-A log p: a gradient that does not vanish at small p)
     "guide_half_log": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "plugins.coach_guide.shape=log",
                        "mesh.adv_unit=query", "mesh.bare_group=true", "mesh.bare_groups=3"],
+    # ... and every rollout guided (3 x 4): the policy never samples its own opening in training
+    "guide_all_log": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "plugins.coach_guide.shape=log",
+                      "mesh.adv_unit=query"],
     # ---- the reading list's entropy-collapse plug-ins on GRPO (issue 14; docs/plugins.md), paper defaults ----
     "grpo_clip_cov": ["recipe=grpo", "plugins.clip_cov.enabled=true"],
     "grpo_kl_cov": ["recipe=grpo", "plugins.kl_cov.enabled=true"],
