@@ -221,6 +221,20 @@ def test_checkpoint_table_final_vs_best(tmp_path):
     assert (p["final_step"], p["best_step"], p["best_niche_step"]) == (24, 16, 8)
     assert (p["final_acc"], p["best_acc"], p["final_niche"], p["best_niche"]) == (0.6, 0.8, 0.0, 0.6)
     assert p["steps"] == [8, 16, 24] and row["best_acc"] == 0.8
+    assert (p["worst_step"], p["worst_acc"]) == (24, 0.6)
+    seed1 = tmp_path / "runs" / "grpo" / "seed_1"
+    _fake_eval(seed1 / "eval", 0.5, {"low": 0.9, "carry": 0.8, "decade": 0.0})
+    for step, acc, dec in ((8, 0.5, 0.2), (16, 0.4, 0.1)):  # a shorter run: step 24 has one seed
+        _fake_eval(seed1 / "ckpt_eval" / f"step_{step}", acc, {"low": 0.9, "carry": 0.8, "decade": dec})
+    row = checkpoint_table(tmp_path, "decade")["grpo"]
+    assert row["by_step"][8] == {"acc": pytest.approx(0.6), "niche": pytest.approx(0.4), "seeds": 2}
+    assert row["by_step"][24] == {"acc": 0.6, "niche": 0.0, "seeds": 1}
+    assert row["worst_acc"] == pytest.approx(0.5) and row["worst_step"] == 20.0  # seed 1's trough: step 16
+    from meshrl.report.testbed import checkpoints_markdown
+
+    md = checkpoints_markdown({"checkpoints": json.loads(json.dumps({"grpo": row})),
+                               "outcomes": {"headline_niche": "decade"}})
+    assert "| grpo | 0.60 (0.40) | 0.60 (0.20) | 0.60 (0.00) |" in md and "worst accuracy (step)" in md
 
 
 def test_signal_separation_hand_case():

@@ -176,12 +176,27 @@ def checkpoints_markdown(res: dict[str, Any]) -> str:
     if not rows:
         return "(no checkpoint evaluations)"
     niche = (res.get("outcomes") or {}).get("headline_niche", "niche")
-    lines = [f"| arm | final accuracy | best accuracy (step) | final {niche} | best {niche} (step) | per seed: "
-             "best step / final step |", "|---|---|---|---|---|---|"]
+    lines = [f"| arm | final accuracy | best accuracy (step) | worst accuracy (step) | final {niche} | best {niche} "
+             "(step) | per seed: best step / final step |", "|---|---|---|---|---|---|---|"]
     for arm, r in rows.items():
         steps = ", ".join(f"{p['best_step']}/{p['final_step']}" for p in r["per_seed"])
-        lines.append(f"| {arm} | {_pm(r, 'final_acc')} | {_pm(r, 'best_acc')} ({_f(r['best_step'], 1)}) | "
+        worst = f"{_pm(r, 'worst_acc')} ({_f(r['worst_step'], 1)})" if "worst_acc" in r else "–"
+        lines.append(f"| {arm} | {_pm(r, 'final_acc')} | {_pm(r, 'best_acc')} ({_f(r['best_step'], 1)}) | {worst} | "
                      f"{_pm(r, 'final_niche')} | {_pm(r, 'best_niche')} ({_f(r['best_niche_step'], 1)}) | {steps} |")
+    return "\n".join(lines + ["", by_step_markdown(rows, niche)])
+
+
+def by_step_markdown(rows: dict[str, Any], niche: str) -> str:
+    """Held-out accuracy (and niche accuracy) at every evaluated step, mean over the seeds evaluated there."""
+    steps = sorted({int(s) for r in rows.values() for s in r.get("by_step", {})})
+    if not steps:
+        return ""
+    lines = [f"Held-out accuracy ({niche} accuracy) at each evaluated checkpoint, mean over seeds:", "",
+             "| arm | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
+    for arm, r in rows.items():
+        by = {int(k): v for k, v in r.get("by_step", {}).items()}  # int keys, or str once read back from JSON
+        cells = [f"{_f(by[s]['acc'], 2)} ({_f(by[s]['niche'], 2)})" if s in by else "–" for s in steps]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -102,8 +102,15 @@ def _best(series: list[dict[str, Any]], key: str) -> dict[str, Any]:
     return max(series, key=lambda r: (r[key] if r[key] == r[key] else -math.inf, -r["step"]))
 
 
+def _worst(series: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The checkpoint with the lowest ``key`` (the earliest on ties)."""
+    return min(series, key=lambda r: (r[key] if r[key] == r[key] else math.inf, r["step"]))
+
+
 def checkpoint_table(out: Path, headline: str) -> dict[str, Any]:
-    """Per arm: final vs best checkpoint (by accuracy and by the headline niche), per seed and mean."""
+    """Per arm: final vs best checkpoint (by accuracy and by the headline niche) and the worst one (a good
+    final number after a trough is not a stable run), per seed and mean; and per evaluated step, the mean
+    over the seeds evaluated there (``by_step``)."""
     table: dict[str, Any] = {}
     for arm, seeds in _runs(out).items():
         per_seed = []
@@ -111,19 +118,33 @@ def checkpoint_table(out: Path, headline: str) -> dict[str, Any]:
             series = checkpoint_series(d, headline)
             if not series:
                 continue
-            final, best, best_niche = series[-1], _best(series, "acc"), _best(series, "niche")
+            final, best, best_niche, worst = series[-1], _best(series, "acc"), _best(series, "niche"), \
+                _worst(series, "acc")
             per_seed.append({"seed": seed, "steps": [r["step"] for r in series], "acc": [r["acc"] for r in series],
                              "niche": [r["niche"] for r in series], "final_step": final["step"],
                              "final_acc": final["acc"], "final_niche": final["niche"], "best_step": best["step"],
                              "best_acc": best["acc"], "best_niche_step": best_niche["step"],
-                             "best_niche": best_niche["niche"]})
+                             "best_niche": best_niche["niche"], "worst_step": worst["step"],
+                             "worst_acc": worst["acc"]})
         if not per_seed:
             continue
         row: dict[str, Any] = {"per_seed": per_seed}
-        for key in ("final_acc", "best_acc", "best_step", "final_niche", "best_niche", "best_niche_step"):
+        for key in ("final_acc", "best_acc", "best_step", "final_niche", "best_niche", "best_niche_step",
+                    "worst_acc", "worst_step"):
             row[key], row[f"{key}_sd"] = _mean_sd([p[key] for p in per_seed])
+        row["by_step"] = _means_by_step(per_seed)
         table[arm] = row
     return table
+
+
+def _means_by_step(per_seed: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Step -> mean accuracy and niche accuracy over the seeds that evaluated that step, and their count."""
+    by: dict[int, list[tuple[float, float]]] = {}
+    for p in per_seed:
+        for step, acc, niche in zip(p["steps"], p["acc"], p["niche"], strict=True):
+            by.setdefault(step, []).append((acc, niche))
+    return {step: {"acc": _mean_sd([a for a, _ in v])[0], "niche": _mean_sd([n for _, n in v])[0], "seeds": len(v)}
+            for step, v in sorted(by.items())}
 
 
 def compute_table(out: Path) -> dict[str, Any]:
