@@ -186,15 +186,20 @@ def checkpoints_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines + ["", by_step_markdown(rows, niche)])
 
 
+def _by_step(row: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """A checkpoint row's per-step means by int step (the keys are str once results.json is read back)."""
+    return {int(k): v for k, v in sorted(row.get("by_step", {}).items(), key=lambda kv: int(kv[0]))}
+
+
 def by_step_markdown(rows: dict[str, Any], niche: str) -> str:
     """Held-out accuracy (and niche accuracy) at every evaluated step, mean over the seeds evaluated there."""
-    steps = sorted({int(s) for r in rows.values() for s in r.get("by_step", {})})
+    steps = sorted({s for r in rows.values() for s in _by_step(r)})
     if not steps:
         return ""
     lines = [f"Held-out accuracy ({niche} accuracy) at each evaluated checkpoint, mean over seeds:", "",
              "| arm | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
     for arm, r in rows.items():
-        by = {int(k): v for k, v in r.get("by_step", {}).items()}  # int keys, or str once read back from JSON
+        by = _by_step(r)
         cells = [f"{_f(by[s]['acc'], 2)} ({_f(by[s]['niche'], 2)})" if s in by else "–" for s in steps]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -289,13 +294,10 @@ def _plot_checkpoints(res: dict[str, Any], out_dir: Path) -> str:
     fig, axes = _figure(1, 2, size=(12, 4))
     niche = (res.get("outcomes") or {}).get("headline_niche", "niche")
     for i, (arm, row) in enumerate(res["checkpoints"].items()):
-        steps = sorted({s for p in row["per_seed"] for s in p["steps"]})
+        by = _by_step(row)
         for ax, key in zip(axes, ("acc", "niche"), strict=True):
-            means = []
-            for s in steps:
-                vals = [p[key][p["steps"].index(s)] for p in row["per_seed"] if s in p["steps"]]
-                means.append(sum(vals) / len(vals))
-            ax.plot(steps, means, color=colour(i), ls=_style(i), lw=1.2, marker=".", label=arm)
+            ax.plot(list(by), [v[key] for v in by.values()], color=colour(i), ls=_style(i), lw=1.2, marker=".",
+                    label=arm)
     for ax, title in zip(axes, ("held-out accuracy per checkpoint", f"held-out {niche} accuracy per checkpoint"),
                          strict=True):
         ax.set_title(title, fontsize=9)

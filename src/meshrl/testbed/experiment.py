@@ -225,15 +225,15 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
         train(cfg, run_dir, resume=ckpt is not None)
     if not (run_dir / "eval" / "eval.json").is_file():
         run_eval(eval_config(str(run_dir), s, seed, task.max_new_tokens), run_dir / "eval", progress=False)
-    if not (run_dir / "done.json").is_file():  # the checkpoints are pruned once this is written
-        eval_checkpoints(run_dir, s, seed, task.max_new_tokens)
-        if arm in s.probe_arms:
-            probe_run(run_dir, s, seed, model_path)
-        if s.prune_checkpoints:
-            prune_checkpoints(run_dir)
-        # compute of this call (a resumed run adds its calls' figures; training time is in metrics.jsonl)
-        (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
-                                                       "cpu_s": time.process_time() - cpu0}))
+    eval_checkpoints(run_dir, s, seed, task.max_new_tokens)
+    if arm in s.probe_arms:
+        probe_run(run_dir, s, seed, model_path)
+    if s.prune_checkpoints:
+        prune_checkpoints(run_dir)
+    # written last, after the pruning: done.json marks a run that is never touched again. Compute of this call
+    # (a resumed run adds its calls' figures; training time is in metrics.jsonl)
+    (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
+                                                   "cpu_s": time.process_time() - cpu0}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
 
 

@@ -97,14 +97,10 @@ def checkpoint_series(run_dir: Path, headline: str) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["step"])
 
 
-def _best(series: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """The checkpoint with the highest ``key`` (the earliest on ties)."""
-    return max(series, key=lambda r: (r[key] if r[key] == r[key] else -math.inf, -r["step"]))
-
-
-def _worst(series: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """The checkpoint with the lowest ``key`` (the earliest on ties)."""
-    return min(series, key=lambda r: (r[key] if r[key] == r[key] else math.inf, r["step"]))
+def _best(series: list[dict[str, Any]], key: str, *, lowest: bool = False) -> dict[str, Any]:
+    """The checkpoint with the highest ``key`` (the lowest with ``lowest``; NaN never wins; the earliest on ties)."""
+    sign = -1.0 if lowest else 1.0
+    return max(series, key=lambda r: (sign * r[key] if r[key] == r[key] else -math.inf, -r["step"]))
 
 
 def checkpoint_table(out: Path, headline: str) -> dict[str, Any]:
@@ -118,8 +114,8 @@ def checkpoint_table(out: Path, headline: str) -> dict[str, Any]:
             series = checkpoint_series(d, headline)
             if not series:
                 continue
-            final, best, best_niche, worst = series[-1], _best(series, "acc"), _best(series, "niche"), \
-                _worst(series, "acc")
+            final, best, best_niche = series[-1], _best(series, "acc"), _best(series, "niche")
+            worst = _best(series, "acc", lowest=True)
             per_seed.append({"seed": seed, "steps": [r["step"] for r in series], "acc": [r["acc"] for r in series],
                              "niche": [r["niche"] for r in series], "final_step": final["step"],
                              "final_acc": final["acc"], "final_niche": final["niche"], "best_step": best["step"],
