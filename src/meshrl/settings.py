@@ -1,0 +1,124 @@
+"""Declared settings: each config field's default, help text and bounds, written once.
+
+A config section is a dataclass whose fields come from :func:`setting` (a value) or :func:`section` (a nested
+section). The range checks (:func:`check_settings`), ``docs/config.md`` and ``meshrl train --help-config`` are all
+generated from these declarations (:func:`iter_settings`), so the three cannot disagree. Checks that relate two
+fields (``cov_lb < cov_ub``) stay as code in the section's owner.
+
+A leaf utility like :mod:`meshrl.progress`: usable from any layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, get_type_hints
+
+__all__ = ["SettingDoc", "bounds_text", "check_settings", "iter_settings", "section", "setting"]
+
+
+def setting(default: Any = MISSING, *, help: str, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, lt: float | None = None, choices: tuple[Any, ...] | None = None,
+            factory: Any = MISSING) -> Any:
+    """A config field with its help text and bounds: ``ge``/``gt``/``le``/``lt`` for numbers, ``choices`` for a
+    value out of a fixed set (for a list field, every element). ``factory`` for mutable defaults."""
+    if not help:
+        raise ValueError("a setting needs its help text")
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt,
+            "choices": tuple(choices) if choices is not None else None}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type, help: str) -> Any:
+    """A nested config section (a dataclass built from :func:`setting` fields)."""
+    return field(default_factory=cls, metadata={"help": help, "section": True})
+
+
+def bounds_text(f: dataclasses.Field) -> str:
+    """What a field allows, as the errors and the docs say it: ``>= 0``, ``in (0, 1]``, ``one of a, b``."""
+    m = f.metadata
+    if m.get("choices") is not None:
+        return "one of " + ", ".join(str(c) for c in m["choices"])
+    lo = ("[", m["ge"]) if m.get("ge") is not None else ("(", m["gt"]) if m.get("gt") is not None else None
+    hi = ("]", m["le"]) if m.get("le") is not None else (")", m["lt"]) if m.get("lt") is not None else None
+    if lo and hi:
+        return f"in {lo[0]}{_num(lo[1])}, {_num(hi[1])}{hi[0]}"
+    if lo:
+        return f"{'>=' if lo[0] == '[' else '>'} {_num(lo[1])}"
+    if hi:
+        return f"{'<=' if hi[0] == ']' else '<'} {_num(hi[1])}"
+    return ""
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if isinstance(x, float) and x.is_integer() and abs(x) < 1e15 else str(x)
+
+
+def _within(value: Any, m: dict[str, Any]) -> bool:
+    if m.get("choices") is not None:
+        items = value if isinstance(value, list) else [value]
+        return all(v in m["choices"] for v in items)
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return True  # bounds are for numbers; the type check is the loader's
+    if isinstance(value, float) and math.isnan(value):
+        return False
+    return ((m.get("ge") is None or value >= m["ge"]) and (m.get("gt") is None or value > m["gt"])
+            and (m.get("le") is None or value <= m["le"]) and (m.get("lt") is None or value < m["lt"]))
+
+
+def check_settings(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """``(dotted key, value, what is allowed)`` of every field of ``obj`` (recursively) outside its bounds."""
+    bad: list[tuple[str, Any, str]] = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if is_dataclass(value) and not isinstance(value, type):
+            bad.extend(check_settings(value, f"{key}."))
+        elif f.metadata and not _within(value, f.metadata):
+            bad.append((key, value, bounds_text(f)))
+    return bad
+
+
+@dataclass(frozen=True)
+class SettingDoc:
+    """One documented config key."""
+
+    key: str
+    type: str
+    default: Any
+    bounds: str
+    help: str
+    is_section: bool = False
+
+
+def _type_name(hint: Any) -> str:
+    text = getattr(hint, "__name__", None) if not getattr(hint, "__args__", None) else None
+    return text or str(hint).replace("typing.", "")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        value = f.default_factory()
+        return None if is_dataclass(value) else value
+    return None
+
+
+def iter_settings(cls: type, prefix: str = "") -> Iterator[SettingDoc]:
+    """Every key of config class ``cls`` (sections first, then their keys), in declaration order."""
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        help_text = f.metadata.get("help", "") if f.metadata else ""
+        default = f.default_factory() if f.default_factory is not MISSING else None
+        if is_dataclass(default):
+            yield SettingDoc(key, "section", None, "", help_text, is_section=True)
+            yield from iter_settings(type(default), f"{key}.")
+        else:
+            yield SettingDoc(key, _type_name(hints[f.name]), _default(f),
+                             bounds_text(f) if f.metadata else "", help_text)
