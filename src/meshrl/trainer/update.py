@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +42,15 @@ class StepPlan:
 class SerialEngine:
     """Micro-batches one after another in this process."""
 
+    skip_zero = False  # every row runs its backward
+    started = False  # no worker processes
+
     def __init__(self, objective: Objective, balance: Any, mei: Any) -> None:
         self.objective, self.forward, self.balance, self.mei = objective, objective.forward, balance, mei
+
+    def serial(self, plan: StepPlan, epoch: int) -> bool:
+        """Whether a mini-batch of this epoch runs the serial path (always, here)."""
+        return True
 
     def backward(self, rows: list[int], inputs: UpdateInputs, params: list[torch.nn.Parameter],
                  stats: dict[str, float], plan: StepPlan, epoch: int) -> bool:
@@ -85,9 +91,16 @@ class PartsEngine(SerialEngine):
         self.workers_wanted, self.skip_zero, self.group_size = workers, skip_zero, group_size
         self._workers: UpdateWorkers | None = None
 
+    @property
+    def started(self) -> bool:
+        return self._workers is not None
+
+    def serial(self, plan: StepPlan, epoch: int) -> bool:
+        return plan.every_row_here(epoch, self.objective.plugins.whole_micro_batch)
+
     def backward(self, rows: list[int], inputs: UpdateInputs, params: list[torch.nn.Parameter],
                  stats: dict[str, float], plan: StepPlan, epoch: int) -> bool:
-        if plan.every_row_here(epoch, self.objective.plugins.whole_micro_batch):
+        if self.serial(plan, epoch):
             return super().backward(rows, inputs, params, stats, plan, epoch)
         workers = self.workers(params)
         if workers is not None or (self.skip_zero and bool((inputs.data.advantages[rows] == 0).any())):
@@ -255,7 +268,3 @@ def make_engine(cfg: Any, recipe: Any, objective: Objective, balance: Any, mei: 
         return SerialEngine(objective, balance, mei)
     return PartsEngine(objective, balance, mei, workers=workers, skip_zero=skip_zero,
                        group_size=cfg.rollout.group_size)
-
-
-def new_stats() -> defaultdict[str, float]:
-    return defaultdict(float)
