@@ -360,6 +360,12 @@ def token_mask(
     return TOKEN_MASKS[name](scores, mask, **config)
 
 
+def covariance_loss(name: str) -> PolicyLossFn:
+    """Look up a registered covariance-based policy loss (``clip_cov``, ``kl_cov``)."""
+    check_choice("covariance loss", name, COVARIANCE_LOSSES)
+    return COVARIANCE_LOSSES[name]
+
+
 def shape_advantages(
     name: str, advantages: torch.Tensor, mask: torch.Tensor, **config: object
 ) -> tuple[torch.Tensor, dict[str, float]]:

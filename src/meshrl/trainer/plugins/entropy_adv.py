@@ -1,6 +1,7 @@
 """``plugins.entropy_adv``: advantages shaped by the token entropy (Cheng et al. 2025, arXiv 2506.14758).
 
-The formula is :func:`meshrl.algos.entropy_advantage`: ``A_t + min(alpha * H_t.detach(), |A| / kappa)``.
+The formula is :func:`meshrl.algos.entropy_advantage` (the ``entropy`` advantage shaper of ``meshrl.algos``):
+``A_t + min(alpha * H_t.detach(), |A| / kappa)``.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrl.algos import entropy_advantage
+from meshrl.algos import shape_advantages
 from meshrl.settings import setting
 from meshrl.trainer.plugins.base import Plugin, Stage, Stats, TokenTerms, register
 
@@ -29,5 +30,5 @@ class EntropyAdvantage(Plugin):
     summary = "entropy-based advantage shaping (Cheng et al. 2025)"
 
     def shape_advantages(self, terms: TokenTerms) -> tuple[torch.Tensor, Stats]:
-        return entropy_advantage(terms.adv, terms.mask, entropy=terms.entropy, alpha=self.cfg.alpha,
-                                 kappa=self.cfg.kappa)
+        return shape_advantages("entropy", terms.adv, terms.mask, entropy=terms.entropy, alpha=self.cfg.alpha,
+                                kappa=self.cfg.kappa)

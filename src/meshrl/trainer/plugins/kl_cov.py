@@ -1,8 +1,8 @@
 """``plugins.kl_cov``: KL-Cov, a KL penalty on the tokens of highest log-prob/advantage covariance (Cui et al.
 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models", arXiv 2505.22617).
 
-With the ``ppo_clip`` loss the policy term becomes the paper's unclipped form
-(:func:`meshrl.algos.kl_cov_loss`); with the other token-level losses the penalty
+With the ``ppo_clip`` loss the policy term becomes the paper's unclipped form (:func:`meshrl.algos.kl_cov_loss`,
+the ``kl_cov`` covariance loss of ``meshrl.algos``); with the other token-level losses the penalty
 ``coef * |log pi - log pi_old|`` on the selected tokens is added to the recipe's loss.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrl.algos import kl_cov_loss, kl_cov_penalty, kl_cov_selection, policy_loss
+from meshrl.algos import covariance_loss, kl_cov_penalty, kl_cov_selection, policy_loss
 from meshrl.settings import setting
 from meshrl.trainer.plugins.base import Plugin, Stage, Stats, TokenTerms, register
 
@@ -34,7 +34,7 @@ class KlCov(Plugin):
     def base_loss(self, terms: TokenTerms) -> tuple[torch.Tensor, Stats]:
         c, t = self.cfg, terms
         if t.loss_name == "ppo_clip":
-            return kl_cov_loss(t.logp, t.old, t.adv, t.mask, ratio=c.ratio, coef=c.coef)
+            return covariance_loss("kl_cov")(t.logp, t.old, t.adv, t.mask, ratio=c.ratio, coef=c.coef)
         pg_mat, stats = policy_loss(t.loss_name, t.logp, t.old, t.adv, t.mask, **t.loss_cfg)
         chosen = kl_cov_selection(t.logp, t.adv, t.mask, ratio=c.ratio)
         penalty = kl_cov_penalty(t.logp, t.old, chosen, coef=c.coef)
