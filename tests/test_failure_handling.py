@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 
 from meshrl.cli import main as cli_main
-from meshrl.trainer import NonFiniteAbort, load_config, loop, train
+from meshrl.trainer import NonFiniteAbort, load_config, loss, train
 from meshrl.trainer import checkpoint as ckpt_mod
 from meshrl.trainer.checkpoint import CheckpointSpaceError, checkpoint_problem
 from meshrl.trainer.failure import RunHealth, StalledRun
@@ -78,12 +78,12 @@ def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch, 
 # ---------------------------------------------------------------------- 10: non-finite values
 @pytest.mark.parametrize("workers", ["1", "2"], ids=["one-process", "update-workers"])
 def test_nan_log_probs_take_the_nonfinite_skip_path(tmp_path, monkeypatch, workers):
-    real = loop.token_logprobs
+    real = loss.token_logprobs
 
     def nan_logprobs(*args, **kwargs):
         return real(*args, **kwargs) * float("nan")
 
-    monkeypatch.setattr(loop, "token_logprobs", nan_logprobs)
+    monkeypatch.setattr(loss, "token_logprobs", nan_logprobs)
     run = tmp_path / "run"
     with pytest.raises(NonFiniteAbort, match="failure.max_nonfinite=2"):
         train(_cfg("failure.max_nonfinite=2", f"train.update_workers={workers}", steps=4), run)
@@ -95,7 +95,7 @@ def test_nan_log_probs_take_the_nonfinite_skip_path(tmp_path, monkeypatch, worke
 
 
 def test_nonfinite_abort_is_one_line_with_the_steps_metrics_written(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(loop, "aggregate", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
+    monkeypatch.setattr(loss, "aggregate", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
     out = tmp_path / "run"
     rc = cli_main([*CLI, "--steps", "5", "--out", str(out), "--set", "failure.max_nonfinite=3"])
     assert rc == 1

@@ -73,8 +73,7 @@ def test_trainer_support_gradient_equals_autograd_of_the_objective(tmp_path):
     l_i is computed here independently, one rollout at a time, under the bare query."""
     from meshrl.models import encode_prompt
     from meshrl.trainer import Trainer, load_config
-    from meshrl.trainer.batch import collate, response_logits, token_logprobs
-    from meshrl.trainer.mesh_support import support_backward, support_row_weights
+    from meshrl.trainer.batch import response_logits, token_logprobs
 
     cfg = load_config(overrides=[
         "model=tiny", "task=tiny:repeat", "recipe=mesh", "mesh.balance=support", "mesh.mu=0.5",
@@ -83,16 +82,16 @@ def test_trainer_support_gradient_equals_autograd_of_the_objective(tmp_path):
     tr = Trainer(cfg, tmp_path / "run")
     data, _ = tr.sampler.run(0, 0)
     data.scores = [1.0 if j % 3 else 0.0 for j in range(len(data))]  # a fixed mix of correct and wrong
-    tr.support_w, metrics = support_row_weights(tr, data)
-    assert metrics["mesh/support_queries"] >= 1 and (tr.support_w < 0).any()
+    metrics = tr.balance.begin_update(data, None, None)
+    assert metrics["mesh/support_queries"] >= 1 and (tr.balance.support_weights < 0).any()
     params = [p for p in tr.model.parameters() if p.requires_grad]
-    grads = support_backward(tr, list(range(len(data))), data, params, None)
+    grads = tr.balance.support_grads(list(range(len(data))), data, params, None)
 
     ell: dict[tuple[int, int], list[torch.Tensor]] = {}
     for j in range(len(data)):
         if data.scores[j] >= 1:
             prompt = encode_prompt(tr.tokenizer, tr.task.format_prompt(data.problems[j]))
-            mb = collate([prompt], [data.response_ids[j]], tr.pad_id)
+            mb = tr.forward.collate([prompt], [data.response_ids[j]])
             lp = token_logprobs(response_logits(tr.model, mb), mb.response_ids, cfg.rollout.temperature)
             ell.setdefault((data.query_ids[j], data.strategy_ids[j]), []).append((lp * mb.response_mask).sum())
     queries = sorted(set(data.query_ids))

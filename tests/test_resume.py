@@ -21,6 +21,7 @@ from meshrl.cli import main as cli_main
 from meshrl.trainer import checkpoint as ckpt_mod
 from meshrl.trainer import load_config, loop, train
 from meshrl.trainer.checkpoint import checkpoint_problem, save_checkpoint
+from meshrl.trainer.rollout_step import RolloutStep
 from meshrl.trainer.runlog import read_jsonl
 from meshrl.trainer.signals import RunInterrupted
 
@@ -80,7 +81,7 @@ def _assert_same_run(run: Path, full: Path, step: int = STEPS) -> None:
 
 def _signal_in_update(monkeypatch, at_step: int, signals: int) -> None:
     """Deliver ``signals`` SIGTERMs from inside the second mini-batch update of step ``at_step`` (1-based)."""
-    real = loop.Trainer._mini_batch_update
+    real = loop.Trainer.mini_batch_update
     calls = {"n": 0}
 
     def update(self, *args, **kwargs):
@@ -91,7 +92,7 @@ def _signal_in_update(monkeypatch, at_step: int, signals: int) -> None:
                     os.kill(os.getpid(), signal.SIGTERM)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(loop.Trainer, "_mini_batch_update", update)
+    monkeypatch.setattr(loop.Trainer, "mini_batch_update", update)
 
 
 # ---------------------------------------------------------------------- 1: SIGTERM mid-update
@@ -123,7 +124,7 @@ def test_second_sigterm_stops_at_once_without_saving_a_half_step(tmp_path, monke
 
 
 def test_interrupt_during_the_rollout_saves_the_boundary_before_it(tmp_path, monkeypatch):
-    real = loop.RolloutStep.run
+    real = RolloutStep.run
 
     def sample_then_interrupt(self, step, cursor):
         out = real(self, step, cursor)
@@ -131,7 +132,7 @@ def test_interrupt_during_the_rollout_saves_the_boundary_before_it(tmp_path, mon
             raise KeyboardInterrupt  # e.g. a second Ctrl-C while sampling: weights and counters untouched
         return out
 
-    monkeypatch.setattr(loop.RolloutStep, "run", sample_then_interrupt)
+    monkeypatch.setattr(RolloutStep, "run", sample_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         train(_cfg("checkpoint.every=100", steps=STEPS), tmp_path / "run")
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000001" / "state.json").read_text())

@@ -15,6 +15,7 @@ from meshrl.models import encode_prompt, load_model
 from meshrl.rollout import SamplingParams, make_backend
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import collate, response_logits, token_logprobs
+from meshrl.trainer.loss import UpdateInputs
 from meshrl.trainer.runlog import read_jsonl
 
 TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
@@ -115,11 +116,11 @@ def test_rollout_corr_loss_equals_the_hand_computed_weighted_loss(tmp_path, leve
     else:
         data.rollout_logps = [[x + shift + off(0.02) for x in row]
                               for row, shift in ((r, off(0.3)) for r in data.rollout_logps)]
-    t.plugins.begin_mismatch(t, data)
-    (idx, mb), = list(t._micro_batches(list(range(len(data))), data))
-    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    (idx, mb), = list(t.forward.micro_batches(list(range(len(data))), data))
+    r = t.objective.micro_loss(idx, mb, UpdateInputs(data, None, None, 0))
+    loss, stats = r.loss, r.stats
     with torch.no_grad():
-        logp = token_logprobs(t.logits_of(t.model, mb), mb.response_ids, 1.0)
+        logp = token_logprobs(t.forward.logits(t.model, mb), mb.response_ids, 1.0)
     mask = mb.response_mask
     rollout = torch.zeros_like(logp)
     for i, j in enumerate(idx):
@@ -179,11 +180,9 @@ def test_rollout_corr_bad_settings_name_the_key(override, key):
 
 
 def test_rollout_corr_is_a_loss_plugin():
-    from meshrl.trainer.plugins import PluginsConfig, TrainPlugins
+    from meshrl.trainer.plugins import REGISTRY
 
-    pc = PluginsConfig()
-    pc.rollout_corr.enabled = True
-    assert TrainPlugins(pc, 0).changes_loss  # one process, every row backward, as the other loss plug-ins
+    assert REGISTRY["rollout_corr"].whole_micro_batch  # one process, every row backward, as the other loss plug-ins
 
 
 @pytest.mark.skipif(not fork_available(), reason="no fork")

@@ -15,7 +15,8 @@ from meshrl.algos import aggregate, group_advantages, ppo_clip_loss
 from meshrl.rollout import Rollouts, SamplingParams
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_logprobs
-from meshrl.trainer.coach_guide import (
+from meshrl.trainer.loss import UpdateInputs
+from meshrl.trainer.plugins.coach_guide import (
     CoachGuideConfig,
     generate_guided,
     guided_policy_term,
@@ -134,7 +135,7 @@ def test_guided_step_opens_responses_with_the_tags_over_one_group_per_query(tmp_
     t = Trainer(load_config(overrides=[*GUIDED, "mesh.bare_group=true", "mesh.bare_groups=3", "steps=1"]),
                 tmp_path / "t")
     try:
-        data, _ = t.plugins.sample(t)
+        data, _ = t.plugins.sample(t.sampler, 0, 0)
         tags = {0: "c:", 1: "t:", 2: "r:"}  # the rule coach's prefixes, in STRATEGIES order
         assert len(data) == 2 * 12
         for i in range(len(data)):
@@ -152,13 +153,13 @@ def test_guided_step_opens_responses_with_the_tags_over_one_group_per_query(tmp_
         assert data.group_ids == data.query_ids  # one advantage group per query
         torch.testing.assert_close(data.advantages, group_advantages(data.rewards, data.group_ids))
         assert data.stats["guide/rows"] == 12 and "free/strategy/unlabelled" in data.stats
-        assert t.plugins.forced == {i: n for i, n in enumerate(data.forced_tokens) if n}
         # the micro-batch loss: LUFFY's shaping on the forced tokens, the recipe's ppo_clip elsewhere
         data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(0))
-        idx, mb = next(iter(t._micro_batches(list(range(len(data))), data)))
-        loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+        idx, mb = next(iter(t.forward.micro_batches(list(range(len(data))), data)))
+        r = t.objective.micro_loss(idx, mb, UpdateInputs(data, None, None, 0))
+        loss, stats = r.loss, r.stats
         with torch.no_grad():
-            logp = token_logprobs(t.logits_of(t.model, mb), mb.response_ids, 1.0)
+            logp = token_logprobs(t.forward.logits(t.model, mb), mb.response_ids, 1.0)
         mask = mb.response_mask
         adv = data.advantages[idx][:, None].expand_as(logp)
         on_mat, _ = ppo_clip_loss(logp, logp, adv, mask)
@@ -218,10 +219,9 @@ def test_luffy_traces_replace_guided_rows_whole(tmp_path):
     t = Trainer(load_config(overrides=[*GUIDED, "plugins.luffy.enabled=true", f"plugins.luffy.traces={path}",
                                        "steps=1"]), tmp_path / "t")
     try:
-        data, _ = t.plugins.sample(t)
-        assert t.plugins.off_rows and all(data.forced_tokens[i] == 0 for i in t.plugins.off_rows)
-        assert all(data.forced_tokens[i] > 0 for i in range(len(data)) if i not in t.plugins.off_rows)
-        assert set(t.plugins.forced).isdisjoint(t.plugins.off_rows)
+        data, _ = t.plugins.sample(t.sampler, 0, 0)
+        assert data.trace_rows and all(data.forced_tokens[i] == 0 for i in data.trace_rows)
+        assert all(data.forced_tokens[i] > 0 for i in range(len(data)) if i not in data.trace_rows)
         m = t.step()
         assert m["offpolicy/rows"] >= 1 and m["guide/rows"] + m["offpolicy/rows"] == 24  # every row guided or a trace
     finally:

@@ -9,7 +9,7 @@ import torch
 
 from meshrl.diagnostics import bias_features, mei_metrics
 from meshrl.trainer import Trainer, load_config, train
-from meshrl.trainer.batch import collate, response_logits
+from meshrl.trainer.batch import response_logits
 from meshrl.trainer.runlog import read_jsonl
 
 BASE = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=2", "rollout.group_size=8",
@@ -31,10 +31,9 @@ def test_in_loop_mei_equals_an_independent_forward(tmp_path):
     tr = Trainer(load_config(overrides=[*BASE, "steps=1", "optim.lr=1e-12"]), tmp_path / "x")
     data, _ = tr.sampler.run(0, 0)
     tr.mei.begin(len(data))
-    tr._mei_collect = True
-    tr.update(data)
+    tr.update(data, collect_mei=True)
     got, _ = tr.mei.finish(data, 1)
-    mb = collate(data.prompt_ids, data.response_ids, tr.pad_id)
+    mb = tr.forward.collate(data.prompt_ids, data.response_ids)
     with torch.no_grad():
         phi = bias_features(response_logits(tr.model, mb), mb.response_ids, mb.response_mask)
     want = mei_metrics(phi, data.query_ids, None, feature="bias")

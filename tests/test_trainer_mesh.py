@@ -8,7 +8,7 @@ import torch
 from meshrl.cli import main as cli_main
 from meshrl.tasks.tiny import RepeatTask
 from meshrl.trainer import Trainer, load_config, train
-from meshrl.trainer.batch import collate, response_logits, token_logprobs
+from meshrl.trainer.batch import response_logits, token_logprobs
 from meshrl.trainer.runlog import read_jsonl
 
 BASE = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=2", "rollout.group_size=8",
@@ -64,7 +64,7 @@ def test_prefix_is_in_the_prompt_and_coach_tokens_get_no_gradient(placement, tmp
         tail = tr.tokenizer.encode(wrap_prefix(prefix_text, "assistant"), add_special_tokens=False)
         assert data.prompt_ids[0][-len(tail):] == tail  # prefix ends the prompt, outside the response
     # Gradient of a response-only loss with respect to the logits at every prompt position is exactly 0.
-    mb = collate(data.prompt_ids[:2], data.response_ids[:2], tr.pad_id)
+    mb = tr.forward.collate(data.prompt_ids[:2], data.response_ids[:2])
     captured = {}
 
     def keep_logits(module, args, output):
@@ -187,14 +187,13 @@ def test_bare_group_samples_without_prefix_at_the_matched_budget(balance, tmp_pa
     assert all(data.group_ids[i] == (data.query_ids[i], -1) for i in bare)  # its own advantage group
     data.scores = [1.0] * len(data)  # everything correct: every strategy cell is active
     if balance == "paper":
-        from meshrl.trainer.mesh_support import balance_row_weights
+        from meshrl.trainer.balance import balance_row_weights
 
         seq = torch.randn(len(data))
         w, _ = balance_row_weights(tr.cfg, data, seq, seq * 0)
     else:
-        from meshrl.trainer.mesh_support import support_row_weights
-
-        w, _ = support_row_weights(tr, data)
+        tr.balance.begin_update(data, None, None)
+        w = tr.balance.support_weights
     assert all(float(w[i]) == 0.0 for i in bare)  # the bare group is not a strategy to balance
     assert any(float(w[i]) != 0.0 for i in range(len(data)) if i not in bare)
 

@@ -21,8 +21,11 @@ from meshrl.algos import (
 from meshrl.forkpool import fork_available
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_entropy, token_logprobs
-from meshrl.trainer.plugins import load_traces
+from meshrl.trainer.loss import UpdateInputs
+from meshrl.trainer.plugins import PluginContext, PluginsConfig, TokenTerms, TrainPlugins
+from meshrl.trainer.plugins.luffy import load_traces
 from meshrl.trainer.runlog import read_jsonl
+from meshrl.trainer.update import StepPlan
 
 TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=6", "train.micro_batch_size=16", "log.progress=false", "checkpoint.every=100",
@@ -103,12 +106,11 @@ def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_p
     plain = _trainer(tmp_path, "plain", *on, "train.update_workers=1", "train.skip_zero_advantage=false")
     fast = _trainer(tmp_path, "fast", *on, f"train.update_workers={workers}")
     try:
-        assert not fast.skips_zero_advantage()
-        params = [p for p in fast.model.parameters() if p.requires_grad]
-        assert fast._update_workers(params) is None
+        assert fast.plugins.whole_micro_batch and fast.engine.serial(StepPlan(), 0)
         data, _ = plain.sampler.run(0, 0)
-        data = plain.plugins.mix(plain, data)
-        fast.plugins.off_rows = set(plain.plugins.off_rows)
+        luffy = plain.plugins.get("luffy")
+        if luffy is not None:
+            data = luffy.after_sampling(0, data, plain.sampler)
         _some_zero_advantages(data, 0)
         m_plain, m_fast = plain.update(data), fast.update(data)
         metric = PLUGIN_METRIC.get(plugin, {"luffy": "offpolicy/frac_tokens", "distill": "distill/loss"}.get(plugin))
@@ -121,7 +123,7 @@ def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_p
         plain.close()
         fast.close()
     # and without the plug-in the shortcut is back
-    assert _trainer(tmp_path, "g", "train.update_workers=1").skips_zero_advantage()
+    assert _trainer(tmp_path, "g", "train.update_workers=1").engine.skip_zero
 
 
 def _update_grads(trainer: Trainer, data) -> list[torch.Tensor]:
@@ -160,10 +162,11 @@ def test_fork_and_entropy_adv_micro_batch_loss_equals_the_formula(tmp_path):
     data, _ = t.sampler.run(0, 0)
     _some_zero_advantages(data, 3)
     rows = list(range(len(data)))
-    (idx, mb), = list(t._micro_batches(rows, data))
-    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    (idx, mb), = list(t.forward.micro_batches(rows, data))
+    r = t.objective.micro_loss(idx, mb, UpdateInputs(data, None, None, 0))
+    loss, stats = r.loss, r.stats
     with torch.no_grad():
-        logits = t.logits_of(t.model, mb)
+        logits = t.forward.logits(t.model, mb)
         logp = token_logprobs(logits, mb.response_ids, 1.0)
         h = token_entropy(logits, 1.0)
     mask = mb.response_mask
@@ -204,14 +207,14 @@ def test_luffy_mixes_one_trace_per_group_and_recomputes_advantages(tmp_path):
     t = _trainer(tmp_path, "l", "plugins.luffy.enabled=true", f"plugins.luffy.traces={path}",
                  "rollout.prompts_per_step=8", "train.update_workers=1")
     data, _ = t.sampler.run(0, 0)
-    data = t.plugins.mix(t, data)
+    data = t.plugins.get("luffy").after_sampling(0, data, t.sampler)
     with_trace = {p.id for p in problems[: len(problems) // 2]}
     expected_off = set()
     for g in dict.fromkeys(data.group_ids):
         rows = [i for i, x in enumerate(data.group_ids) if x == g]
         if data.problems[rows[0]].id in with_trace:
             expected_off.add(rows[-1])  # the group's last row, G - 1 stay on-policy
-    assert t.plugins.off_rows == expected_off and expected_off
+    assert data.trace_rows == expected_off and expected_off
     for i in expected_off:
         assert data.texts[i] == data.problems[i].answer and data.response_ids[i][-1] == t.tokenizer.eos_token_id
         assert data.scores[i] == pytest.approx(t.task.score(data.texts[i], data.problems[i]))
@@ -219,10 +222,11 @@ def test_luffy_mixes_one_trace_per_group_and_recomputes_advantages(tmp_path):
     assert data.stats["offpolicy/rows"] == len(expected_off)
     assert data.stats["offpolicy/groups_without_trace"] == 8 - len(expected_off)
     # the micro-batch loss: LUFFY's on the trace rows, the recipe's elsewhere
-    idx, mb = next(iter(t._micro_batches(list(range(len(data))), data)))  # the first 16 rows
-    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    idx, mb = next(iter(t.forward.micro_batches(list(range(len(data))), data)))  # the first 16 rows
+    r = t.objective.micro_loss(idx, mb, UpdateInputs(data, None, None, 0))
+    loss, stats = r.loss, r.stats
     with torch.no_grad():
-        logp = token_logprobs(t.logits_of(t.model, mb), mb.response_ids, 1.0)
+        logp = token_logprobs(t.forward.logits(t.model, mb), mb.response_ids, 1.0)
     mask = mb.response_mask
     off = torch.tensor([i in expected_off for i in idx])[:, None]
     on_mat, _ = ppo_clip_loss(logp, logp, data.advantages[idx], mask)
@@ -256,11 +260,12 @@ def test_distill_term_equals_the_formula_and_vanishes_for_the_policy_itself(tmp_
                  "train.update_workers=1")
     data, _ = t.sampler.run(0, 0)
     _some_zero_advantages(data, 5)
-    idx, mb = next(iter(t._micro_batches(list(range(len(data))), data)))
-    loss, stats, _, _ = t._micro_loss(idx, mb, data, None, None)
+    idx, mb = next(iter(t.forward.micro_batches(list(range(len(data))), data)))
+    r = t.objective.micro_loss(idx, mb, UpdateInputs(data, None, None, 0))
+    loss, stats = r.loss, r.stats
     with torch.no_grad():
-        logits = t.logits_of(t.model, mb)
-        t_logps = torch.log_softmax(t.logits_of(t.plugins.teacher(t, logits.shape[-1]), mb), -1)
+        logits = t.forward.logits(t.model, mb)
+        t_logps = torch.log_softmax(t.forward.logits(t.plugins.get("distill").teacher(logits.shape[-1]), mb), -1)
         top, ids = torch.topk(t_logps, 5, dim=-1)
         mask = mb.response_mask
         pg, _ = ppo_clip_loss(token_logprobs(logits, mb.response_ids, 1.0),
@@ -272,7 +277,7 @@ def test_distill_term_equals_the_formula_and_vanishes_for_the_policy_itself(tmp_
     # the policy as its own teacher over the whole vocabulary: KL(p || p) = 0
     same = _trainer(tmp_path, "s", "plugins.distill.enabled=true", "plugins.distill.teacher=tiny",
                     "plugins.distill.topk=100000", "train.update_workers=1")
-    _, s2, _, _ = same._micro_loss(idx, mb, data, None, None)
+    s2 = same.objective.micro_loss(idx, mb, UpdateInputs(data, None, None, 0)).stats
     assert s2["distill/loss"] == pytest.approx(0.0, abs=1e-5)
 
 
@@ -299,24 +304,33 @@ def _random_terms(seed: int):
     return logp, old, adv, mask, entropy
 
 
+def _context(seed: int = 0) -> PluginContext:
+    """What plug-ins that act on the loss alone need: the seed (no model, task or sampler)."""
+    return PluginContext(cfg=None, recipe=None, forward=None, tokenizer=None, task=None, problems=[], seed=seed,
+                         rollouts=None)
+
+
+def _terms(step, logp, old, adv, mask, entropy, cfg) -> TokenTerms:
+    return TokenTerms(step=step, rows=list(range(logp.shape[0])), loss_name="ppo_clip", logp=logp, old=old, adv=adv,
+                      mask=mask, entropy=entropy, loss_cfg=dict(cfg), batch=None)
+
+
 def test_policy_term_equals_the_algos_losses():
     from meshrl.algos import clip_cov_loss, kl_cov_loss
-    from meshrl.trainer.plugins import PluginsConfig, TrainPlugins
 
     logp, old, adv, mask, entropy = _random_terms(0)
     cfg = {"clip_low": 0.2, "clip_high": 0.28, "clip_dual": None}
     pc = PluginsConfig()
     pc.clip_cov.enabled, pc.clip_cov.ratio = True, 0.2
-    plugins = TrainPlugins(pc, seed=5)
-    ours, stats, agg = plugins.policy_term(3, list(range(6)), "ppo_clip", logp, old, adv, mask, entropy, cfg)
-    same_draw = TrainPlugins(pc, seed=5)._generator(3)
+    plugins = TrainPlugins(pc, _context(seed=5))
+    ours, stats, agg = plugins.policy_term(_terms(3, logp, old, adv, mask, entropy, cfg))
+    same_draw = TrainPlugins(pc, _context(seed=5)).get("clip_cov")._generator(3)
     want, wstats = clip_cov_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, ratio=0.2, generator=same_draw)
     torch.testing.assert_close(ours, want)
     assert stats["clipcov/n_tokens"] == wstats["clipcov/n_tokens"] >= 1 and torch.equal(agg, mask)
     pk = PluginsConfig()
     pk.kl_cov.enabled, pk.kl_cov.ratio, pk.kl_cov.coef = True, 0.1, 0.5
-    ours, stats, _ = TrainPlugins(pk, 0).policy_term(0, list(range(6)), "ppo_clip", logp, old, adv, mask, entropy,
-                                                     cfg)
+    ours, stats, _ = TrainPlugins(pk, _context()).policy_term(_terms(0, logp, old, adv, mask, entropy, cfg))
     want, wstats = kl_cov_loss(logp, old, adv, mask, ratio=0.1, coef=0.5)
     torch.testing.assert_close(ours, want)
     assert stats["klcov/penalty"] == pytest.approx(wstats["klcov/penalty"]) and stats["klcov/penalty"] > 0
@@ -337,23 +351,20 @@ def test_replay_reuses_each_batch_against_its_sampling_policy(tmp_path):
 
 def test_replay_batches_are_the_sampled_ones(tmp_path):
     t = _trainer(tmp_path, "t", "plugins.replay.reuse_steps=1", "train.update_workers=1")
-    first, cursor = t.plugins.sample(t)
-    t.cursor = cursor
-    t.step_idx = 1
-    again, cursor2 = t.plugins.sample(t)
+    first, cursor = t.plugins.sample(t.sampler, 0, 0)
+    again, cursor2 = t.plugins.sample(t.sampler, 1, cursor)
     assert again.texts is first.texts and cursor2 == cursor and again.stats["rollouts/count"] == 0.0
     stored = t.plugins.behaviour_logps(again, None)
     assert stored is not None and len(stored) == len(first)
     assert t.plugins.behaviour_logps(first, None) is None  # the fresh batch: the trainer's own (current policy)
-    t.step_idx = 2
-    fresh, _ = t.plugins.sample(t)
+    fresh, _ = t.plugins.sample(t.sampler, 2, cursor)
     assert fresh.texts is not first.texts and fresh.stats["replay/age"] == 0.0
 
 
 def test_prompt_filter_skips_uniform_problems_and_readmits_them():
     from types import SimpleNamespace
 
-    from meshrl.trainer.plugins import FilteredProblems, PromptFilterConfig
+    from meshrl.trainer.plugins.prompt_filter import FilteredProblems, PromptFilterConfig
 
     problems = [SimpleNamespace(id=f"p{i}") for i in range(4)]
     inner = SimpleNamespace(index=lambda c: c % 4)
@@ -427,12 +438,12 @@ def test_a_checkpoint_without_plugin_state_resumes_afresh_with_a_warning(tmp_pat
 
 
 def test_plugin_state_round_trips_step_data_exactly(tmp_path):
-    from meshrl.trainer.plugin_state import replay_from_json, replay_to_json
+    from meshrl.trainer.plugins.replay import replay_from_json, replay_to_json
 
     t = _trainer(tmp_path, "t", "plugins.replay.reuse_steps=1", "train.update_workers=1")
-    data, _ = t.plugins.sample(t)
+    data, _ = t.plugins.sample(t.sampler, 0, 0)
     data.group_ids = [(g, 1) for g in data.query_ids]  # tuple groups (Mesh prefix groups) too
-    logps = [lp.to(torch.bfloat16) for lp in t._logps(t.model, data)]
+    logps = [lp.to(torch.bfloat16) for lp in t.forward.logps(t.model, data)]
     text = json.dumps(replay_to_json((data, logps, {1, 3}, 7)))
     back, back_logps, off, born = replay_from_json(json.loads(text), {str(p.id): p for p in t.problems})
     assert (off, born) == ({1, 3}, 7)
@@ -450,8 +461,7 @@ def test_plugin_state_round_trips_step_data_exactly(tmp_path):
 
 
 def test_clip_cov_candidates_leave_out_what_each_loss_already_clipped():
-    from meshrl.algos import policy_loss
-    from meshrl.trainer.plugins import clipped_by_loss
+    from meshrl.algos import clipped_by_loss, policy_loss
 
     g = torch.Generator().manual_seed(3)
     logp = -torch.rand(4, 6, generator=g).requires_grad_()

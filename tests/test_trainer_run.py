@@ -97,9 +97,9 @@ def test_same_seed_same_metrics(tmp_path):
 
 
 def test_nonfinite_loss_skips_then_aborts_with_checkpoint(tmp_path, monkeypatch):
-    from meshrl.trainer import loop
+    from meshrl.trainer import loss
 
-    real = loop.aggregate
+    real = loss.aggregate
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -107,7 +107,7 @@ def test_nonfinite_loss_skips_then_aborts_with_checkpoint(tmp_path, monkeypatch)
         out = real(*args, **kwargs)
         return out * float("nan")
 
-    monkeypatch.setattr(loop, "aggregate", poisoned)
+    monkeypatch.setattr(loss, "aggregate", poisoned)
     with pytest.raises(NonFiniteAbort, match="consecutive"):
         train(_cfg("failure.max_nonfinite=2", steps=5), tmp_path / "nan")
     events = read_jsonl(tmp_path / "nan" / "events.jsonl")

@@ -155,7 +155,7 @@ def kl_cov_selection(
     return chosen
 
 
-def _clipped_tokens(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+def clipped_tokens(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
     """Tokens where PPO's clip removed the gradient: ``-A clip(r) > -A r``, i.e. A>0, r>1+eh or A<0, r<1-el."""
     return ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
 
@@ -186,7 +186,7 @@ def clip_cov_loss(
     """
     base, metrics = ppo_clip_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high)
     log_ratio, adv, m = _prepare(logp, old_logp, advantages, mask)
-    clipped = _clipped_tokens(log_ratio.detach().exp(), adv, clip_low, clip_high) & (m > 0)
+    clipped = clipped_tokens(log_ratio.detach().exp(), adv, clip_low, clip_high) & (m > 0)
     chosen = clip_cov_selection(logp, adv, m, clipped, ratio=ratio, cov_lb=cov_lb, cov_ub=cov_ub,
                                 generator=generator)
     n = float(m.sum().clamp(min=1))
@@ -360,9 +360,35 @@ def token_mask(
     return TOKEN_MASKS[name](scores, mask, **config)
 
 
+def covariance_loss(name: str) -> PolicyLossFn:
+    """Look up a registered covariance-based policy loss (``clip_cov``, ``kl_cov``)."""
+    check_choice("covariance loss", name, COVARIANCE_LOSSES)
+    return COVARIANCE_LOSSES[name]
+
+
 def shape_advantages(
     name: str, advantages: torch.Tensor, mask: torch.Tensor, **config: object
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Dispatch to a registered advantage shaper (``entropy``)."""
     check_choice("advantage shaper", name, ADVANTAGE_SHAPERS)
     return ADVANTAGE_SHAPERS[name](advantages, mask, **config)
+
+
+def clipped_by_loss(loss_name: str, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                    loss_cfg: dict) -> torch.Tensor:
+    """``[n, T]`` bool: the tokens whose gradient the recipe's own clip already removed (Clip-Cov leaves them out
+    of its candidates). ``ppo_clip``: ``A>0, r>1+eh`` or ``A<0, r<1-el`` on the token ratio, and with a dual clip
+    ``A<0, r>c``; ``gspo_token``: the same bounds on the sequence ratio ``s_i`` (its value for every token of the
+    row); ``cispo`` clips the weight, never the gradient: none."""
+    ratio = (logp.detach() - old).exp()
+    low, high = loss_cfg.get("clip_low", 0.2), loss_cfg.get("clip_high", 0.2)
+    if loss_name == "cispo":
+        return torch.zeros_like(ratio, dtype=torch.bool)
+    if loss_name == "gspo_token":
+        m = mask.to(ratio.dtype)
+        seq = (((logp.detach() - old) * m).sum(-1) / m.sum(-1).clamp(min=1)).exp()
+        return clipped_tokens(seq[:, None].expand_as(ratio), adv, low, high)
+    clipped = clipped_tokens(ratio, adv, low, high)
+    if loss_cfg.get("clip_dual") is not None:  # -A c: a constant, no gradient
+        clipped = clipped | ((adv < 0) & (ratio > loss_cfg["clip_dual"]))
+    return clipped

@@ -15,7 +15,6 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from meshrl.algos import RECIPES, Recipe, recipe
-from meshrl.trainer.coach_guide import validate_coach_guide
 from meshrl.trainer.plugins import PluginsConfig, validate_plugins
 from meshrl.trainer.schedule import SCHEDULES
 
@@ -215,8 +214,7 @@ class RunConfig:
         self.resolved_recipe()  # unknown algo fields and bases raise here
         self._validate_mesh()
         self._validate_choices()
-        validate_plugins(self.plugins, self.resolved_recipe().policy_loss)
-        validate_coach_guide(self)
+        validate_plugins(self.plugins, self.resolved_recipe().policy_loss, self)
         bad = [k for k, ok in self._range_checks().items() if not ok]
         if bad:
             raise ValueError(f"invalid config value(s): {', '.join(f'{k}={get_key(self, k)!r}' for k in bad)}"

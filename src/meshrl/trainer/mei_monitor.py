@@ -49,6 +49,7 @@ class MeiMonitor:
         self.every, self.feature, self.patience = mc.every, mc.feature, max(1, mc.patience)
         self.threshold = load_threshold(mc.threshold, mc.feature, group_size)
         self.mesh = cfg.mesh_enabled
+        self.temperature = cfg.rollout.temperature
         self.above, self.first_cross, self.warned = 0, None, False
         self._phi: torch.Tensor | None = None
 
@@ -66,6 +67,10 @@ class MeiMonitor:
         if self._phi is None:
             self._phi = torch.zeros(self._n, feats.shape[1], dtype=torch.float32)
         self._phi[idx] = feats.float().cpu()
+
+    def add_logits(self, rows: list[int], logits: torch.Tensor, mb: Any) -> None:
+        """The update's hook: the detached logits of a micro-batch's first pass."""
+        self.add(rows, logits, mb.response_ids, mb.response_mask, self.temperature)
 
     def finish(self, data, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         from meshrl.diagnostics import mei_key, mei_metrics

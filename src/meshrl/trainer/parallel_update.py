@@ -30,8 +30,6 @@ from typing import Any
 import torch
 
 from meshrl.forkpool import ForkPool, check_shared_memory, fork_available
-from meshrl.trainer.batch import collate
-from meshrl.trainer.rollout_step import StepData
 
 log = logging.getLogger("meshrl")
 
@@ -69,6 +67,7 @@ class Shard:
     totals: tuple[int, int, int]  # the mini-batch's (tokens, non-empty rows, rows), for micro_weight
     skip_zero: bool = False  # rows with advantage 0 run forward only (decided by the parent)
     keep: int = -1  # ... except this one (index in the shard), when nothing else in the mini-batch has a gradient
+    step: int = 0  # the step's index
 
 
 def split_rows(rows: list[int], prompt_of: list[tuple[int, ...]], cost: list[int], parts: int) -> list[list[int]]:
@@ -177,125 +176,9 @@ class UpdateWorkers:
         self.pool.close()
 
 
-# ---------------------------------------------------------------------------------- the trainer's side
-def parallel_backward(trainer, workers, rows, data, old_logps, ref_logps, totals, stats) -> bool:
-    """The backward of a mini-batch in parts: each micro-batch split by prompt over this process and
-    ``workers`` (None: one part, here), every part weighted as a micro-batch of its own (see the module
-    docstring). Rows whose gradient is exactly zero only run forward (:func:`part_backward`). The parts send
-    back their per-token log-probs, entropies (and JS terms), from which the micro-batch's metrics are
-    computed here as the one-process path computes them."""
-    size = trainer.cfg.train.micro_batch_size
-    skip = trainer.skips_zero_advantage()
-    keep = kept_row(rows, data) if skip else None
-    prompt_of = [tuple(p) for p in data.prompt_ids]
-    cost = [(len(p) // max(1, trainer.cfg.rollout.group_size) + len(r)) / (3 if skip and a == 0 else 1)
-            for p, r, a in zip(data.prompt_ids, data.response_ids, data.advantages.tolist(), strict=True)]
-    if workers is not None:
-        workers.begin()
-    for i in range(0, len(rows), size):
-        idx = rows[i : i + size]
-        parts = split_rows(idx, prompt_of, cost, workers.size) if workers is not None else [idx]
-        shards = [Shard([data.prompt_ids[j] for j in part], [data.response_ids[j] for j in part],
-                        data.advantages[part].tolist(),
-                        None if old_logps is None else [old_logps[j].tolist() for j in part],
-                        None if ref_logps is None else [ref_logps[j].tolist() for j in part], totals,
-                        skip, part.index(keep) if keep in part else -1)
-                  for part in parts[1:]]
-        here = parts[0]
-
-        def local(here=here):
-            return part_backward(trainer, here, [data.prompt_ids[j] for j in here],
-                                 [data.response_ids[j] for j in here], data, old_logps, ref_logps, totals,
-                                 skip, here.index(keep) if keep in here else -1)
-
-        results = workers.map(local, shards) if workers is not None else [local()]
-        if not all(finite for finite, _ in results):
-            return False
-        terms = {j: t for part, (_, part_terms) in zip(parts, results, strict=True)
-                 for j, t in zip(part, part_terms, strict=True)}
-        if not any(len(data.response_ids[j]) for j in idx):
-            continue
-        for k, v in micro_stats(trainer, idx, data, terms, old_logps, ref_logps).items():
-            stats[k] += v * len(idx) / len(rows)
-    if workers is not None:
-        workers.collect()
-    return True
-
-
 def routed_experts(model: torch.nn.Module) -> bool:
     """True for mixture-of-experts configs (a row reaches only the experts its tokens are routed to)."""
     from meshrl.models import base_model
 
     config = getattr(base_model(model), "config", None)
     return any(getattr(config, k, 0) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
-
-
-def kept_row(rows: list[int], data) -> int | None:
-    """The row that keeps its backward when every non-empty row of the mini-batch has advantage 0 (the
-    shortest): its zero gradient reaches the parameters, so that AdamW steps them as it would without
-    skipping (a parameter with ``grad=None`` is not stepped at all). None when some row has a gradient."""
-    live = [j for j in rows if data.response_ids[j]]
-    if not live or any(float(data.advantages[j]) != 0.0 for j in live):
-        return None
-    return min(live, key=lambda j: (len(data.response_ids[j]), j))
-
-
-def micro_stats(trainer, idx, data, terms, old_logps, ref_logps) -> dict[str, float]:
-    """Metrics of micro-batch ``idx`` from its rows' per-token ``(logp, entropy, js)`` (tensors, or lists from a
-    worker)."""
-    lengths = [len(data.response_ids[j]) for j in idx]
-    width = max(1, *lengths)
-    mask = torch.zeros(len(idx), width)
-    cols = [torch.zeros(len(idx), width) for _ in range(3)]
-    has_js = any(terms[j][2] is not None for j in idx)
-    for k, (j, n) in enumerate(zip(idx, lengths, strict=True)):
-        mask[k, :n] = 1.0
-        for c, values in zip(cols, terms[j], strict=False):
-            if values is not None and n:
-                c[k, :n] = torch.as_tensor(values)
-    with torch.no_grad():
-        _, mstats = trainer._loss_and_stats(idx, mask, data, cols[0], cols[1], cols[2] if has_js else None,
-                                         old_logps, ref_logps)
-    return mstats
-
-
-def remote_part(trainer, shard: Shard):
-    """An update worker's part (runs in the worker, on the trainer it inherited at fork time)."""
-    local = StepData(advantages=torch.tensor(shard.advantages, dtype=torch.float32))
-    old = None if shard.old_logps is None else [torch.tensor(x) for x in shard.old_logps]
-    ref = None if shard.ref_logps is None else [torch.tensor(x) for x in shard.ref_logps]
-    finite, rows = part_backward(trainer, list(range(len(shard.prompts))), shard.prompts, shard.responses, local,
-                                 old, ref, shard.totals, shard.skip_zero, shard.keep)
-    return finite, [tuple(None if x is None else x.tolist() for x in row) for row in rows]  # plain values for the pipe
-
-
-def part_backward(trainer, idx, prompts, responses, data, old_logps, ref_logps, totals, skip_zero: bool = False,
-                  keep: int = -1):
-    """Backward of one part; ``(finite, per-row (logp, entropy, js or None) [len])`` for :func:`micro_stats`.
-
-    With ``skip_zero``, non-empty rows with advantage 0 (except position ``keep``) run a no-grad forward only,
-    for their metrics: when the loss is the policy term alone their gradient is exactly zero (every registered
-    policy loss is ``A`` times a function of the clamped ratio). Their log-probs are checked as the policy
-    loss's input would be (a non-finite one makes the part non-finite: the step is skipped)."""
-    lengths = [len(r) for r in responses]
-    out: list[tuple] = [(torch.empty(0), torch.empty(0), None)] * len(idx)
-    zero = ({k for k, j in enumerate(idx) if lengths[k] > 0 and k != keep and float(data.advantages[j]) == 0.0}
-            if skip_zero else set())
-    finite = True
-    for grad in (True, False):
-        ks = [k for k in range(len(idx)) if lengths[k] > 0 and (k in zero) != grad]
-        if not ks:
-            continue
-        mb = collate([prompts[k] for k in ks], [responses[k] for k in ks], trainer.pad_id)
-        sub = [idx[k] for k in ks]
-        if grad:
-            ok, _, _, (logp, entropy, js) = trainer._backward_micro(sub, mb, data, old_logps, ref_logps, totals)
-            finite = finite and ok
-        else:
-            logp, entropy = trainer.response_terms(mb)
-            finite = finite and bool(torch.isfinite(logp).all())  # a NaN log-prob skips the step, as in the loss
-            js = None
-        for pos, k in enumerate(ks):
-            n = lengths[k]
-            out[k] = (logp[pos, :n], entropy[pos, :n], None if js is None else js[pos, :n])
-    return finite, out

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshrl.algos import Recipe, dynamic_sampling_mask, group_advantages, overlong_penalty
-from meshrl.trainer.coach_guide import generate_guided, opening_ids, response_opening
+from meshrl.algos import Recipe, advantage_estimator, dynamic_sampling_mask, overlong_penalty
 
 CORRECT_AT = 1.0 - 1e-6  # a rollout is "correct" when its task score reaches 1
 log = logging.getLogger("meshrl")
@@ -129,6 +128,7 @@ class StepData:
     rollout_logps: list[list[float] | None] = field(default_factory=list)
     # plugins.coach_guide: how many leading response tokens were forced to the coach's opening (0 = sampled)
     forced_tokens: list[int] = field(default_factory=list)
+    trace_rows: set[int] = field(default_factory=set)  # rows replaced by off-policy traces (plugins.luffy)
     rewards: torch.Tensor | None = None  # shaped reward [N]
     advantages: torch.Tensor | None = None  # [N]
     stats: dict[str, float] = field(default_factory=dict)
@@ -234,6 +234,8 @@ class RolloutStep:
         """``(token ids, text)`` a rollout of arm ``strategy`` starts its response with (``([], "")``: free)."""
         if not self.guided or strategy < 0:
             return [], ""
+        from meshrl.trainer.plugins.coach_guide import opening_ids, response_opening
+
         key = (problem.id, strategy)
         if key not in self._opening_cache:
             text = response_opening(self.task, problem, self.prefixes[problem.id][strategy])
@@ -284,8 +286,13 @@ class RolloutStep:
         params = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                                 top_p=ro.top_p, n=n)
         prompts = [self.prompt_ids(chosen[j], self._prompt_arm(k)) for j, k in arms]
-        # without plugins.coach_guide every opening is empty: one plain backend call
-        rows = generate_guided(self.backend, prompts, [self.opening(chosen[j], k) for j, k in arms], params, seed=seed)
+        if self.guided:  # each coach arm's responses start with the coach's opening
+            from meshrl.trainer.plugins.coach_guide import generate_guided
+
+            openings = [self.opening(chosen[j], k) for j, k in arms]
+            rows = generate_guided(self.backend, prompts, openings, params, seed=seed)
+        else:
+            rows = sampled_rows(self.backend.generate(prompts, params, seed=seed))
         data = StepData()
         # One advantage group per query, unless each prefix group (the bare one included) is its own.
         per_query = self.cfg.mesh.adv_unit == "query" or self.prefixes is None
@@ -323,7 +330,7 @@ class RolloutStep:
             data, next_cursor = self._sample(cursor, need, seed)
             cursor, drawn = next_cursor, drawn + need
             sampled += len(data)
-            sampled_reward += float(self._shape(data).sum()) if len(data) else 0.0
+            sampled_reward += float(self.shape_rewards(data).sum()) if len(data) else 0.0
             batch.seen.extend(zip(data.texts, data.scores, data.problems, strict=True))
             if rec.dynamic_sampling:
                 # DAPO filters on accuracy, not on the length-shaped reward (eq. 11).
@@ -336,11 +343,8 @@ class RolloutStep:
             kept_groups = len(set(batch.query_ids))
             if kept_groups >= target:
                 break
-        batch.rewards = self._shape(batch) if len(batch) else torch.zeros(0)
-        scale = "none" if rec.adv_scale == "none" else "std"
-        batch.advantages = (
-            group_advantages(batch.rewards, batch.group_ids, scale=scale) if len(batch) else torch.zeros(0)
-        )
+        batch.rewards = self.shape_rewards(batch) if len(batch) else torch.zeros(0)
+        batch.advantages = self.advantages(batch.rewards, batch.group_ids) if len(batch) else torch.zeros(0)
         batch.stats = {
             "rollouts/count": float(sampled),
             "rollouts/kept": float(len(batch)),
@@ -351,7 +355,12 @@ class RolloutStep:
         }
         return batch, cursor
 
-    def _shape(self, data: StepData) -> torch.Tensor:
+    def advantages(self, rewards: torch.Tensor, group_ids: list[Any]) -> torch.Tensor:
+        """The recipe's advantage estimator (``Recipe.advantage``, looked up in ``meshrl.algos``) over the groups."""
+        scale = "none" if self.recipe.adv_scale == "none" else "std"
+        return advantage_estimator(self.recipe.advantage)(rewards, group_ids, scale=scale)
+
+    def shape_rewards(self, data: StepData) -> torch.Tensor:
         """Task score plus DAPO's soft overlong penalty when the recipe asks for it."""
         r = torch.tensor(data.scores, dtype=torch.float32)
         if self.recipe.overlong_shaping and len(data):
@@ -360,3 +369,13 @@ class RolloutStep:
             lengths = torch.tensor([len(x) for x in data.response_ids], dtype=torch.float32)
             r = r + overlong_penalty(lengths, max_len, cache, self.recipe.overlong_factor)
         return r
+
+
+def sampled_rows(out: Any) -> list[dict[str, Any]]:
+    """One record per sample of a backend's :class:`~meshrl.rollout.Rollouts`, prompt-major (as the coach-guided
+    sampler returns them)."""
+    order = sorted(range(len(out.prompt_index)), key=lambda r: out.prompt_index[r])  # stable: sample order kept
+    return [{"prompt_index": out.prompt_index[r], "prompt_ids": list(out.prompt_ids[r]),
+             "response_ids": list(out.response_ids[r]), "text": out.texts[r], "truncated": bool(out.truncated[r]),
+             "logps": None if out.engine_logprobs is None else list(out.engine_logprobs[r]), "forced": 0}
+            for r in order]

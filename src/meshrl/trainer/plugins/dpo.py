@@ -33,31 +33,78 @@ from typing import Any
 import torch
 
 from meshrl.algos import DPO_LOSSES, dpo_loss
+from meshrl.settings import setting
+from meshrl.trainer.plugins.base import Plugin, PluginContext, Stage, Stats, register
 
 PAIR_RULES = ("all", "best_worst")
 
 
 @dataclass
 class DpoConfig:
-    enabled: bool = False
-    beta: float = 0.1  # Rafailov et al. 2023 / TRL
-    coef: float = 1.0  # weight of the DPO term added to the recipe's loss
-    pairs: str = "all"  # "all": every correct x every wrong of a group; "best_worst": one pair per group
-    loss_type: str = "sigmoid"  # or "hinge" (SLiC-HF)
-    label_smoothing: float = 0.0  # conservative DPO's eps (sigmoid only), in [0, 0.5)
+    enabled: bool = setting(False, help="add a DPO term on (correct, wrong) pairs of each group's own rollouts")
+    beta: float = setting(0.1, gt=0, help="DPO's beta (Rafailov et al. 2023; TRL's default)")
+    coef: float = setting(1.0, gt=0, help="weight of the DPO term added to the recipe's loss")
+    pairs: str = setting("all", choices=PAIR_RULES,
+                         help="all: every correct x every wrong rollout of a group; best_worst: one pair per group")
+    loss_type: str = setting("sigmoid", choices=DPO_LOSSES, help="sigmoid (DPO) or hinge (SLiC-HF)")
+    label_smoothing: float = setting(0.0, ge=0, lt=0.5, help="conservative DPO's eps (sigmoid only)")
 
 
-def dpo_checks(c: DpoConfig) -> dict[str, bool]:
-    """``plugins.dpo.*`` key -> whether its value is valid (merged into the plug-ins' config check)."""
-    return {
-        "plugins.dpo.beta": c.beta > 0,
-        "plugins.dpo.coef": c.coef > 0,
-        "plugins.dpo.pairs": c.pairs in PAIR_RULES,
-        "plugins.dpo.loss_type": c.loss_type in DPO_LOSSES,
-        # the hinge has no smoothed form: a non-zero eps there would be silently ignored
-        "plugins.dpo.label_smoothing": 0 <= c.label_smoothing < 0.5 and (c.label_smoothing == 0
-                                                                          or c.loss_type == "sigmoid"),
-    }
+@register
+class Dpo(Plugin):
+    """Per-row weights of the step at :meth:`begin_update`, a surrogate per micro-batch (module docstring)."""
+
+    name = "dpo"
+    Config = DpoConfig
+    stage = Stage.EXTRA_LOSS
+    order = 2.0
+    token_level = False  # whole sequences: fine with the sequence-level losses
+    needs_reference = True
+    summary = "DPO on correct-vs-wrong pairs of each group's rollouts, frozen reference"
+
+    def __init__(self, cfg: DpoConfig, ctx: PluginContext) -> None:
+        super().__init__(cfg, ctx)
+        self.weights: torch.Tensor | None = None
+
+    @classmethod
+    def check(cls, cfg: DpoConfig, run_cfg: Any) -> None:
+        if cfg.label_smoothing != 0 and cfg.loss_type != "sigmoid":  # the hinge has no smoothed form
+            raise ValueError(f"invalid plug-in setting(s): plugins.dpo.label_smoothing={cfg.label_smoothing!r} "
+                             f"needs plugins.dpo.loss_type='sigmoid' (see docs/plugins.md)")
+
+    def begin_update(self, data: Any, start_logps: list[torch.Tensor] | None,
+                     ref_logps: list[torch.Tensor] | None) -> Stats:
+        """Form the step's pairs and weights at the current (start) parameters; ``dpo/*`` metrics, of which
+        ``dpo/term`` (``coef * dpo/loss``) is what the update adds to ``loss/total``. ``start_logps`` and
+        ``ref_logps``: per-row token log-probs the update already has, or None to score them here."""
+        self.weights = None
+        if not len(data):
+            return {}
+        pairs, groups = form_pairs(data.group_ids, data.prompt_ids, data.scores, data.rewards, self.cfg.pairs)
+        if not pairs:
+            return {"dpo/pairs": 0.0, "dpo/groups": 0.0}
+        rows = sorted({i for p in pairs for i in p})
+        forward = self.ctx.forward
+        with torch.no_grad():
+            if start_logps is None:
+                start_logps = forward.logps(forward.model, data)
+            seq = _seq_logps(start_logps, len(data))
+            if ref_logps is None:
+                ref_logps = forward.ref_logps(data)
+            ref_seq = _seq_logps(ref_logps, len(data))
+        w, stats = dpo_row_weights(self.cfg, pairs, seq, ref_seq)
+        stats["dpo/groups"] = float(groups)
+        stats["dpo/rows"] = float(len(rows))
+        stats["dpo/term"] = self.cfg.coef * stats["dpo/loss"]
+        self.weights = w
+        return stats
+
+    def surrogate(self, rows: list[int], seq_logp: torch.Tensor) -> torch.Tensor | float:
+        """``sum_{i in rows} w_i * seq_logp_i``: this micro-batch's share of the DPO gradient."""
+        if self.weights is None:
+            return 0.0
+        w = self.weights[rows].to(device=seq_logp.device, dtype=seq_logp.dtype)
+        return (w * seq_logp).sum()
 
 
 def form_pairs(group_ids: list[Any], prompt_ids: list[list[int]], scores: list[float],
@@ -107,48 +154,6 @@ def dpo_row_weights(c: DpoConfig, pairs: list[tuple[int, int]], seq: torch.Tenso
              "dpo/reward_margin": m["dpo/margin"], "dpo/accuracy": m["dpo/accuracy"],
              "dpo/chosen_reward": m["dpo/chosen_reward"], "dpo/rejected_reward": m["dpo/rejected_reward"]}
     return w, stats
-
-
-class DpoTerm:
-    """The step's DPO weights: :meth:`begin` once per update, :meth:`surrogate` in each micro-batch."""
-
-    def __init__(self, cfg: DpoConfig) -> None:
-        self.cfg = cfg
-        self.weights: torch.Tensor | None = None
-
-    def begin(self, trainer: Any, data: Any, policy_logps: list[torch.Tensor] | None,
-              ref_logps: list[torch.Tensor] | None) -> dict[str, float]:
-        """Form the step's pairs and weights at the current (start) parameters; ``dpo/*`` metrics, of which
-        ``dpo/term`` (``coef * dpo/loss``) is what the update adds to ``loss/total``. ``policy_logps`` and
-        ``ref_logps``: per-row token log-probs the update already has (of the current policy and of the
-        reference), or None to score them here."""
-        self.weights = None
-        if not self.cfg.enabled or not len(data):
-            return {}
-        pairs, groups = form_pairs(data.group_ids, data.prompt_ids, data.scores, data.rewards, self.cfg.pairs)
-        if not pairs:
-            return {"dpo/pairs": 0.0, "dpo/groups": 0.0}
-        rows = sorted({i for p in pairs for i in p})
-        with torch.no_grad():
-            if policy_logps is None:
-                policy_logps = trainer._logps(trainer.model, data)
-            seq = _seq_logps(policy_logps, len(data))
-            if ref_logps is None:
-                ref_logps = trainer._ref_logps(data)
-            ref_seq = _seq_logps(ref_logps, len(data))
-        w, stats = dpo_row_weights(self.cfg, pairs, seq, ref_seq)
-        stats["dpo/groups"] = float(groups)
-        stats["dpo/rows"] = float(len(rows))
-        stats["dpo/term"] = self.cfg.coef * stats["dpo/loss"]
-        self.weights = w
-        return stats
-
-    def surrogate(self, idx: list[int], seq_logp: torch.Tensor) -> torch.Tensor | float:
-        """``sum_{i in idx} w_i * seq_logp_i``: this micro-batch's share of the DPO gradient (0 when off)."""
-        if self.weights is None:
-            return 0.0
-        w = self.weights[idx].to(device=seq_logp.device, dtype=seq_logp.dtype)
-        return (w * seq_logp).sum()
 
 
 def _seq_logps(per_token: list[torch.Tensor], n: int) -> torch.Tensor:

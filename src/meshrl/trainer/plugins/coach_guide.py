@@ -1,7 +1,7 @@
 """``plugins.coach_guide``: coach-guided exploration, the coach's strategy as the first tokens of the *response*.
 
 Coach Prompting (docs/method.md) conditions a rollout on a strategy prefix in the *prompt*. At test time there is
-no coach, and round one of the testbed (docs/testbed.md) measured why that can fail to keep a niche strategy: under
+no coach, and the collapse testbed (docs/testbed.md) measured why that can fail to keep a niche strategy: under
 a prefix whose procedure does not fit, the only reward comes from ignoring the prefix, and the unconditioned
 policy's own choice of procedure gets no direct signal. This plug-in moves the coach into the response:
 
@@ -36,18 +36,43 @@ from typing import Any
 import torch
 
 from meshrl.algos import OFF_POLICY_SHAPES, luffy_off_policy_loss
+from meshrl.settings import setting
+from meshrl.trainer.plugins.base import Plugin, Stage, Stats, TokenTerms, register
 
 
 @dataclass
 class CoachGuideConfig:
-    enabled: bool = False
-    gamma: float = 0.1  # f(p) = p / (p + gamma) on the forced opening tokens
-    shape: str = "p_div_p"  # "none": -A p (ratio against the coach as a point-mass behaviour policy); "log": -A log p
+    enabled: bool = setting(False, help="open each coach arm's response with the coach's strategy (needs mesh or "
+                                        "cp_only and mesh.adv_unit=query)")
+    gamma: float = setting(0.1, gt=0, help="f(p) = p / (p + gamma) on the forced opening tokens")
+    shape: str = setting("p_div_p", choices=OFF_POLICY_SHAPES,
+                         help="p_div_p: LUFFY's shaping; none: -A p (the coach as a point-mass behaviour policy); "
+                              "log: -A log p (trained as if sampled; recommended, docs/plugins.md)")
 
 
-def coach_guide_checks(c: CoachGuideConfig) -> dict[str, bool]:
-    """``plugins.coach_guide.*`` key -> whether its value is valid (merged into the plug-ins' config check)."""
-    return {"plugins.coach_guide.gamma": c.gamma > 0, "plugins.coach_guide.shape": c.shape in OFF_POLICY_SHAPES}
+@register
+class CoachGuide(Plugin):
+    name = "coach_guide"
+    Config = CoachGuideConfig
+    stage = Stage.OFF_POLICY
+    order = 2.0
+    summary = "coach-guided exploration: the coach's strategy opens the response, off-policy"
+
+    @classmethod
+    def check(cls, cfg: CoachGuideConfig, run_cfg: Any) -> None:
+        if cfg.enabled and run_cfg is not None:
+            validate_coach_guide(run_cfg)
+
+    def after_sampling(self, step: int, data: Any, sampler: Any) -> Any:
+        data.stats.update(guide_step_stats(self.ctx.task, data))
+        return data
+
+    def transform(self, terms: TokenTerms, pg_mat: torch.Tensor, agg_mask: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, Stats]:
+        forced = terms.batch.forced_tokens
+        rows = [forced[j] if j < len(forced) else 0 for j in terms.rows]
+        pg_mat, stats = guided_policy_term(self.cfg, rows, terms.logp, terms.adv, terms.mask, pg_mat)
+        return pg_mat, agg_mask, stats
 
 
 def validate_coach_guide(cfg: Any) -> None:

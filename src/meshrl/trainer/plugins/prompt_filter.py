@@ -9,14 +9,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshrl.settings import setting
+from meshrl.trainer.plugins.base import Plugin, PluginContext, Stage, register
 from meshrl.trainer.rollout_step import CORRECT_AT
 
 
 @dataclass
 class PromptFilterConfig:
-    enabled: bool = False
-    window: int = 1  # skip a problem when its last `window` groups were all correct or all wrong
-    readmit_after: int = 5  # ... for this many steps; then it is sampled again (its history cleared)
+    enabled: bool = setting(False, help="skip problems whose recent groups were all right or all wrong (RIF-RFT)")
+    window: int = setting(1, ge=1, help="skip a problem when its last `window` groups were all correct or all wrong")
+    readmit_after: int = setting(5, ge=1, help="... for this many steps; then it is sampled again (history cleared)")
+
+
+@register
+class PromptFilter(Plugin):
+    """Wraps the sampler's problem stream in :class:`FilteredProblems` when the run starts."""
+
+    name = "prompt_filter"
+    Config = PromptFilterConfig
+    stage = Stage.SAMPLING
+    order = 1.0
+    whole_micro_batch = False  # acts before sampling: the update is untouched
+    token_level = False
+    summary = "rollout-based prompt filtering: skip problems that teach nothing (RIF-RFT)"
+
+    def __init__(self, cfg: PromptFilterConfig, ctx: PluginContext) -> None:
+        super().__init__(cfg, ctx)
+        self.filter = FilteredProblems(ctx.rollouts.sampler, ctx.problems, cfg)
+        ctx.rollouts.sampler = self.filter
+
+    def after_sampling(self, step: int, data: Any, sampler: Any) -> Any:
+        data.stats.update(self.filter.record(step, data.seen))
+        return data
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.filter.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state is not None:
+            self.filter.load_state_dict(state)
 
 
 class FilteredProblems:

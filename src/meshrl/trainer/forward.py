@@ -1,0 +1,83 @@
+"""The policy's forward passes for the update: micro-batches, response logits, per-row log-probs.
+
+One object holds what every forward of a run shares (the model, the frozen reference, autocast, prompt sharing and
+packing, the micro-batch size, the sampling temperature), so that the step, the plug-ins and the Mesh balancing term
+all score rollouts the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from meshrl.trainer.batch import MicroBatch, collate, response_logits, token_entropy, token_logprobs
+
+
+class PolicyForward:
+    def __init__(self, cfg: Any, model: torch.nn.Module, ref_model: torch.nn.Module | None, pad_id: int,
+                 bare_prompt: Callable[[Any], list[int]]) -> None:
+        self.model, self.ref_model, self.pad_id = model, ref_model, pad_id
+        self.temperature = cfg.rollout.temperature
+        self.micro_batch_size = cfg.train.micro_batch_size
+        self._train = cfg.train
+        self._bare_prompt = bare_prompt  # problem -> its prompt ids without a coach prefix
+
+    def logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """Response logits ``[n, T, V]`` of ``model`` with the configured autocast and prompt sharing."""
+        tc = self._train
+        return response_logits(model, mb, tc.autocast_bf16, share_prompts=tc.share_prompts,
+                               pack=tc.pack_responses, length_buckets=tc.length_buckets)
+
+    def micro_batches(self, rows: list[int], data: Any, *, bare: bool = False) -> Iterator[tuple[list[int],
+                                                                                                MicroBatch]]:
+        """``(row indices, MicroBatch)`` of ``rows``; ``bare`` puts each response after its query *without*
+        the coach prefix it was sampled under (support balancing scores the unconditioned policy)."""
+        size = self.micro_batch_size
+        for i in range(0, len(rows), size):
+            idx = rows[i : i + size]
+            prompts = ([self._bare_prompt(data.problems[j]) for j in idx] if bare
+                       else [data.prompt_ids[j] for j in idx])
+            yield idx, collate(prompts, [data.response_ids[j] for j in idx], self.pad_id)
+
+    def collate(self, prompts: list[list[int]], responses: list[list[int]]) -> MicroBatch:
+        return collate(prompts, responses, self.pad_id)
+
+    @torch.no_grad()
+    def logps(self, model: torch.nn.Module, data: Any) -> list[torch.Tensor]:
+        """Per-row log-probs ``[T_i]`` of each response under ``model`` (old policy or reference)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(data)
+        for idx, mb in self.micro_batches(list(range(len(data))), data):
+            lp = token_logprobs(self.logits(model, mb), mb.response_ids, self.temperature)
+            for k, j in enumerate(idx):
+                out[j] = lp[k, : len(data.response_ids[j])].cpu()
+        return out
+
+    def ref_logps(self, data: Any) -> list[torch.Tensor]:
+        """Per-row log-probs under the frozen reference (a copy, or the base model with the LoRA adapter off)."""
+        if self.ref_model is not None:
+            return self.logps(self.ref_model, data)
+        from meshrl.models import reference_mode
+
+        with reference_mode(self.model):
+            return self.logps(self.model, data)
+
+    def reference_logits(self, mb: MicroBatch) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self.logits(self.ref_model, mb)
+        from meshrl.models import reference_mode
+
+        with reference_mode(self.model):
+            return self.logits(self.model, mb)
+
+    @torch.no_grad()
+    def response_terms(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies ``[n, T]`` of a micro-batch under the policy, without a graph."""
+        logits = self.logits(self.model, mb)
+        return token_logprobs(logits, mb.response_ids, self.temperature), token_entropy(logits, self.temperature)
+
+    def seq_logp(self, mb: MicroBatch) -> torch.Tensor:
+        """Per-row sum of response log-probs under the policy, with a graph."""
+        logp = token_logprobs(self.logits(self.model, mb), mb.response_ids, self.temperature)
+        return (logp * mb.response_mask).sum(-1)

@@ -1,0 +1,133 @@
+"""The loss of one micro-batch: the recipe's policy term (with the plug-ins), KL and JS penalties, extra terms.
+
+:meth:`Objective.micro_loss` is the whole forward of a micro-batch; :meth:`Objective.token_loss` is the loss from
+per-token log-probs and entropies alone, so that a process that did not run the forward (the parent of the update's
+worker processes) computes the same metrics from what the workers send back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshrl.algos import aggregate, js_divergence, js_sampled, kl_penalty, masked_mean
+from meshrl.trainer.batch import MicroBatch, micro_weight, token_entropy, token_logprobs
+from meshrl.trainer.plugins import TokenTerms
+
+# (per-token log-probs, entropies, exact JS or None), each [n, T], detached: what a part of a micro-batch sends back
+TokenValues = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class MiniBatchSizes:
+    """The mini-batch a micro-batch belongs to, for :func:`micro_weight` (exact gradient accumulation)."""
+
+    tokens: int
+    nonempty_rows: int
+    rows: int
+
+    @classmethod
+    def of(cls, rows: list[int], data: Any) -> MiniBatchSizes:
+        lengths = [len(data.response_ids[j]) for j in rows]
+        return cls(sum(lengths), sum(1 for n in lengths if n > 0), len(rows))
+
+
+@dataclass
+class UpdateInputs:
+    """What every micro-batch of one update reads: the step's rollouts and the per-row log-probs the update
+    computed before its first optimiser step (``None``: not needed, e.g. one optimiser step per batch)."""
+
+    data: Any  # StepData
+    old_logps: list[torch.Tensor] | None
+    ref_logps: list[torch.Tensor] | None
+    step: int  # the step's index, 0-based
+
+
+@dataclass
+class MicroLoss:
+    finite: bool
+    loss: torch.Tensor  # the micro-batch's total loss, aggregated (not yet weighted)
+    stats: dict[str, float]
+    seq_logp: torch.Tensor  # [n] sum of response log-probs, with graph (for per-row weighted terms)
+    values: TokenValues
+
+
+def pad_rows(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r.to(like.device)
+    return out
+
+
+class Objective:
+    """The recipe's loss (``meshrl.algos``) with the run's plug-ins, for the policy's forward ``forward``."""
+
+    def __init__(self, recipe: Any, cfg: Any, plugins: Any, forward: Any, mismatch: Any) -> None:
+        self.recipe, self.plugins, self.forward, self.mismatch = recipe, plugins, forward, mismatch
+        self.temperature = cfg.rollout.temperature
+        self.norm_len = cfg.rollout.max_new_tokens
+
+    def micro_loss(self, rows: list[int], mb: MicroBatch, inputs: UpdateInputs,
+                   on_logits: Callable[[list[int], torch.Tensor, MicroBatch], None] | None = None) -> MicroLoss:
+        """Forward and loss of micro-batch ``rows``; ``on_logits`` sees the detached logits (MEI collection)."""
+        rec, temp = self.recipe, self.temperature
+        logits = self.forward.logits(self.forward.model, mb)
+        logp = token_logprobs(logits, mb.response_ids, temp)
+        mask = mb.response_mask
+        if not bool(torch.isfinite(logp.detach()[mask > 0]).all()):  # skipped as a non-finite loss is
+            nan = torch.tensor(float("nan"))
+            return MicroLoss(False, nan, {}, (logp * mask).sum(-1),
+                             (logp.detach(), token_entropy(logits.detach(), temp), None))
+        if on_logits is not None:
+            on_logits(rows, logits.detach(), mb)
+        entropy = token_entropy(logits.detach(), temp)
+        js_mat = None
+        if rec.js_coef > 0 and rec.js_mode == "exact":
+            with torch.no_grad():
+                ref_logits = self.forward.reference_logits(mb)
+            t = temp if temp > 0 else 1.0
+            js_mat = js_divergence(logits / t, ref_logits / t)
+        total, stats = self.token_loss(rows, mask, inputs, logp, entropy, js_mat)
+        total = self.plugins.extra_loss(mb, logits, total, stats)  # e.g. plugins.distill
+        values = (logp.detach(), entropy, None if js_mat is None else js_mat.detach())
+        return MicroLoss(True, total, stats, (logp * mask).sum(-1), values)
+
+    def weighted(self, rows: list[int], mb: MicroBatch, result: MicroLoss, sizes: MiniBatchSizes) -> torch.Tensor:
+        """The micro-batch's share of the mini-batch loss (:func:`micro_weight`) plus the plug-ins' per-row
+        surrogates (e.g. DPO's, already weighted for the whole step)."""
+        w = micro_weight(self.recipe.loss_agg, mb.response_mask, sizes.tokens, sizes.nonempty_rows, sizes.rows)
+        return result.loss * w + self.plugins.surrogate(rows, result.seq_logp)
+
+    def token_loss(self, rows: list[int], mask: torch.Tensor, inputs: UpdateInputs, logp: torch.Tensor,
+                   entropy: torch.Tensor, js_mat: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The recipe's loss and its metrics from per-token ``logp``, ``entropy`` and (exact JS) ``js_mat``."""
+        rec = self.recipe
+        old = logp.detach() if inputs.old_logps is None else pad_rows([inputs.old_logps[j] for j in rows], logp)
+        self.mismatch.observe(rows, old, mask)  # pi_old of each row's first pass: the mismatch diagnostic
+        loss_cfg: dict[str, Any] = {"clip_low": rec.clip_low, "clip_high": rec.clip_high}
+        if rec.policy_loss == "ppo_clip":
+            loss_cfg["clip_dual"] = rec.clip_dual
+        terms = TokenTerms(step=inputs.step, rows=rows, loss_name=rec.policy_loss, logp=logp, old=old,
+                           adv=inputs.data.advantages[rows].to(logp.device), mask=mask, entropy=entropy,
+                           loss_cfg=loss_cfg, batch=inputs.data)
+        pg_mat, pg_stats, pg_mask = self.plugins.policy_term(terms)
+        pg = aggregate(pg_mat, pg_mask, rec.loss_agg, norm_len=self.norm_len)
+        total = pg
+        stats = {"loss/policy": float(pg.detach()), **{k: float(v) for k, v in pg_stats.items()}}
+        stats["entropy/mean"] = float(masked_mean(entropy, mask))
+        if rec.kl_coef > 0:
+            ref = pad_rows([inputs.ref_logps[j] for j in rows], logp)
+            kl = aggregate(kl_penalty(logp, ref, rec.kl_kind), mask, rec.loss_agg, norm_len=self.norm_len)
+            total = total + rec.kl_coef * kl
+            stats["kl/mean"] = float(kl.detach())
+        if rec.js_coef > 0:
+            if js_mat is None:
+                js_mat = js_sampled(logp, pad_rows([inputs.ref_logps[j] for j in rows], logp))
+            js = aggregate(js_mat, mask, rec.loss_agg, norm_len=self.norm_len)
+            total = total + rec.js_coef * js
+            stats["js/mean"] = float(js.detach())
+        stats["loss/total"] = float(total.detach())
+        return total, stats

@@ -1,0 +1,97 @@
+"""The training-inference mismatch, measured every step (docs/plugins.md, "Training-inference mismatch").
+
+The rollout backend returns its own log-prob of every sampled token (``Rollouts.engine_logprobs``: the
+tempered distribution ``log softmax(logits / T)[y]`` before the top-p cut, in the backend's precision); the
+update scores the same tokens with the training forward. Their difference is the mismatch of Yao et al.
+2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): nonzero whenever the two
+forwards differ in precision or kernels (a bf16 sampler, vLLM), so that "on-policy" training is in fact
+slightly off-policy. :class:`MismatchMonitor` collects, per step, the update's log-probs of the old policy the
+first time each row passes through the loss (``pi_old``: the first epoch's forward, or the precomputed old
+log-probs; no extra forward) and logs ``mismatch/*`` (:func:`meshrl.algos.logprob_mismatch_stats`) against the
+sampler's. ``plugins.rollout_corr`` corrects the loss for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshrl.algos import logprob_mismatch_stats
+
+
+def unsampled_rows(data: Any) -> set[int]:
+    """Rows whose tokens the sampler did not choose (all of them or a forced opening): off-policy traces
+    (``StepData.trace_rows``) and coach-guided rows (``StepData.forced_tokens``)."""
+    return set(data.trace_rows) | {i for i, n in enumerate(data.forced_tokens) if n}
+
+
+def rows_tensor(rows: list[list[float] | None], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values [n, T], has [n])``: the rows right-padded with 0 into ``like``'s shape, and which rows have
+    values (a None row is all 0 and ``has`` False)."""
+    out = torch.zeros_like(like)
+    has = torch.zeros(like.shape[0], dtype=torch.bool, device=like.device)
+    for i, r in enumerate(rows):
+        if r is not None:
+            n = min(len(r), like.shape[1])
+            out[i, :n] = torch.tensor(r[:n], dtype=like.dtype)
+            has[i] = True
+    return out, has
+
+
+class MismatchMonitor:
+    """Per step: the sampler's log-probs against the update's ``pi_old`` on the same tokens (module docstring).
+
+    :meth:`begin` at sampling, :meth:`observe` from the loss of every micro-batch (only a row's first pass
+    counts), :meth:`finish` after the update. ``skip`` rows (off-policy traces) are left out."""
+
+    def __init__(self) -> None:
+        self.rollout: list[list[float] | None] = []
+        self.skip: set[int] = set()
+        self.old: dict[int, torch.Tensor] = {}
+        self.announced = False
+
+    def begin(self, data: Any, skip: set[int]) -> None:
+        self.rollout = list(getattr(data, "rollout_logps", []) or [])
+        self.skip = set(skip)
+        self.old = {}
+
+    def rows(self, idx: list[int]) -> list[list[float] | None]:
+        """The sampler's log-probs of step rows ``idx`` (None where a row has none or is skipped)."""
+        return [self.rollout[j] if j < len(self.rollout) and j not in self.skip else None for j in idx]
+
+    def observe(self, idx: list[int], old: torch.Tensor, mask: torch.Tensor) -> None:
+        """Keep ``old [n, T]`` of each row of ``idx`` the first time the row is seen this step."""
+        lengths = mask.sum(-1).long().tolist()
+        for k, j in enumerate(idx):
+            if j not in self.old:
+                self.old[j] = old[k, : lengths[k]].detach().float().cpu()
+
+    def finish(self) -> dict[str, float]:
+        """``mismatch/*`` over every observed row with sampler log-probs of the same length ({} when none)."""
+        idx = list(range(len(self.rollout)))
+        pairs = [(self.old[j], r) for j, r in zip(idx, self.rows(idx), strict=True)
+                 if r is not None and j in self.old and len(r) == self.old[j].shape[0] and len(r) > 0]
+        if not pairs:
+            return {}
+        width = max(len(r) for _, r in pairs)
+        old = torch.zeros(len(pairs), width)
+        mask = torch.zeros(len(pairs), width)
+        for i, (o, _) in enumerate(pairs):
+            old[i, : o.shape[0]], mask[i, : o.shape[0]] = o, 1.0
+        rollout, _ = rows_tensor([r for _, r in pairs], old)
+        return logprob_mismatch_stats(old, rollout, mask)
+
+    def setup_event(self, backend: Any, model: torch.nn.Module, update_autocast: bool, step: int
+                    ) -> dict[str, Any] | None:
+        """Once per run: an ``events.jsonl`` record naming the backend and the two precisions compared."""
+        if self.announced:
+            return None
+        self.announced = True
+        weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+        rollout = f"autocast-{backend.autocast}" if getattr(backend, "autocast", None) else weights
+        if backend.name == "vllm":
+            rollout = str(getattr(backend, "llm_kwargs", {}).get("dtype", "unknown"))
+        update = "autocast-bfloat16" if update_autocast else weights
+        return {"step": step, "event": "mismatch_setup", "backend": backend.name,
+                "rollout_precision": rollout, "update_precision": update}

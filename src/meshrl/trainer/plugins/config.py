@@ -1,0 +1,89 @@
+"""The ``plugins:`` config section, built from the registry, and its checks.
+
+``plugins.<name>`` is each registered plug-in's ``Config``; ``plugins.custom`` lists plug-ins from the user's own
+modules, ``[{path: "mypkg.mod:MyPlugin", <its Config keys>...}]``, imported when the config is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+from meshrl.settings import check_settings, section, setting
+from meshrl.trainer.plugins.base import REGISTRY, Plugin
+
+SEQUENCE_LEVEL_LOSSES = ("gspo",)  # one ratio and one advantage per sequence: no per-token selection
+
+
+def _enabled(self: Any) -> list[str]:
+    """Names of the built-in plug-ins this config turns on."""
+    return [name for name, cls in REGISTRY.items() if cls.is_enabled(getattr(self, name))]
+
+
+PluginsConfig = dataclasses.make_dataclass(
+    "PluginsConfig",
+    [(name, cls.Config, section(cls.Config, cls.summary or name)) for name, cls in REGISTRY.items()]
+    + [("custom", Any, setting(factory=list, help="plug-ins from your own modules: a list of {path: "
+                                                  "'pkg.module:Class', <the class's Config keys>}"))],
+    namespace={"enabled": _enabled, "__module__": __name__},
+)
+PluginsConfig.__doc__ = "One section per registered plug-in (docs/plugins.md), and ``custom``."
+
+
+def load_custom(entry: Any, where: str) -> tuple[type[Plugin], Any]:
+    """``(class, config)`` of one ``plugins.custom`` entry; ``ValueError`` naming ``where`` on anything wrong."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or ":" not in entry["path"]:
+        raise ValueError(f"{where} must be a mapping with path: 'package.module:Class', got {entry!r}")
+    module_name, _, attr = entry["path"].partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{where}.path {entry['path']!r}: cannot import it ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Plugin)) or not dataclasses.is_dataclass(cls.Config):
+        raise ValueError(f"{where}.path {entry['path']!r} is not a meshrl Plugin subclass with a Config dataclass")
+    options = {k: v for k, v in entry.items() if k != "path"}
+    known = {f.name for f in dataclasses.fields(cls.Config)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {[f'{where}.{k}' for k in unknown]}; known: {sorted(known)}")
+    return cls, cls.Config(**options)
+
+
+def _instances(plugins: Any) -> list[tuple[str, type[Plugin], Any]]:
+    """``(config key, class, config)`` of every built-in and custom plug-in, enabled or not."""
+    out = [(f"plugins.{name}", cls, getattr(plugins, name)) for name, cls in REGISTRY.items()]
+    if not isinstance(plugins.custom, list):
+        raise ValueError(f"plugins.custom must be a list of mappings, got {plugins.custom!r}")
+    for i, entry in enumerate(plugins.custom):
+        where = f"plugins.custom[{i}]"
+        cls, cfg = load_custom(entry, where)
+        out.append((where, cls, cfg))
+    return out
+
+
+def validate_plugins(plugins: Any, policy_loss_name: str, run_cfg: Any = None) -> None:
+    """Raise ``ValueError`` naming the ``plugins.*`` key of an invalid or incompatible setting."""
+    found = _instances(plugins)
+    bad = [(f"{key}.{k}", v) for key, _, cfg in found for k, v, _ in check_settings(cfg)]
+    if bad:
+        values = ", ".join(f"{k}={v!r}" for k, v in bad)
+        raise ValueError(f"invalid plug-in setting(s): {values} (see docs/plugins.md)")
+    for _, cls, cfg in found:  # also when off: a setting that is wrong stays wrong when the plug-in is turned on
+        cls.check(cfg, run_cfg)
+    on = [(key, cls, cfg) for key, cls, cfg in found if cls.is_enabled(cfg)]
+    names = {cls.name for _, cls, _ in on}
+    for key, cls, _ in on:
+        for other in cls.excludes:
+            if other in names:
+                raise ValueError(f"{key}.enabled and plugins.{other}.enabled exclude each other")
+    token_level = [key for key, cls, _ in on if cls.token_level]
+    if token_level and policy_loss_name in SEQUENCE_LEVEL_LOSSES:
+        raise ValueError(f"{token_level[0]}.enabled needs a token-level policy loss; the recipe's "
+                         f"policy_loss is {policy_loss_name!r} (one ratio per sequence): use gspo_token, ppo_clip "
+                         "or cispo")
+
+
+def plugins_need_reference(plugins: Any) -> bool:
+    """Whether an enabled plug-in scores rollouts under the frozen reference (the trainer then keeps one)."""
+    return any(getattr(cls, "needs_reference", False) and cls.is_enabled(cfg) for _, cls, cfg in _instances(plugins))

@@ -1,0 +1,270 @@
+"""Update engines: how the gradient of one mini-batch is computed, behind one interface.
+
+:class:`SerialEngine` is the plain path: micro-batch after micro-batch in this process, each one's loss
+(:class:`meshrl.trainer.loss.Objective`) weighted for exact gradient accumulation and backpropagated, with the
+Mesh balancing term's gradient kept apart. :class:`PartsEngine` only makes it faster on a CPU, with the same
+gradients up to float rounding (``tests/test_trainer_parallel.py``): each micro-batch is split by prompt over
+forked worker processes (:mod:`meshrl.trainer.parallel_update`), and rows whose advantage is 0 run a no-grad
+forward only, when their gradient is exactly zero. Whenever a step needs every row's logits or graph in this
+process (MEI collection, strategy balancing, a plug-in that uses whole-micro-batch statistics) it runs the
+serial path for that mini-batch. The trainer chooses the engine once per run (:func:`make_engine`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshrl.forkpool import WorkerDied
+from meshrl.trainer.loss import MiniBatchSizes, Objective, TokenValues, UpdateInputs
+from meshrl.trainer.parallel_update import Shard, UpdateWorkers, routed_experts, split_rows, update_worker_count
+from meshrl.trainer.rollout_step import StepData
+
+log = logging.getLogger("meshrl")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step's update computes besides the loss, decided before it starts (replaces mutable flags)."""
+
+    collect_mei: bool = False  # feed the MEI monitor from the first epoch's forward
+    balance: bool = False  # strategy-balancing weights are set this step (their term needs every row's graph)
+
+    def every_row_here(self, epoch: int, whole_micro_batches: bool) -> bool:
+        """Whether this epoch's micro-batches must run whole in this process."""
+        return (self.collect_mei and epoch == 0) or self.balance or whole_micro_batches
+
+
+class SerialEngine:
+    """Micro-batches one after another in this process."""
+
+    skip_zero = False  # every row runs its backward
+    started = False  # no worker processes
+
+    def __init__(self, objective: Objective, balance: Any, mei: Any) -> None:
+        self.objective, self.forward, self.balance, self.mei = objective, objective.forward, balance, mei
+
+    def serial(self, plan: StepPlan, epoch: int) -> bool:
+        """Whether a mini-batch of this epoch runs the serial path (always, here)."""
+        return True
+
+    def backward(self, rows: list[int], inputs: UpdateInputs, params: list[torch.nn.Parameter],
+                 stats: dict[str, float], plan: StepPlan, epoch: int) -> bool:
+        """Accumulate the gradient of mini-batch ``rows`` into ``.grad``; add its row-weighted metrics to
+        ``stats``. False when a loss or log-prob is not finite."""
+        sizes = MiniBatchSizes.of(rows, inputs.data)
+        on_logits = self.mei.add_logits if plan.collect_mei and epoch == 0 else None
+        balance_grads: list[torch.Tensor] | None = None
+        for idx, mb in self.forward.micro_batches(rows, inputs.data):
+            if mb.num_tokens == 0:
+                continue
+            result = self.objective.micro_loss(idx, mb, inputs, on_logits)
+            loss = self.objective.weighted(idx, mb, result, sizes) if result.finite else result.loss
+            if not result.finite or not torch.isfinite(loss):
+                return False
+            loss.backward(retain_graph=self.balance.paper_weights is not None)
+            if self.balance.paper_weights is not None:
+                balance_grads = self.balance.paper_grads(idx, result.seq_logp, params, balance_grads)
+            for k, v in result.stats.items():  # metrics: row-weighted mean over micro-batches
+                stats[k] += v * len(idx) / len(rows)
+        if self.balance.support_weights is not None:
+            balance_grads = self.balance.support_grads(rows, inputs.data, params, balance_grads)
+        if balance_grads is not None:
+            stats.update(self.balance.merge(params, balance_grads))
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class PartsEngine(SerialEngine):
+    """The serial engine's gradients, computed in parts: over forked CPU workers, and without the backward of rows
+    whose gradient is exactly zero (module docstring)."""
+
+    def __init__(self, objective: Objective, balance: Any, mei: Any, *, workers: int, skip_zero: bool,
+                 group_size: int) -> None:
+        super().__init__(objective, balance, mei)
+        self.workers_wanted, self.skip_zero, self.group_size = workers, skip_zero, group_size
+        self._workers: UpdateWorkers | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._workers is not None
+
+    def serial(self, plan: StepPlan, epoch: int) -> bool:
+        return plan.every_row_here(epoch, self.objective.plugins.whole_micro_batch)
+
+    def backward(self, rows: list[int], inputs: UpdateInputs, params: list[torch.nn.Parameter],
+                 stats: dict[str, float], plan: StepPlan, epoch: int) -> bool:
+        if self.serial(plan, epoch):
+            return super().backward(rows, inputs, params, stats, plan, epoch)
+        workers = self.workers(params)
+        if workers is not None or (self.skip_zero and bool((inputs.data.advantages[rows] == 0).any())):
+            try:
+                return self._parts_backward(workers, rows, inputs, stats)
+            except WorkerDied as err:  # e.g. the OOM killer took one: redo this mini-batch here, go on in one process
+                log.warning("update: %s; continuing in one process", err)
+                self.workers_wanted = 1
+                for p in params:
+                    p.grad = None
+                stats.clear()
+        return super().backward(rows, inputs, params, stats, plan, epoch)
+
+    def workers(self, params: list[torch.nn.Parameter]) -> UpdateWorkers | None:
+        """The worker processes (started on first use), or None when one process is configured or they could
+        not start."""
+        if self.workers_wanted < 2:
+            return None
+        model = self.forward.model
+        if self._workers is not None and not self._workers.usable(model, params):
+            self._workers.close()
+            self._workers = None
+        if self._workers is None:
+            try:
+                self._workers = UpdateWorkers(model, params, functools.partial(_remote_part, self), self.workers_wanted)
+            except (OSError, RuntimeError) as err:  # no fork, no shared memory (e.g. a tiny /dev/shm)
+                log.warning("update: no worker processes (%s); one process", err)
+                self.workers_wanted = 1
+                return None
+        return self._workers
+
+    def close(self) -> None:
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+
+    def _parts_backward(self, workers: UpdateWorkers | None, rows: list[int], inputs: UpdateInputs,
+                        stats: dict[str, float]) -> bool:
+        """Each micro-batch split by prompt over this process and ``workers`` (None: one part, here), every part
+        weighted as a micro-batch of its own; the metrics are computed here from the per-token values the parts
+        send back, as the serial path computes them."""
+        data, skip = inputs.data, self.skip_zero
+        sizes = MiniBatchSizes.of(rows, data)
+        keep = kept_row(rows, data) if skip else None
+        prompt_of = [tuple(p) for p in data.prompt_ids]
+        cost = [(len(p) // max(1, self.group_size) + len(r)) / (3 if skip and a == 0 else 1)
+                for p, r, a in zip(data.prompt_ids, data.response_ids, data.advantages.tolist(), strict=True)]
+        if workers is not None:
+            workers.begin()
+        for i in range(0, len(rows), self.forward.micro_batch_size):
+            idx = rows[i : i + self.forward.micro_batch_size]
+            parts = split_rows(idx, prompt_of, cost, workers.size) if workers is not None else [idx]
+            shards = [self._shard(part, inputs, sizes, keep) for part in parts[1:]]
+
+            def local(here: list[int] = parts[0]) -> tuple[bool, list[TokenValues]]:
+                return self.part_backward(here, [data.prompt_ids[j] for j in here],
+                                          [data.response_ids[j] for j in here], inputs, sizes,
+                                          here.index(keep) if keep in here else -1)
+
+            results = workers.map(local, shards) if workers is not None else [local()]
+            if not all(finite for finite, _ in results):
+                return False
+            values = {j: v for part, (_, part_values) in zip(parts, results, strict=True)
+                      for j, v in zip(part, part_values, strict=True)}
+            if not any(len(data.response_ids[j]) for j in idx):
+                continue
+            for k, v in self._micro_stats(idx, inputs, values).items():
+                stats[k] += v * len(idx) / len(rows)
+        if workers is not None:
+            workers.collect()
+        return True
+
+    def _shard(self, part: list[int], inputs: UpdateInputs, sizes: MiniBatchSizes, keep: int | None) -> Shard:
+        data, old, ref = inputs.data, inputs.old_logps, inputs.ref_logps
+        return Shard([data.prompt_ids[j] for j in part], [data.response_ids[j] for j in part],
+                     data.advantages[part].tolist(), None if old is None else [old[j].tolist() for j in part],
+                     None if ref is None else [ref[j].tolist() for j in part],
+                     (sizes.tokens, sizes.nonempty_rows, sizes.rows), self.skip_zero,
+                     part.index(keep) if keep in part else -1, inputs.step)
+
+    def part_backward(self, idx: list[int], prompts: list[list[int]], responses: list[list[int]],
+                      inputs: UpdateInputs, sizes: MiniBatchSizes, keep: int = -1) -> tuple[bool, list[TokenValues]]:
+        """Backward of one part; ``(finite, per-row (logp, entropy, js or None))`` for the metrics.
+
+        With the zero-advantage skip, non-empty rows with advantage 0 (except position ``keep``) run a no-grad
+        forward only: when the loss is the policy term alone their gradient is exactly zero (every registered
+        policy loss is ``A`` times a function of the clamped ratio). Their log-probs are checked as the policy
+        loss's input would be (a non-finite one makes the part non-finite: the step is skipped)."""
+        lengths = [len(r) for r in responses]
+        out: list[TokenValues] = [(torch.empty(0), torch.empty(0), None)] * len(idx)
+        zero = ({k for k, j in enumerate(idx)
+                 if lengths[k] > 0 and k != keep and float(inputs.data.advantages[j]) == 0.0}
+                if self.skip_zero else set())
+        finite = True
+        for grad in (True, False):
+            ks = [k for k in range(len(idx)) if lengths[k] > 0 and (k in zero) != grad]
+            if not ks:
+                continue
+            mb = self.forward.collate([prompts[k] for k in ks], [responses[k] for k in ks])
+            sub = [idx[k] for k in ks]
+            if grad:
+                result = self.objective.micro_loss(sub, mb, inputs)
+                loss = self.objective.weighted(sub, mb, result, sizes) if result.finite else result.loss
+                ok = result.finite and bool(torch.isfinite(loss))
+                if ok:
+                    loss.backward()
+                finite = finite and ok
+                logp, entropy, js = result.values
+            else:
+                logp, entropy = self.forward.response_terms(mb)
+                finite = finite and bool(torch.isfinite(logp).all())  # a NaN log-prob skips the step
+                js = None
+            for pos, k in enumerate(ks):
+                n = lengths[k]
+                out[k] = (logp[pos, :n], entropy[pos, :n], None if js is None else js[pos, :n])
+        return finite, out
+
+    def _micro_stats(self, idx: list[int], inputs: UpdateInputs, values: dict[int, TokenValues]) -> dict[str, float]:
+        """Metrics of micro-batch ``idx`` from its rows' per-token values (tensors, or lists from a worker)."""
+        lengths = [len(inputs.data.response_ids[j]) for j in idx]
+        width = max(1, *lengths)
+        mask = torch.zeros(len(idx), width)
+        cols = [torch.zeros(len(idx), width) for _ in range(3)]
+        has_js = any(values[j][2] is not None for j in idx)
+        for k, (j, n) in enumerate(zip(idx, lengths, strict=True)):
+            mask[k, :n] = 1.0
+            for c, v in zip(cols, values[j], strict=False):
+                if v is not None and n:
+                    c[k, :n] = torch.as_tensor(v)
+        with torch.no_grad():
+            _, mstats = self.objective.token_loss(idx, mask, inputs, cols[0], cols[1], cols[2] if has_js else None)
+        return mstats
+
+
+def _remote_part(engine: PartsEngine, shard: Shard) -> tuple[bool, list[tuple]]:
+    """An update worker's part (runs in the worker, on the engine it inherited at fork time)."""
+    local = StepData(advantages=torch.tensor(shard.advantages, dtype=torch.float32))
+    old = None if shard.old_logps is None else [torch.tensor(x) for x in shard.old_logps]
+    ref = None if shard.ref_logps is None else [torch.tensor(x) for x in shard.ref_logps]
+    finite, rows = engine.part_backward(list(range(len(shard.prompts))), shard.prompts, shard.responses,
+                                        UpdateInputs(local, old, ref, shard.step), MiniBatchSizes(*shard.totals),
+                                        shard.keep)
+    return finite, [tuple(None if x is None else x.tolist() for x in row) for row in rows]  # plain values for the pipe
+
+
+def kept_row(rows: list[int], data: Any) -> int | None:
+    """The row that keeps its backward when every non-empty row of the mini-batch has advantage 0 (the
+    shortest): its zero gradient reaches the parameters, so that AdamW steps them as it would without
+    skipping (a parameter with ``grad=None`` is not stepped at all). None when some row has a gradient."""
+    live = [j for j in rows if data.response_ids[j]]
+    if not live or any(float(data.advantages[j]) != 0.0 for j in live):
+        return None
+    return min(live, key=lambda j: (len(data.response_ids[j]), j))
+
+
+def make_engine(cfg: Any, recipe: Any, objective: Objective, balance: Any, mei: Any) -> SerialEngine:
+    """The run's engine: :class:`PartsEngine` when it can make the update faster (more than one CPU process, or
+    rows whose zero gradient can be skipped: only when the loss is the policy term alone and every row reaches
+    every parameter, not so with routed experts), else :class:`SerialEngine`."""
+    model = objective.forward.model
+    workers = update_worker_count(cfg.train.update_workers, model)
+    skip_zero = (cfg.train.skip_zero_advantage and recipe.kl_coef == 0 and recipe.js_coef == 0
+                 and not routed_experts(model))
+    if workers < 2 and not skip_zero:
+        return SerialEngine(objective, balance, mei)
+    return PartsEngine(objective, balance, mei, workers=workers, skip_zero=skip_zero,
+                       group_size=cfg.rollout.group_size)
