@@ -34,6 +34,7 @@ import torch
 
 import meshrl.testbed  # noqa: F401  (registers the testbed tasks)
 from meshrl.trainer import Trainer, load_config
+from meshrl.trainer.mismatch import unsampled_rows
 
 UPDATE_ARMS: dict[str, list[str]] = {
     "grpo": [],
@@ -72,15 +73,15 @@ def bench_updates(args, root: Path) -> tuple[dict[str, list[float]], dict[str, l
     cpu: dict[str, list[float]] = {name: [] for name in trainers}
     try:
         for rnd in range(args.rounds + 1):
-            data, _ = sampler.plugins.sample(sampler)
+            data, _ = sampler.plugins.sample(sampler.sampler, sampler.step_idx, sampler.cursor)
             order = list(trainers) if rnd % 2 == 0 else list(reversed(trainers))
             for name in order:
                 t = trainers[name]
                 batch = copy.deepcopy(data)
-                t.plugins.begin_mismatch(t, batch)  # what Trainer.step does before its update
+                t.mismatch.begin(batch, unsampled_rows(batch))  # what Trainer.step does before its update
                 t0, c0 = time.perf_counter(), time.process_time()
                 t.update(batch)
-                t.plugins.mismatch_metrics(t)
+                t.mismatch_metrics()
                 if rnd > 0:  # round 0 warms caches and forks the update workers
                     times[name].append(time.perf_counter() - t0)
                     cpu[name].append(time.process_time() - c0)

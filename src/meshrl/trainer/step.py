@@ -94,7 +94,7 @@ class Trainer:
         # 3. the update
         metrics = self.update(data, collect_mei) if len(data) else {"skipped/empty_batch": 1.0}
         # 4. diagnostics
-        metrics.update(self._mismatch_metrics())
+        metrics.update(self.mismatch_metrics())
         if collect_mei:
             mei_metrics, events = self.mei.finish(data, self.step_idx + 1)
             metrics.update(mei_metrics)
@@ -116,7 +116,7 @@ class Trainer:
         })
         return metrics
 
-    def _mismatch_metrics(self) -> dict[str, float]:
+    def mismatch_metrics(self) -> dict[str, float]:
         out = self.mismatch.finish()
         if out:
             event = self.mismatch.setup_event(self.backend, self.model, self.cfg.train.autocast_bf16,
