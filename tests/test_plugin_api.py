@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import pkgutil
 import sys
-import textwrap
 
 import pytest
 
