@@ -15,3 +15,11 @@ def gen() -> torch.Generator:
     """A CPU generator with a fixed seed; also reseeds the global RNG so a test is reproducible alone."""
     torch.manual_seed(0)
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def tiny_config():
+    """:func:`meshrl.testing.tiny_config`: the shared tiny run's config, ``tiny_config(*overrides, steps=2)``."""
+    from meshrl.testing import tiny_config
+
+    return tiny_config

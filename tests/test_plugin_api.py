@@ -10,13 +10,12 @@ import sys
 import pytest
 
 from meshrl.settings import iter_settings
+from meshrl.testing import TINY_RUN
 from meshrl.trainer import load_config, train
 from meshrl.trainer.plugins import REGISTRY, Plugin, PluginContext, PluginsConfig, Stage, TrainPlugins
 from meshrl.trainer.plugins import __path__ as PLUGINS_PATH
 
-TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.max_new_tokens=6", "train.micro_batch_size=16", "log.progress=false", "checkpoint.every=100",
-        "optim.lr=1e-3", "steps=2", "train.update_workers=1"]
+TINY = [*TINY_RUN, "steps=2", "train.update_workers=1"]
 SCALE_PLUGIN = '''
 from dataclasses import dataclass
 

@@ -13,14 +13,13 @@ from meshrl.algos import aggregate, ppo_clip_loss
 from meshrl.forkpool import fork_available
 from meshrl.models import encode_prompt, load_model
 from meshrl.rollout import SamplingParams, make_backend
+from meshrl.testing import TINY_RUN
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import collate, response_logits, token_logprobs
 from meshrl.trainer.loss import UpdateInputs
 from meshrl.trainer.runlog import read_jsonl
 
-TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.max_new_tokens=6", "train.micro_batch_size=16", "log.progress=false", "checkpoint.every=100",
-        "optim.lr=1e-3", "train.update_workers=1"]
+TINY = [*TINY_RUN, "train.update_workers=1"]
 
 
 @pytest.fixture(scope="module")

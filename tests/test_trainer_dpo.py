@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from meshrl.algos import dpo_loss
+from meshrl.testing import TINY_RUN
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_logprobs
 from meshrl.trainer.plugins.dpo import DpoConfig, dpo_row_weights, form_pairs
 from meshrl.trainer.update import StepPlan
 
-TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.max_new_tokens=6", "train.micro_batch_size=16", "log.progress=false", "checkpoint.every=100",
-        "optim.lr=1e-3"]
+TINY = list(TINY_RUN)
 # four groups of four: mixed, all correct (no pair), mixed, all wrong (no pair)
 SCORES = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 

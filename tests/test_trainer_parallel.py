@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from meshrl.forkpool import WorkerError, fork_available
+from meshrl.testing import TINY_RUN
 from meshrl.trainer import Trainer, load_config
 from meshrl.trainer.parallel_update import (
     Shard,
@@ -114,8 +115,8 @@ def test_workers_sum_gradients_and_leave_unreached_parameters_without_one():
         workers.close()
 
 
-TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.max_new_tokens=8", "log.progress=false", "optim.lr=1e-4"]
+# the shared tiny run with longer responses, a smaller step and the default micro-batch
+TINY = [*TINY_RUN, "rollout.max_new_tokens=8", "optim.lr=1e-4", "train.micro_batch_size=16"]
 
 
 def _trainer(tmp_path, name: str, *extra: str) -> Trainer:

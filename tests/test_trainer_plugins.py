@@ -19,6 +19,7 @@ from meshrl.algos import (
     topk_forward_kl,
 )
 from meshrl.forkpool import fork_available
+from meshrl.testing import TINY_RUN
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_entropy, token_logprobs
 from meshrl.trainer.loss import UpdateInputs
@@ -27,9 +28,7 @@ from meshrl.trainer.plugins.luffy import load_traces
 from meshrl.trainer.runlog import read_jsonl
 from meshrl.trainer.update import StepPlan
 
-TINY = ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.max_new_tokens=6", "train.micro_batch_size=16", "log.progress=false", "checkpoint.every=100",
-        "optim.lr=1e-3"]
+TINY = list(TINY_RUN)
 PLUGIN_METRIC = {
     "clip_cov": "clipcov/frac_tokens", "kl_cov": "klcov/penalty", "entropy_adv": "entadv/bonus_mean",
     "fork": "fork/frac_tokens", "m2po": "m2po/masked_frac",
