@@ -61,12 +61,6 @@ def test_missing_config_file_is_named(tmp_path):
         load_config(tmp_path / "absent.yaml")
 
 
-def test_every_range_check_states_what_it_allows():
-    from meshrl.trainer.config import RANGES
-
-    assert set(RANGES) == set(load_config()._range_checks())
-
-
 def test_set_into_a_commented_out_section(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("optim:\n  # lr: 1\n")

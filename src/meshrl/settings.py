@@ -59,10 +59,12 @@ def _num(x: float) -> str:
 
 
 def _within(value: Any, m: dict[str, Any]) -> bool:
+    if value is None:
+        return True  # null: unset (the fields that allow it say what it means); the type check is the loader's
     if m.get("choices") is not None:
         items = value if isinstance(value, list) else [value]
         return all(v in m["choices"] for v in items)
-    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return True  # bounds are for numbers; the type check is the loader's
     if isinstance(value, float) and math.isnan(value):
         return False

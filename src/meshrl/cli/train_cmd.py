@@ -32,6 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report-to", help="comma list of trackers: tensorboard,wandb,trackio")
     p.add_argument("--strict-rewards", action="store_true", help="abort on a reward-function error or timeout")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    p.add_argument("--help-config", action="store_true",
+                   help="print every config key (type, default, allowed values, help) and exit; with --markdown, "
+                        "the text of docs/config.md")
+    p.add_argument("--markdown", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -82,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
     from meshrl.trainer.failure import StalledRun
     from meshrl.trainer.signals import RunInterrupted
 
+    if args.help_config:
+        from meshrl.trainer.config import config_reference
+
+        sys.stdout.write(config_reference(markdown=args.markdown))
+        return 0
     if args.resume is not None:
         run_dir = args.resume
         if not run_dir.is_dir():

@@ -1,184 +1,239 @@
 """Training configuration: nested dataclasses, YAML files and ``--set key=value`` overrides.
 
+Every field is declared once with its default, help text and bounds (:func:`meshrl.settings.setting`); the range
+checks, ``docs/config.md`` and ``meshrl train --help-config`` come from those declarations (:func:`config_reference`).
 Unknown keys are errors that name the key (a typo must not silently fall back to a default).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from meshrl.algos import RECIPES, Recipe, recipe
+from meshrl.algos import ADVANTAGE_ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES, RECIPES, Recipe, recipe
+from meshrl.settings import check_settings, iter_settings, section, setting
 from meshrl.trainer.plugins import PluginsConfig, validate_plugins
 from meshrl.trainer.schedule import SCHEDULES
 
-
-@dataclass
-class RolloutConfig:
-    backend: str = "auto"  # auto: native when the model is Llama-family, else hf; or hf | native | vllm
-    prompts_per_step: int = 8  # distinct problems per step
-    group_size: int = 8  # G samples per problem
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    batch_size: int = 64  # prompts per generate call (memory bound)
-    decode_workers: int = 0  # native backend on CPU: decoders in parallel (0 = one per torch thread)
-    autocast_bf16: bool = False  # hf/native: sample under bf16 autocast (the update: train.autocast_bf16)
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    warmup_steps: int = 0  # linear warm-up over training steps
-    schedule: str = "constant"  # after warm-up: constant | linear | cosine (meshrl.trainer.schedule)
-    min_lr_ratio: float = 0.0  # linear / cosine end at lr * min_lr_ratio at the last step
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-
-
-@dataclass
-class TrainConfig:
-    ppo_epochs: int = 1  # passes over each step's rollouts
-    mini_batches: int = 1  # optimiser steps per epoch
-    micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation)
-    dtype: str = "float32"  # model weights
-    autocast_bf16: bool = False  # bf16 autocast for forward passes on CPU/GPU
-    share_prompts: bool = True  # run each distinct prompt once per micro-batch and reuse its KV cache
-    pack_responses: bool = True  # Llama-family: responses of one prompt packed into rows (block-diagonal mask)
-    length_buckets: int = 2  # otherwise: response-length groups per micro-batch, each padded to its longest
-    update_workers: int = 0  # CPU: processes sharing each micro-batch (0 = one per thread up to 16M trainable)
-    skip_zero_advantage: bool = True  # rows with advantage 0 run forward only when their gradient is exactly 0
-    lora_r: int = 0  # > 0 enables LoRA (peft) with this rank
-    lora_alpha: int = 16
-
-
-@dataclass
-class RewardConfig:
-    timeout_s: float = 5.0
-    strict: bool = False  # an error or timeout in a reward function aborts the run
-
-
-@dataclass
-class DynamicSamplingConfig:
-    max_rounds: int = 4  # generation rounds per step to refill the batch (DAPO)
-
-
-@dataclass
-class EvalDuringTrainConfig:
-    every: int = 0  # evaluate on the held-out split every E steps (0 = off); also at the last step
-    split: str = "eval"
-    n: int = 4  # samples per problem
-    limit: int = 64  # held-out problems (0 = all)
-    temperature: float = 1.0
-    max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 10
-    keep_last: int = 2
-
-
-@dataclass
-class LogConfig:
-    samples_per_step: int = 4  # rollouts written to samples.jsonl per step
-    report_to: list[str] = field(default_factory=list)  # tensorboard, wandb, trackio
-    progress: bool = True
-
-
-@dataclass
-class FailureConfig:
-    max_nonfinite: int = 3  # abort after this many consecutive non-finite steps
-    max_stalled: int = 3  # stop after this many steps in a row with zero gradient, non-zero advantages
-
-
-MESH_RECIPES = ("mesh", "cp_only")
 ROLLOUT_BACKENDS = ("auto", "hf", "native", "vllm")
 LR_SCHEDULES = SCHEDULES
 DTYPES = ("float32", "bfloat16")
 TRACKERS = ("tensorboard", "wandb", "trackio")
-# What each range check of RunConfig.validate allows, said in the error.
-RANGES = {
-    "steps": ">= 0", "rollout.group_size": ">= 1", "rollout.prompts_per_step": ">= 1",
-    "rollout.max_new_tokens": ">= 1", "rollout.temperature": ">= 0", "rollout.top_p": "in (0, 1]",
-    "rollout.batch_size": ">= 1", "rollout.decode_workers": ">= 0", "optim.lr": "> 0",
-    "optim.warmup_steps": ">= 0", "optim.min_lr_ratio": "in [0, 1]", "optim.weight_decay": ">= 0",
-    "optim.max_grad_norm": "> 0", "optim.beta1": "in [0, 1)", "optim.beta2": "in [0, 1)", "optim.eps": "> 0",
-    "train.ppo_epochs": ">= 1", "train.mini_batches": ">= 1", "train.micro_batch_size": ">= 1",
-    "train.length_buckets": ">= 1", "train.update_workers": ">= 0", "train.lora_r": ">= 0",
-    "train.lora_alpha": "> 0", "reward.timeout_s": "> 0", "dynamic_sampling.max_rounds": ">= 1",
-    "eval.every": ">= 0", "eval.n": ">= 1", "eval.limit": ">= 0", "eval.temperature": ">= 0",
-    "eval.max_new_tokens": ">= 0", "checkpoint.every": ">= 1", "checkpoint.keep_last": ">= 1",
-    "log.samples_per_step": ">= -1 (-1 = all)", "failure.max_nonfinite": ">= 1",
-    "failure.max_stalled": ">= 0 (0 = off)", "diag.mei.every": ">= 0",
-    "diag.mei.patience": ">= 1",
-}
+MESH_RECIPES = ("mesh", "cp_only")
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = setting("auto", choices=ROLLOUT_BACKENDS,
+                           help="sampler: native (meshrl's decode loop, Llama-family models), hf (transformers "
+                                "generate), vllm; auto = native when the model supports it, else hf")
+    prompts_per_step: int = setting(8, ge=1, help="distinct problems per step")
+    group_size: int = setting(8, ge=1, help="G: rollouts per problem (the GRPO group; Mesh splits it by prefix)")
+    max_new_tokens: int = setting(64, ge=1, help="response length limit in tokens; longer responses are truncated")
+    temperature: float = setting(1.0, ge=0, help="sampling temperature; the update's log-probs use the same one "
+                                                 "(0 = greedy, scored at temperature 1)")
+    top_p: float = setting(1.0, gt=0, le=1, help="nucleus sampling mass (1 = the whole distribution)")
+    batch_size: int = setting(64, ge=1, help="prompts per generate call (a memory bound)")
+    decode_workers: int = setting(0, ge=0, help="native backend on a CPU: decoder processes in parallel "
+                                                "(0 = one per torch thread)")
+    autocast_bf16: bool = setting(False, help="hf/native: sample under bf16 autocast (the update's precision is "
+                                              "train.autocast_bf16; the gap is logged as mismatch/*)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = setting(1e-5, gt=0, help="AdamW learning rate (peak, after warm-up)")
+    warmup_steps: int = setting(0, ge=0, help="linear warm-up over this many training steps")
+    schedule: str = setting("constant", choices=LR_SCHEDULES,
+                            help="after warm-up: constant, linear or cosine decay to lr * min_lr_ratio at the last "
+                                 "step (meshrl.trainer.schedule)")
+    min_lr_ratio: float = setting(0.0, ge=0, le=1, help="where linear and cosine end, as a share of lr")
+    weight_decay: float = setting(0.0, ge=0, help="AdamW weight decay (decoupled)")
+    max_grad_norm: float = setting(1.0, gt=0, help="clip the gradient's global L2 norm to this before each step")
+    beta1: float = setting(0.9, ge=0, lt=1, help="AdamW beta1")
+    beta2: float = setting(0.999, ge=0, lt=1, help="AdamW beta2")
+    eps: float = setting(1e-8, gt=0, help="AdamW epsilon")
+
+
+@dataclass
+class TrainConfig:
+    ppo_epochs: int = setting(1, ge=1, help="passes over each step's rollouts")
+    mini_batches: int = setting(1, ge=1, help="optimiser steps per epoch (1 with one epoch: on-policy, no old-"
+                                              "policy forward)")
+    micro_batch_size: int = setting(16, ge=1, help="sequences per forward/backward (gradient accumulation, exact "
+                                                   "for every aggregation mode)")
+    dtype: str = setting("float32", choices=DTYPES, help="model weights' dtype")
+    autocast_bf16: bool = setting(False, help="bf16 autocast for the update's forward passes")
+    share_prompts: bool = setting(True, help="run each distinct prompt once per micro-batch and share its KV "
+                                             "cache (same logits up to float rounding)")
+    pack_responses: bool = setting(True, help="Llama-family: pack the responses of one prompt into rows under a "
+                                              "block-diagonal mask")
+    length_buckets: int = setting(2, ge=1, help="other models: response-length groups per micro-batch, each "
+                                                "padded to its longest")
+    update_workers: int = setting(0, ge=0, help="CPU: processes sharing each micro-batch (0 = one per torch thread, "
+                                                "up to 16M trainable parameters; 1 = one process)")
+    skip_zero_advantage: bool = setting(True, help="rows with advantage 0 run forward only when their gradient is "
+                                                   "exactly 0 (the loss is the policy term alone)")
+    lora_r: int = setting(0, ge=0, help="LoRA rank (peft); 0 = full fine-tuning")
+    lora_alpha: int = setting(16, gt=0, help="LoRA alpha (the adapter's scale is alpha / r)")
+
+
+@dataclass
+class RewardConfig:
+    timeout_s: float = setting(5.0, gt=0, help="seconds a reward function may take per rollout (then reward 0, "
+                                               "counted)")
+    strict: bool = setting(False, help="an error or timeout in a reward function aborts the run instead of "
+                                       "scoring 0")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    max_rounds: int = setting(4, ge=1, help="DAPO: generation rounds per step to refill the groups filtered out")
+
+
+@dataclass
+class EvalDuringTrainConfig:
+    every: int = setting(0, ge=0, help="evaluate on the held-out split every E steps and at the last step "
+                                       "(0 = off)")
+    split: str = setting("eval", help="the task's split to evaluate on")
+    n: int = setting(4, ge=1, help="samples per held-out problem")
+    limit: int = setting(64, ge=0, help="held-out problems (0 = all)")
+    temperature: float = setting(1.0, ge=0, help="sampling temperature of the evaluation")
+    max_new_tokens: int = setting(0, ge=0, help="response limit of the evaluation (0 = rollout.max_new_tokens)")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = setting(10, ge=1, help="write a checkpoint every this many steps (and at the last step)")
+    keep_last: int = setting(2, ge=1, help="checkpoints kept (older ones pruned; best and final are named in "
+                                           "summary.json)")
+
+
+@dataclass
+class LogConfig:
+    samples_per_step: int = setting(4, ge=-1, help="rollouts written to samples.jsonl per step (-1 = all, e.g. for "
+                                                   "meshrl census)")
+    report_to: list[str] = setting(factory=list, choices=TRACKERS, help="trackers besides metrics.jsonl: "
+                                                                        "tensorboard, wandb, trackio")
+    progress: bool = setting(True, help="a progress bar on a terminal, plain lines otherwise")
+
+
+@dataclass
+class FailureConfig:
+    max_nonfinite: int = setting(3, ge=1, help="stop (with a checkpoint) after this many non-finite steps in a row")
+    max_stalled: int = setting(3, ge=0, help="stop after this many steps in a row with zero gradient and non-zero "
+                                             "advantages (0 = off)")
 
 
 @dataclass
 class MeshConfig:
     """Coach Prompting + Strategy-Balancing (recipes ``mesh`` and ``cp_only``; docs/method.md §1.3)."""
 
-    base: str = "grpo"  # the GRPO-family recipe underneath (the paper's Mesh is GRPO-based)
-    prefixes: str | None = None  # prefixes.jsonl from `meshrl coach`; None = the task's rule strategies
-    m: int = 4  # strategies (prefix groups) per query
-    placement: str = "system"  # "system" (as the paper's release) or "assistant" (masked prefix tokens)
-    template: str = "wrapped"  # "wrapped": the anti-hacking template; "plain": the prefix text alone
-    budget: str = "matched"  # "matched": m groups of G/m; "per_prefix": m groups of G
-    adv_unit: str = "prefix_group"  # advantage normalisation unit: "prefix_group" (release) or "query"
-    mu: float = 1e-5  # balancing strength (cp_only forces 0)
-    balance: str = "paper"  # "paper": KL(uniform||softmax(z - z_ref)) on conditioned logps; "support":
-    # meshrl's extension, one-sided on the unconditioned logps (meshrl.mesh.support)
-    bare_group: bool = False  # meshrl extension: one more group per query sampled WITHOUT a prefix, so the
-    # policy that runs at test time is trained too; matched budget: m + 1 groups of G/(m + 1)
-    bare_groups: int = 1  # prefix-free groups when bare_group is on (testbed round two: m = half the budget)
-    subtract_ref: bool = True  # r = z - z_ref (paper); False = the release variant without the reference
-    reduction: str = "mean"  # over queries: "mean" (all queries), "mean_active", "sum" (release)
+    base: str = setting("grpo", help="the GRPO-family recipe underneath (the paper's Mesh is GRPO-based)")
+    prefixes: str | None = setting(None, help="prefixes.jsonl from `meshrl coach`; null = the task's own rule "
+                                              "strategies")
+    m: int = setting(4, ge=1, help="strategies (prefix groups) per query")
+    placement: str = setting("system", choices=("system", "assistant"),
+                             help="system: the prefix in the system prompt (the paper's release); assistant: it "
+                                  "opens the assistant turn, outside every loss term")
+    template: str = setting("wrapped", choices=("wrapped", "plain"),
+                            help="wrapped: the anti-hacking template; plain: the prefix text alone (small models "
+                                 "trained on bare prefixes)")
+    budget: str = setting("matched", choices=("matched", "per_prefix"),
+                          help="matched: m groups of G/m (the baseline's rollouts); per_prefix: m groups of G")
+    adv_unit: str = setting("prefix_group", choices=("prefix_group", "query"),
+                            help="advantage normalisation unit: each prefix group (the release) or the whole query")
+    mu: float = setting(1e-5, ge=0, help="balancing strength (cp_only forces 0)")
+    balance: str = setting("paper", choices=("paper", "support"),
+                           help="paper: KL(uniform || softmax(z - z_ref)) on the conditioned log-probs; support: "
+                                "meshrl's one-sided extension on the unconditioned ones (meshrl.mesh.support)")
+    bare_group: bool = setting(False, help="also sample prefix-free groups, so the policy that runs at test time is "
+                                           "trained too (matched budget: m + bare_groups groups share G)")
+    bare_groups: int = setting(1, ge=1, help="prefix-free groups per query when bare_group is on")
+    subtract_ref: bool = setting(True, help="r = z - z_ref (the paper); false = the release variant without the "
+                                            "reference")
+    reduction: str = setting("mean", choices=("mean", "mean_active", "sum"),
+                             help="over queries: mean (all queries), mean_active, or sum (the release)")
 
 
 @dataclass
 class MeiConfig:
-    every: int = 0  # compute MEI every K steps (0 = off)
-    feature: str = "bias"  # bias | head
-    threshold: str | float | None = None  # a number, or threshold.json from `meshrl mei calibrate`
-    patience: int = 3  # warn when the batch MEI stays above the threshold this many steps
+    every: int = setting(0, ge=0, help="compute MEI every K steps from the update's own logits (0 = off)")
+    feature: str = setting("bias", choices=("bias", "head"),
+                           help="feature map: bias (online); head (offline: meshrl mei calibrate, census)")
+    threshold: str | float | None = setting(None, help="a number, or threshold.json from `meshrl mei calibrate`; "
+                                                       "null = no warning")
+    patience: int = setting(3, ge=1, help="warn when the batch MEI stays above the threshold this many checks")
 
 
 @dataclass
 class DiagConfig:
-    mei: MeiConfig = field(default_factory=MeiConfig)
+    mei: MeiConfig = section(MeiConfig, "the MEI early-warning index (docs/diagnostics.md)")
+
+
+ALGO_CHOICES = {"advantage": ADVANTAGE_ESTIMATORS, "policy_loss": POLICY_LOSSES, "loss_agg": AGG_MODES,
+                "kl_kind": KL_ESTIMATORS}  # registries: looked up when the config is checked
+
+
+@dataclass
+class AlgoConfig:
+    """Overrides of the recipe's fields (``meshrl.algos.Recipe``); null keeps the recipe's value."""
+
+    advantage: str | None = setting(None, help="advantage estimator (meshrl.algos registry): grpo, dr_grpo")
+    adv_scale: str | None = setting(None, choices=("std", "none"),
+                                    help="std: divide by the group's std (GRPO); none: mean-centred only (Dr. GRPO)")
+    policy_loss: str | None = setting(None, help="policy loss (meshrl.algos registry): ppo_clip, gspo, gspo_token, "
+                                                 "cispo")
+    clip_low: float | None = setting(None, ge=0, help="eps_low of the ratio clip (1 - eps_low)")
+    clip_high: float | None = setting(None, ge=0, help="eps_high of the ratio clip (1 + eps_high; DAPO's "
+                                                       "clip-higher: 0.28)")
+    clip_dual: float | None = setting(None, gt=1, help="dual-clip constant c for negative advantages (null = none)")
+    loss_agg: str | None = setting(None, help="aggregation: seq-mean-token-mean, token-mean, seq-mean-token-sum, "
+                                              "seq-mean-token-sum-norm, token-sum")
+    kl_coef: float | None = setting(None, ge=0, help="beta of KL(pi || pi_ref) in the loss (0 = no KL term)")
+    kl_kind: str | None = setting(None, help="KL estimator: k1, k2, k3, low_var_kl, ...")
+    js_coef: float | None = setting(None, ge=0, help="beta of JS(pi, pi_ref) in the loss (0 = none)")
+    js_mode: str | None = setting(None, choices=("exact", "sampled"),
+                                  help="exact: over the vocabulary; sampled: from the sampled tokens' log-probs")
+    dynamic_sampling: bool | None = setting(None, help="DAPO: drop groups whose rewards are all equal and refill")
+    overlong_shaping: bool | None = setting(None, help="DAPO's soft overlong punishment added to the reward")
+    overlong_cache_frac: float | None = setting(None, gt=0, le=1, help="L_cache / L_max of the overlong punishment")
+    overlong_factor: float | None = setting(None, ge=0, help="scale of the overlong punishment")
+
+    def overrides(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclass
 class RunConfig:
-    recipe: str = "grpo"
-    algo: dict[str, Any] = field(default_factory=dict)  # overrides of the recipe's fields
-    model: str = "tiny"
-    task: str = "tiny:repeat"
-    task_options: dict[str, Any] = field(default_factory=dict)
-    steps: int = 20
-    seed: int = 0
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    failure: FailureConfig = field(default_factory=FailureConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    eval: EvalDuringTrainConfig = field(default_factory=EvalDuringTrainConfig)
-    diag: DiagConfig = field(default_factory=DiagConfig)
-    plugins: PluginsConfig = field(default_factory=PluginsConfig)  # docs/plugins.md
+    recipe: str = setting("grpo", help="grpo, dr_grpo, grpo_kl, grpo_js, dapo, gspo, gspo_token, cispo, or mesh / "
+                                       "cp_only (with mesh.base underneath)")
+    algo: AlgoConfig = section(AlgoConfig, "the recipe's fields, overridden one by one (null: the recipe's value)")
+    model: str = setting("tiny", help="tiny, tiny:small, smollm2-135m, or a local Hugging Face directory")
+    task: str = setting("tiny:repeat", help="tiny:repeat, tiny:add, testbed:add, rg:NAME, jsonl:PATH?..., "
+                                            "parquet:PATH?..., math500, gsm8k (docs/training.md)")
+    task_options: dict[str, Any] = setting(factory=dict, help="keyword options of the task's constructor")
+    steps: int = setting(20, ge=0, help="total training steps (with --resume: continue to this total)")
+    seed: int = setting(0, help="seed of the weights' initialisation, the problem order and sampling")
+    rollout: RolloutConfig = section(RolloutConfig, "sampling the step's rollouts")
+    optim: OptimConfig = section(OptimConfig, "AdamW and the learning-rate schedule")
+    train: TrainConfig = section(TrainConfig, "the update: epochs, batches, precision, LoRA, speed paths")
+    reward: RewardConfig = section(RewardConfig, "running the reward functions")
+    dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig, "DAPO's dynamic sampling")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "checkpoints in RUN_DIR/checkpoints")
+    log: LogConfig = section(LogConfig, "records and trackers")
+    failure: FailureConfig = section(FailureConfig, "when a run stops itself")
+    mesh: MeshConfig = section(MeshConfig, "Mesh Learning (recipes mesh and cp_only; docs/mesh.md)")
+    eval: EvalDuringTrainConfig = section(EvalDuringTrainConfig, "held-out evaluation during training")
+    diag: DiagConfig = section(DiagConfig, "diagnostics during training")
+    plugins: PluginsConfig = section(PluginsConfig, "the reading list's techniques (docs/plugins.md)")
 
     @property
     def mesh_enabled(self) -> bool:
@@ -192,10 +247,11 @@ class RunConfig:
     def resolved_recipe(self) -> Recipe:
         """The recipe preset (``mesh.base`` for the Mesh recipes) with ``algo`` overrides applied."""
         base = self.mesh.base if self.mesh_enabled else self.recipe
-        return recipe(base).replace(**self.algo)
+        return recipe(base).replace(**self.algo.overrides())
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["algo"] = self.algo.overrides()  # only what was set: config.yaml reads as the overrides it records
         d["resolved_recipe"] = self.resolved_recipe().to_dict()
         if self.mesh_enabled:
             from meshrl.mesh.coach import COACH_PROMPT_VERSION, TEMPLATE_VERSION
@@ -210,86 +266,28 @@ class RunConfig:
             raise ValueError(f"unknown recipe {self.recipe!r}; known: {known}")
         if self.mesh_enabled and self.mesh.base in MESH_RECIPES:
             raise ValueError(f"mesh.base must be a base recipe, got {self.mesh.base!r}")
-        self.algo = _coerce_algo(self.algo)
-        self.resolved_recipe()  # unknown algo fields and bases raise here
-        self._validate_mesh()
-        self._validate_choices()
-        validate_plugins(self.plugins, self.resolved_recipe().policy_loss, self)
-        bad = [k for k, ok in self._range_checks().items() if not ok]
+        for key, registry in ALGO_CHOICES.items():
+            value = getattr(self.algo, key)
+            if value is not None and value not in registry:
+                raise ValueError(f"algo.{key}={value!r}; known: {', '.join(registry)}")
+        self.resolved_recipe()  # unknown bases raise here
+        bad = [(k, v, allowed) for k, v, allowed in check_settings(self) if not k.startswith("plugins.")]
         if bad:
-            raise ValueError(f"invalid config value(s): {', '.join(f'{k}={get_key(self, k)!r}' for k in bad)}"
-                             f" (allowed: {'; '.join(f'{k} {RANGES[k]}' for k in bad)})")
+            for key, value, allowed in bad:
+                if key == "log.report_to":
+                    unknown = next(t for t in value if t not in TRACKERS)
+                    raise ValueError(f"unknown --report-to target {unknown!r} (log.report_to); known: "
+                                     f"{', '.join(TRACKERS)}")
+                if allowed.startswith("one of "):
+                    raise ValueError(f"{key}={value!r}; known: {allowed.removeprefix('one of ')}")
+            raise ValueError(f"invalid config value(s): {', '.join(f'{k}={v!r}' for k, v, _ in bad)}"
+                             f" (allowed: {'; '.join(f'{k} {a}' for k, _, a in bad)})")
+        self._validate_mesh()
+        validate_plugins(self.plugins, self.resolved_recipe().policy_loss, self)
         return self
-
-    def _range_checks(self) -> dict[str, bool]:
-        r, o, t, e, m = self.rollout, self.optim, self.train, self.eval, self.diag.mei
-        return {
-            "steps": self.steps >= 0,
-            "rollout.group_size": r.group_size >= 1,
-            "rollout.prompts_per_step": r.prompts_per_step >= 1,
-            "rollout.max_new_tokens": r.max_new_tokens >= 1,
-            "rollout.temperature": r.temperature >= 0,
-            "rollout.top_p": 0 < r.top_p <= 1,
-            "rollout.batch_size": r.batch_size >= 1,
-            "rollout.decode_workers": r.decode_workers >= 0,
-            "optim.lr": o.lr > 0,
-            "optim.warmup_steps": o.warmup_steps >= 0,
-            "optim.min_lr_ratio": 0 <= o.min_lr_ratio <= 1,
-            "optim.weight_decay": o.weight_decay >= 0,
-            "optim.max_grad_norm": o.max_grad_norm > 0,
-            "optim.beta1": 0 <= o.beta1 < 1,
-            "optim.beta2": 0 <= o.beta2 < 1,
-            "optim.eps": o.eps > 0,
-            "train.ppo_epochs": t.ppo_epochs >= 1,
-            "train.mini_batches": t.mini_batches >= 1,
-            "train.micro_batch_size": t.micro_batch_size >= 1,
-            "train.length_buckets": t.length_buckets >= 1,
-            "train.update_workers": t.update_workers >= 0,
-            "train.lora_r": t.lora_r >= 0,
-            "train.lora_alpha": t.lora_alpha > 0,
-            "reward.timeout_s": self.reward.timeout_s > 0,
-            "dynamic_sampling.max_rounds": self.dynamic_sampling.max_rounds >= 1,
-            "eval.every": e.every >= 0,
-            "eval.n": e.n >= 1,
-            "eval.limit": e.limit >= 0,
-            "eval.temperature": e.temperature >= 0,
-            "eval.max_new_tokens": e.max_new_tokens >= 0,
-            "checkpoint.every": self.checkpoint.every >= 1,
-            "checkpoint.keep_last": self.checkpoint.keep_last >= 1,
-            "log.samples_per_step": self.log.samples_per_step >= -1,
-            "failure.max_nonfinite": self.failure.max_nonfinite >= 1,
-            "failure.max_stalled": self.failure.max_stalled >= 0,
-            "diag.mei.every": m.every >= 0,
-            "diag.mei.patience": m.patience >= 1,
-        }
-
-    def _validate_choices(self) -> None:
-        choices = {"rollout.backend": (self.rollout.backend, ROLLOUT_BACKENDS),
-                   "optim.schedule": (self.optim.schedule, LR_SCHEDULES),
-                   "train.dtype": (self.train.dtype, DTYPES)}
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ValueError(f"{key}={value!r}; known: {', '.join(allowed)}")
-        for target in self.log.report_to:
-            if target not in TRACKERS:
-                raise ValueError(f"unknown --report-to target {target!r} (log.report_to); known: {', '.join(TRACKERS)}")
 
     def _validate_mesh(self) -> None:
         m = self.mesh
-        choices = {"mesh.placement": (m.placement, ("system", "assistant")),
-                   "mesh.budget": (m.budget, ("matched", "per_prefix")),
-                   "mesh.template": (m.template, ("wrapped", "plain")),
-                   "mesh.balance": (m.balance, ("paper", "support")),
-                   "mesh.adv_unit": (m.adv_unit, ("prefix_group", "query")),
-                   "mesh.reduction": (m.reduction, ("mean", "mean_active", "sum")),
-                   "diag.mei.feature": (self.diag.mei.feature, ("bias", "head"))}
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ValueError(f"{key}={value!r}; known: {', '.join(allowed)}")
-        if m.m < 1 or m.mu < 0:
-            raise ValueError(f"mesh.m must be >= 1 and mesh.mu >= 0, got m={m.m} mu={m.mu}")
-        if m.bare_groups < 1:
-            raise ValueError(f"mesh.bare_groups must be >= 1, got {m.bare_groups}")
         groups = m.m + (m.bare_groups if m.bare_group else 0)
         if self.mesh_enabled and m.budget == "matched" and self.rollout.group_size % groups:
             extra = f" + {m.bare_groups} (mesh.bare_group)" if m.bare_group else ""
@@ -324,12 +322,6 @@ def _from_dict(cls: type, data: dict[str, Any] | None, where: str) -> Any:
         else:
             kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}")
     return cls(**kwargs)
-
-
-def _coerce_algo(algo: dict[str, Any]) -> dict[str, Any]:
-    """Type-check ``algo.*`` overrides against the :class:`Recipe` fields (unknown names raise later)."""
-    hints = get_type_hints(Recipe)
-    return {k: _coerce(v, hints[k], f"algo.{k}") if k in hints else v for k, v in algo.items()}
 
 
 def _describe(hint: Any) -> str:
@@ -508,3 +500,52 @@ def config_record(cfg: RunConfig, task: Any = None) -> dict[str, Any]:
     if task is not None:
         d["resolved_task"] = {"name": task.name, "reward_kind": task.reward_kind, "instruction": task.instruction}
     return d
+
+
+def config_reference(markdown: bool = False) -> str:
+    """Every config key with its type, default, bounds and help, from the declarations (``meshrl train
+    --help-config``; with ``markdown``, the text of ``docs/config.md``)."""
+    docs = [_with_registry(d) for d in iter_settings(RunConfig)]
+    if not markdown:
+        lines = []
+        for d in docs:
+            if d.is_section:
+                lines.append(f"\n[{d.key}]  {d.help}")
+            else:
+                bounds = f"  ({d.bounds})" if d.bounds else ""
+                lines.append(f"  {d.key}: {d.type} = {_shown(d.default)}{bounds}\n      {d.help}")
+        return "\n".join(lines).lstrip("\n") + "\n"
+    out = ["# Configuration reference", "",
+           "Every key of `meshrl train` (`--config FILE.yaml`, `--set key=value`), generated from the declarations in",
+           "`src/meshrl/trainer/config.py` and the plug-ins' files (`python scripts/gen_config_docs.py`; a test keeps",
+           "this page equal to them). `null` in a default means unset; bounds are checked when the config loads, and",
+           "an error names the key.", "", "## Top-level keys", "", *_TABLE_HEAD]
+    out += [_row(d) for d in docs if "." not in d.key and not d.is_section]
+    for d in docs:
+        if d.is_section:
+            out += ["", f"{'#' * min(d.key.count('.') + 2, 4)} `{d.key}`", "", d.help[:1].upper() + d.help[1:] + ".",
+                    "", *_TABLE_HEAD]
+        elif "." in d.key:
+            out.append(_row(d))
+    return "\n".join(out) + "\n"
+
+
+_TABLE_HEAD = ("| key | type | default | allowed | what it does |", "|---|---|---|---|---|")
+
+
+def _row(d: Any) -> str:
+    cells = [f"`{d.key}`", d.type.replace(" | ", " or ").replace("None", "null"), f"`{_shown(d.default)}`", d.bounds,
+             d.help]
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _with_registry(d: Any) -> Any:
+    """``algo`` keys whose values are registry names: the names registered now, as their bounds."""
+    name = d.key.removeprefix("algo.")
+    if d.key.startswith("algo.") and name in ALGO_CHOICES:
+        return dataclasses.replace(d, bounds="one of " + ", ".join(ALGO_CHOICES[name]))
+    return d
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else json.dumps(value) if isinstance(value, list | dict) else str(value)
