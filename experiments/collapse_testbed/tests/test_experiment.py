@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from meshrl.testbed.results import spearman
+from experiments.collapse_testbed.results import spearman
 from meshrl.testbed.signals import adjusted_rand_index, calibrated_threshold, first_crossing
 
 
@@ -49,8 +49,8 @@ def test_spearman_hand_values():
 
 @pytest.mark.slow
 def test_experiment_end_to_end_at_toy_size(tmp_path, monkeypatch):
-    from meshrl.cli import main as cli_main
-    from meshrl.testbed.experiment import ExperimentSettings, run_experiment
+    from experiments.collapse_testbed.cli import main as cli_main
+    from experiments.collapse_testbed.experiment import ExperimentSettings, run_experiment
 
     monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
     s = ExperimentSettings(steps=2, prompts_per_step=2, group_size=3, probe_every=1, probe_problems=3,
@@ -66,7 +66,7 @@ def test_experiment_end_to_end_at_toy_size(tmp_path, monkeypatch):
     assert [p["step"] for p in probes] == [0, 1, 2]
     assert {"mei/full", "ari/head@0.2", "true_max_mass", "ref_logp/min"} <= set(probes[0])
     assert not (out / "runs" / "mesh_mu1e-1" / "seed_0" / "probes.jsonl").exists()  # only baselines probed
-    assert cli_main(["experiment", "--out", str(out), "--summarize-only"]) == 0
+    assert cli_main(["--out", str(out), "--summarize-only"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert set(res["arms"]) == set(s.arms)
     assert set(res["paired_vs_grpo"]["mean"]) == {"mesh_mu1e-1", "support_mu1"}
@@ -77,9 +77,9 @@ def test_experiment_end_to_end_at_toy_size(tmp_path, monkeypatch):
     assert (out / "figures" / "testbed_final_by_type.png").is_file()
     # the compact pack rebuilds every table (the training rollouts replaced by the per-step series read from them)
     pack = tmp_path / "pack.json.gz"
-    assert cli_main(["experiment", "--out", str(out), "--summarize-only", "--pack", str(pack)]) == 0
+    assert cli_main(["--out", str(out), "--summarize-only", "--pack", str(pack)]) == 0
     again = tmp_path / "again"
-    assert cli_main(["experiment", "--out", str(again), "--summarize-only", "--unpack", str(pack)]) == 0
+    assert cli_main(["--out", str(again), "--summarize-only", "--unpack", str(pack)]) == 0
     res2 = json.loads((again / "results.json").read_text())
     for key in ("arms", "paired_vs_grpo", "warning", "warning_training", "mei_vs_truth", "outcomes", "checkpoints",
                 "compute", "separation", "curves", "coach_following", "partition"):
@@ -90,7 +90,7 @@ def test_experiment_end_to_end_at_toy_size(tmp_path, monkeypatch):
 
 
 def test_lead_summary_hand_case():
-    from meshrl.testbed.results import lead_summary
+    from experiments.collapse_testbed.results import lead_summary
 
     runs = [{"crossings": {"ev": 12, "a": 8, "b": None}}, {"crossings": {"ev": 8, "a": 10, "b": 4}},
             {"crossings": {"ev": None, "a": 4, "b": 4}}]

@@ -1,4 +1,4 @@
-"""Tables (markdown) and figures (PNG) of a testbed experiment's ``results.json`` (docs/testbed.md)."""
+"""Tables (markdown) and figures (PNG) of a testbed experiment's ``results.json`` (README.md, results.md)."""
 
 from __future__ import annotations
 
