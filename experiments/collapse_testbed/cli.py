@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the tables, write the compact per-run data (no weights, no training rollouts)")
     p.add_argument("--unpack", type=Path, default=None, metavar="FILE.json.gz",
                    help="first write a pack's files into --out (then use --summarize-only to rebuild the tables)")
+    p.add_argument("--tables-from", type=Path, default=None, metavar="RESULTS.json[.gz]",
+                   help="no runs: the tables (and figures) of a finished experiment's results.json, or of a pack "
+                   "that holds one, into --out")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -63,9 +66,10 @@ def settings_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from experiments.collapse_testbed.experiment import run_experiment
     from experiments.collapse_testbed.pack import pack_experiment, unpack_experiment
-    from experiments.collapse_testbed.report import plot_results, results_markdown
     from experiments.collapse_testbed.results import summarize_experiment
 
+    if args.tables_from is not None:
+        return write_tables(load_results(args.tables_from), args)
     if args.unpack is not None:
         unpack_experiment(args.unpack, args.out)
     if not args.summarize_only:
@@ -73,14 +77,44 @@ def run(args: argparse.Namespace) -> int:
     if not (args.out / "runs").is_dir():
         raise ValueError(f"no runs in {args.out}")
     res = summarize_experiment(args.out)
+    write_tables(res, args)
+    if args.pack is not None:
+        pack_experiment(args.out, args.pack)
+    return 0
+
+
+def write_tables(res: dict, args: argparse.Namespace) -> int:
+    """``results.md`` (and ``figures/`` unless ``--no-figures``) of ``res`` into ``--out``; print the tables."""
+    from experiments.collapse_testbed.report import plot_results, results_markdown
+
+    args.out.mkdir(parents=True, exist_ok=True)
     md = results_markdown(res)
     (args.out / "results.md").write_text(md + "\n")
     figures = [] if args.no_figures else plot_results(res, args.out / "figures")
-    if args.pack is not None:
-        pack_experiment(args.out, args.pack)
     print(md)
-    print(json.dumps({"results": str(args.out / "results.json"), "figures": [str(f) for f in figures]}, indent=1))
+    print(json.dumps({"results": str(args.out / "results.md"), "figures": [str(f) for f in figures]}, indent=1))
     return 0
+
+
+def load_results(path: Path) -> dict:
+    """A ``results.json`` object from ``path`` (plain or gzipped): the object itself, or the ``results.json``
+    entry of a pack (a JSON object of files)."""
+    import gzip
+
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a (gzipped) JSON file ({e})") from None
+    if isinstance(data, dict) and "results.json" in data:
+        data = data["results.json"]
+        data = json.loads(data) if isinstance(data, str) else data
+    if not isinstance(data, dict) or "arms" not in data:
+        raise ValueError(f"{path}: holds no experiment results (a results.json object with 'arms')")
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
