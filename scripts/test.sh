@@ -11,7 +11,7 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
 fi
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-ruff check src tests benchmarks
+ruff check src tests benchmarks experiments
 python -m pytest -q "$@"
 # The CI-sized demo end to end (warm start, three arms, evaluation, report); skipped when pytest args are given.
 if [ "$#" -eq 0 ]; then

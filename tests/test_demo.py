@@ -26,3 +26,18 @@ def test_demo_pipeline_at_toy_size(tmp_path, monkeypatch):
     assert {"fork_vs_grpo", "cp_only_vs_grpo", "mesh_vs_grpo"} <= set(summary["comparisons"])
     assert ARMS == ("grpo", "fork", "cp_only", "mesh")
     assert (tmp_path / "demo" / "demo_summary.json").is_file()
+
+
+def _summary(grpo_acc: float) -> dict:
+    row = {"eval": {"pass@1": 0.0}, "eval_by_type": {"low": {"pass@1": 0.0}}}
+    arms = {arm: row for arm in ARMS}
+    arms["grpo"] = {"eval": {"pass@1": grpo_acc}, "eval_by_type": {"low": {"pass@1": grpo_acc}}}
+    return {"settings": {"warm_steps": 120}, "final": {**arms, "warm_start": row}}
+
+
+def test_plumbing_note_only_when_no_policy_moved_from_the_warm_start():
+    from meshrl.testbed.demo import plumbing_note
+
+    note = plumbing_note(_summary(0.0))
+    assert note and "plumbing only" in note and "120 steps" in note
+    assert plumbing_note(_summary(0.25)) is None

@@ -343,3 +343,20 @@ def test_file_task_default_score_uses_grade(tmp_path):
     problem = task.problems()[0]
     assert task.score("so \\boxed{2}", problem) == 1.0
     assert task.score("so \\boxed{3}", problem) == 0.0
+
+
+def test_task_coaching_hooks_default_to_the_uncoached_behaviour():
+    """A task that knows nothing of coaching: a coached rollout keeps its score, and a guided response opens
+    with the coach prefix as its first line; the testbed overrides both."""
+    from meshrl.testbed import COACH_VARIANTS
+
+    class Plain(Task):
+        pass
+
+    problem = Problem(id="p", prompt="1+1", answer="2")
+    assert Plain().conditioned_score(0.75, "anything", problem, "Use a table.") == 0.75
+    assert Plain().response_opening(problem, "Use a table.") == "Use a table.\n"
+    testbed = load_task("testbed:add", follow=True)
+    p = testbed.problems("train")[0]
+    assert testbed.response_opening(p, COACH_VARIANTS["t"][0]) == "t:"
+    assert testbed.conditioned_score(1.0, "r: nonsense", p, COACH_VARIANTS["c"][0]) == 0.0

@@ -14,7 +14,6 @@ from meshrl.cli import (
     demo_cmd,
     doctor_cmd,
     eval_cmd,
-    experiment_cmd,
     export_cmd,
     mei_cmd,
     probe_cmd,
@@ -23,7 +22,7 @@ from meshrl.cli import (
     train_cmd,
 )
 
-COMMANDS = [demo_cmd, experiment_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd,
+COMMANDS = [demo_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd,
             census_cmd, probe_cmd, export_cmd, doctor_cmd]
 
 

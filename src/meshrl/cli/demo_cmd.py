@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "writes a report. "
                        "Re-running with the same --out reuses finished parts.")
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
-    p.add_argument("--quick", action="store_true", help="CI-sized version (about two minutes)")
+    p.add_argument("--quick", action="store_true",
+                   help="CI-sized plumbing check (about a minute): too little training for the policies to differ")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
@@ -23,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshrl.report import build_report
-    from meshrl.testbed.demo import run_demo, summary_markdown
+    from meshrl.testbed.demo import plumbing_note, run_demo, summary_markdown
 
     summary = run_demo(args.out, quick=args.quick, seed=args.seed, progress=not args.no_progress)
     paths = [Path(p) for p in summary["runs"].values()] + [Path(p) for p in summary["evals"].values()]
@@ -31,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
     md = summary_markdown(summary)
     (args.out / "results.md").write_text(md + "\n")
     print(md)
+    note = plumbing_note(summary)
+    if note:
+        print(note)
     print(json.dumps({"summary": str(args.out / "demo_summary.json"), "seconds": round(summary["seconds"], 1)}))
     print(f"report: {index}")
     return 0

@@ -2,7 +2,7 @@
 
 Why a variant. The paper's term (:func:`meshrl.mesh.strategy_balance_loss`) balances ``z_i``, the
 log-likelihood of strategy i's correct rollouts **under the coach prefix that produced them**. Two
-things follow, both measured on the testbed (docs/testbed.md):
+things follow, both measured on the testbed (experiments/collapse_testbed/results.md):
 
 1. The quantity it balances is not the one that collapses. At evaluation the policy runs without a
    prefix, and which strategy it picks there is ``pi(tau | Q)``, not ``pi(tau | Q, prefix_i)``; a

@@ -57,6 +57,17 @@ class Task:
 
     Subclasses set ``name``, ``reward_kind``, ``instruction`` and ``splits`` and implement
     :meth:`problems`; :meth:`score` defaults to ``meshrl.rewards.grade`` with ``reward_kind``.
+
+    Hooks the trainer calls for coached training (Mesh / CP, ``plugins.coach_guide``); the defaults keep a task
+    that knows nothing of coaching correct, and a task with labelled procedures (the collapse testbed,
+    ``docs/testbed.md``) overrides them:
+
+    * :meth:`coach_strategies`: the rule coach's prefixes for a problem (default ``None``: a model coach is needed).
+    * :meth:`label_strategy`: which known procedure a completion follows (default ``None``).
+    * :meth:`conditioned_score`: the reward of a rollout sampled under a coach prefix (default: its score,
+      unchanged), e.g. a reward that asks the rollout to follow its prefix.
+    * :meth:`response_opening`: the text a coach-guided response is forced to start with (default: the coach
+      prefix as the response's first line, ``prefix + "\\n"``).
     """
 
     name: str = "task"
@@ -88,6 +99,16 @@ class Task:
         (``meshrl coach --backend openai|hf``).
         """
         return None
+
+    def conditioned_score(self, score: float, completion: str, problem: Problem, prefix: str) -> float:
+        """The reward of ``completion``, sampled for ``problem`` under coach ``prefix`` and scored ``score`` by
+        :meth:`score`. Unconditioned rollouts are never passed here. Default: ``score`` unchanged."""
+        return score
+
+    def response_opening(self, problem: Problem, prefix: str) -> str:
+        """The text a coach-guided response (``plugins.coach_guide``, docs/plugins.md) is forced to start with
+        for coach ``prefix``. Default: the prefix as the response's first line."""
+        return f"{prefix}\n"
 
     def format_prompt(self, problem: Problem) -> str:
         """The user message: the problem prompt followed by the answer-format instruction."""

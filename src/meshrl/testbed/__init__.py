@@ -12,8 +12,11 @@ engine does not import the testbed; a command that wants the task imports ``mesh
 * :func:`warm_start`: a small built-in model taught all three procedures, cached on disk.
 * :func:`strategy_shares`, :func:`forced_accuracy`, :func:`coached_shares`: ground-truth shares, per-type
   forced accuracy, and how the model reacts to the rule coach's prefixes.
+* ``meshrl.testbed.runconfig``: the training and evaluation keys every testbed run shares; ``meshrl.testbed.demo``:
+  ``meshrl demo``.
 
-See ``docs/testbed_design.md``.
+Use: ``docs/testbed.md``; design: ``docs/testbed_design.md``. The experiments run on it live outside the package,
+in ``experiments/collapse_testbed/``.
 """
 
 from meshrl.testbed.audit import AUDIT_PRIOR, AUDIT_TYPES, AuditTestbed, audit_feasible, audit_type

@@ -16,16 +16,24 @@ from typing import Any
 
 log = logging.getLogger("meshrl")
 
-#: demo arm -> the experiment arm it runs (meshrl.testbed.experiment.ARMS); "mesh" is the paper's form, "fork" the
-#: best method the testbed found (forking-token training, plugins.fork: kept the niche in 3/3 + 5/5 seeds where GRPO
-#: kept it in 1/3 and 2/5, docs/testbed.md).
-DEMO_ARMS = {"grpo": "grpo", "fork": "grpo_fork", "cp_only": "cp_only", "mesh": "mesh_mu1e-5"}
+#: demo arm -> its ``meshrl train`` keys on top of :func:`meshrl.testbed.runconfig.base_overrides` (the same keys
+#: as the experiment arms grpo, grpo_fork, cp_only and mesh_mu1e-5 of experiments/collapse_testbed/arms.yaml).
+#: "mesh" is the paper's form, "fork" the best method the testbed found (forking-token training, plugins.fork:
+#: kept the niche in 3/3 + 5/5 seeds where GRPO kept it in 1/3 and 2/5, experiments/collapse_testbed/README.md).
+DEMO_ARMS: dict[str, list[str]] = {
+    "grpo": ["recipe=grpo"],
+    "fork": ["recipe=grpo", "plugins.fork.enabled=true"],
+    "cp_only": ["recipe=cp_only"],
+    "mesh": ["recipe=mesh", "mesh.mu=1e-5"],
+}
 ARMS = tuple(DEMO_ARMS)
 
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes of one demo; ``quick()`` is the CI-sized version (under two minutes on 2 cores)."""
+    """Sizes of one demo; ``quick()`` is the CI-sized version (about a minute on 2 cores). It checks the plumbing
+    only: a 120-step warm start solves almost nothing, so no arm gets a reward to learn from in 3 steps and every
+    row of its table is the warm start's (a 300-step warm start, twice the time, still left them identical)."""
 
     warm_steps: int = 700
     steps: int = 30
@@ -46,14 +54,11 @@ class DemoSettings:
 
 
 def arm_config(arm: str, model_path: Path, s: DemoSettings, seed: int, max_new_tokens: int):
-    """The run config of demo ``arm``: the experiment's shared base and arm overrides at the demo's sizes."""
-    from meshrl.testbed.experiment import ARMS as EXPERIMENT_ARMS
-    from meshrl.testbed.experiment import ExperimentSettings, base_overrides
+    """The run config of demo ``arm``: the testbed's shared base and the arm's keys at the demo's sizes."""
+    from meshrl.testbed.runconfig import base_overrides
     from meshrl.trainer import load_config
 
-    es = ExperimentSettings(steps=s.steps, prompts_per_step=s.prompts_per_step, group_size=s.group_size,
-                            lr=s.lr, ppo_epochs=s.ppo_epochs, mini_batches=s.mini_batches)
-    return load_config(overrides=[*base_overrides(es, model_path, max_new_tokens), *EXPERIMENT_ARMS[DEMO_ARMS[arm]],
+    return load_config(overrides=[*base_overrides(s, model_path, max_new_tokens), *DEMO_ARMS[arm],
                                   f"seed={seed}", "log.samples_per_step=4", "log.progress=true",
                                   f"checkpoint.every={max(s.steps, 1)}", "checkpoint.keep_last=1"])
 
@@ -66,7 +71,7 @@ def run_demo(out: Path, *, quick: bool = False, seed: int = 0, settings: DemoSet
     from meshrl.evaluation import run_eval
     from meshrl.evaluation.compare import compare_evals
     from meshrl.tasks import load_task
-    from meshrl.testbed.experiment import eval_config
+    from meshrl.testbed.runconfig import eval_config
     from meshrl.testbed.warm import warm_info, warm_start
     from meshrl.trainer import train
     from meshrl.trainer.checkpoint import latest_checkpoint
@@ -107,7 +112,7 @@ def run_demo(out: Path, *, quick: bool = False, seed: int = 0, settings: DemoSet
 def _final_table(runs: dict[str, Path], evals: dict[str, Path]) -> dict[str, Any]:
     """Per arm: last-step training figures (max strategy mass, MEI) and held-out results by type."""
     from meshrl.tasks import load_task
-    from meshrl.testbed.results import eval_shares
+    from meshrl.testbed.measure import eval_shares
     from meshrl.trainer.runlog import read_jsonl
 
     task = load_task("testbed:add")
@@ -138,3 +143,16 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                      + " | ".join("/".join(f"{sh[t][x]:.2f}" for x in ("c", "t", "r")) if t in sh else "–"
                                   for t in types) + " |")
     return "\n".join(lines)
+
+
+def plumbing_note(summary: dict[str, Any]) -> str | None:
+    """A plain warning when the table cannot compare the policies: every trained arm evaluated exactly like the
+    warm start (no arm got a gradient: the quick demo's warm start solves almost nothing). ``None`` otherwise."""
+    final = summary["final"]
+    rows = [(row["eval"], row["eval_by_type"]) for arm, row in final.items() if arm != "warm_start"]
+    if not rows or any(r != (final["warm_start"]["eval"], final["warm_start"]["eval_by_type"]) for r in rows):
+        return None
+    return ("note: every policy evaluated exactly like the warm start, so this table checks the plumbing only "
+            "(warm start, training, evaluation, report), not the methods: the warm start "
+            f"({summary['settings']['warm_steps']} steps) solves too few problems for any arm to get a reward to "
+            "learn from. `meshrl demo` without --quick (about 10 minutes) compares them.")

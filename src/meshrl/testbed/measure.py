@@ -10,9 +10,12 @@ Both sample with ``meshrl.rollout.make_backend("hf", model, tokenizer)``.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from meshrl.tasks import Problem
 from meshrl.testbed.traces import STRATEGIES
@@ -270,3 +273,30 @@ def coached_shares(model, tok, task, problems: Sequence[Problem], n: int = 4, te
         accuracy[strategy] = _mean([task.score(t, problems[i // n]) for i, t in enumerate(texts)])
     return CoachReport(n_problems=len(problems), n=n, placement=placement, template=template, follow=follow,
                        accuracy=accuracy)
+
+
+def eval_shares(eval_dir: Path, task) -> dict[str, Any]:
+    """Unconditioned strategy shares of the samples of the evaluation in ``eval_dir`` (``eval_samples.jsonl``,
+    labelled by ``task.label_strategy``), overall and per type, and the mean over problems of the per-problem
+    max share."""
+    from meshrl.trainer.runlog import read_jsonl
+
+    path = eval_dir / "eval_samples.jsonl"
+    rows = read_jsonl(path) if path.is_file() else []
+    names = tuple(task.strategies)
+    overall: Counter = Counter()
+    by_type: dict[str, Counter] = defaultdict(Counter)
+    per_problem: dict[str, Counter] = defaultdict(Counter)
+    for r in rows:
+        lab = task.label_strategy(r["completion"]) or OTHER
+        overall[lab] += 1
+        by_type[r.get("group", "?")][lab] += 1
+        per_problem[r["problem_id"]][lab] += 1
+
+    def shares(c: Counter) -> dict[str, float]:
+        n = sum(c.values())
+        return {s: c[s] / n for s in (*names, OTHER)} if n else {}
+
+    pmax = [max(c.values()) / sum(c.values()) for c in per_problem.values()]
+    return {"overall": shares(overall), "by_type": {t: shares(c) for t, c in sorted(by_type.items())},
+            "problem_max_mass": sum(pmax) / len(pmax) if pmax else math.nan}

@@ -120,7 +120,7 @@ def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps
             (:func:`coach_system_prompt`; ``wrapped`` is what the trainer's Mesh recipes use).
         mix: problem-type weights of the training data (default: the task's).
         threads: ``torch.set_num_threads`` during training (default ``min(4, cpu count)``; restored).
-        progress: show a rich progress bar.
+        progress: show progress on stderr (a rich bar on a terminal, plain lines otherwise).
         task: the task family (``FAMILIES``): ``testbed:add`` (procedures drawn uniformly) or
             ``testbed:audit`` (drawn from ``AUDIT_PRIOR``, which makes ``c`` rare).
         coach_variants: teach every phrasing of ``COACH_VARIANTS`` in the coach examples (drawn
@@ -284,7 +284,9 @@ def _optimise(model, data: _Examples, settings: dict[str, Any], *, progress: boo
     opt = torch.optim.AdamW(model.parameters(), lr=peak, betas=(0.9, 0.98), weight_decay=0.0)
     model.train()
     losses: list[float] = []
-    with _progress_bar(progress, steps) as advance:
+    from meshrl.progress import progress_bar
+
+    with progress_bar("testbed warm start", steps, progress and steps > 0) as advance:
         for step in range(steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, steps, peak)
@@ -303,30 +305,5 @@ def _optimise(model, data: _Examples, settings: dict[str, Any], *, progress: boo
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(total)
-            advance(total)
+            advance(description=f"loss {total:.3f}")
     return losses
-
-
-class _progress_bar:
-    """A rich bar (loss in the description) or a no-op; ``with ... as advance: advance(loss)``."""
-
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total, self.bar = enabled, total, None
-
-    def __enter__(self):
-        if self.enabled and self.total:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("testbed warm start"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(), transient=False)
-            self.bar.start()
-            self.task = self.bar.add_task("warm", total=self.total, loss="-")
-        return self._advance
-
-    def _advance(self, loss: float) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, advance=1, loss=f"{loss:.3f}")
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()

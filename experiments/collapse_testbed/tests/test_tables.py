@@ -1,4 +1,4 @@
-"""Round two of the testbed experiment (issue 16): the exact test, the variants, the second family, the tables."""
+"""The testbed experiments' tables (niche outcomes, checkpoints, separation), presets, resume guard and runner."""
 
 from __future__ import annotations
 
@@ -6,187 +6,16 @@ import json
 import math
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 import meshrl.testbed  # noqa: F401  (registers the testbed tasks)
 from meshrl.stats import fisher_exact
 from meshrl.tasks import load_task
-from meshrl.testbed.audit import AUDIT_BUDGET, audit_feasible, audit_pool, audit_type
-from meshrl.testbed.task import A_RANGE, B_RANGE, COACH_VARIANTS, applicable_prefixes, prefix_strategy
-from meshrl.testbed.traces import STRATEGIES, label_strategy, reference_trace
-
-TABLES = [[[5, 0], [1, 4]], [[4, 1], [2, 3]], [[0, 5], [0, 5]], [[3, 2], [3, 2]], [[8, 2], [1, 5]],
-          [[0, 3], [6, 1]], [[10, 0], [0, 10]], [[2, 7], [9, 1]], [[1, 0], [0, 0]], [[12, 5], [3, 9]]]
-
-
-@pytest.mark.parametrize("table", TABLES)
-@pytest.mark.parametrize("alternative", ["two-sided", "less", "greater"])
-def test_fisher_exact_matches_scipy(table, alternative):
-    scipy_stats = pytest.importorskip("scipy.stats")
-    ours = fisher_exact(table, alternative)
-    ref = scipy_stats.fisher_exact(table, alternative=alternative)
-    assert ours.p_value == pytest.approx(float(ref.pvalue), rel=1e-9, abs=1e-12)
-    a, b, c, d = table[0] + table[1]
-    if b * c:
-        assert ours.odds_ratio == pytest.approx(float(ref.statistic))
-
-
-def test_fisher_exact_hand_case_and_bad_input():
-    # [[5, 0], [0, 5]]: the observed table and its mirror are the only ones as extreme: 2 / C(10, 5) = 2 / 252.
-    assert fisher_exact([[5, 0], [0, 5]]).p_value == pytest.approx(2 / 252)
-    assert fisher_exact([[5, 0], [0, 5]], "greater").p_value == pytest.approx(1 / 252)
-    with pytest.raises(ValueError, match="2x2"):
-        fisher_exact([[1, 2, 3], [4, 5, 6]])
-    with pytest.raises(ValueError, match="non-negative integer"):
-        fisher_exact([[1, -1], [2, 3]])
-    with pytest.raises(ValueError, match="alternative"):
-        fisher_exact([[1, 1], [2, 3]], "both")
-
-
-def test_applicable_coach_proposes_only_procedures_that_fit():
-    from meshrl.mesh.coach.validate import PrefixRules, validate_strategies
-
-    task = load_task("testbed:add", coach="applicable", size=300, eval_size=0)
-    seen = set()
-    for p in task.problems("train"):
-        prefixes = task.coach_strategies(p)
-        named = [prefix_strategy(x) for x in prefixes]
-        assert set(named) <= task.feasible(p) and len(prefixes) == 3
-        assert validate_strategies([{"prefix": x} for x in prefixes], p.answer, PrefixRules(m=3)) == []
-        seen.add((p.meta["type"], tuple(named)))
-    assert ("carry", ("r", "r", "r")) in seen and ("decade", ("t", "t", "t")) in seen
-    # the default coach still names all three procedures, in STRATEGIES order
-    default = load_task("testbed:add", size=5, eval_size=0)
-    p = default.problems("train")[0]
-    assert [prefix_strategy(x) for x in default.coach_strategies(p)] == list(STRATEGIES)
-    assert applicable_prefixes({"c", "r"}) == [COACH_VARIANTS["c"][0], COACH_VARIANTS["r"][0], COACH_VARIANTS["c"][1]]
-    with pytest.raises(ValueError, match="no procedure"):
-        applicable_prefixes(set())
-    with pytest.raises(ValueError, match="coach must be"):
-        load_task("testbed:add", coach="oracle")
-
-
-def test_coach_following_reward():
-    task = load_task("testbed:add", follow=True, size=50, eval_size=0)
-    p = next(q for q in task.problems("train") if q.meta["type"] == "low" and q.meta["b"] % 10)
-    a, b = p.meta["a"], p.meta["b"]
-    col, rnd = reference_trace(a, b, "c"), reference_trace(a, b, "r")
-    assert task.score(col, p) == 1.0 and task.score(rnd, p) == 1.0  # both fit a low problem
-    assert task.conditioned_score(1.0, col, p, COACH_VARIANTS["c"][0]) == 1.0
-    assert task.conditioned_score(1.0, rnd, p, COACH_VARIANTS["c"][0]) == 0.0  # abandoned its prefix
-    assert task.conditioned_score(1.0, rnd, p, COACH_VARIANTS["r"][2]) == 1.0  # a rephrased prefix counts
-    assert task.conditioned_score(0.0, col, p, COACH_VARIANTS["c"][0]) == 0.0
-    plain = load_task("testbed:add", size=50, eval_size=0)
-    assert plain.conditioned_score(1.0, rnd, p, COACH_VARIANTS["c"][0]) == 1.0  # off by default
-    with pytest.raises(ValueError, match="follow must be"):
-        load_task("testbed:add", follow="false")
-
-
-def test_audit_family_niche_holds_for_every_pair():
-    task = load_task("testbed:audit", size=10, eval_size=10)
-    counts = {"plain": 0, "carry": 0}
-    for a in A_RANGE:
-        for b in B_RANGE:
-            kind = audit_type(a, b)
-            counts[kind] += 1
-            problem = SimpleNamespace(answer=str(a + b), meta={"a": a, "b": b, "type": kind})
-            scoring = {s for s in STRATEGIES if task.score(reference_trace(a, b, s), problem) == 1.0}
-            assert scoring == audit_feasible(a, b)
-            assert all(len(reference_trace(a, b, s)) <= AUDIT_BUDGET for s in STRATEGIES)
-    assert counts["carry"] > 0 and counts["plain"] > 0
-    # c is the longest procedure on every carry problem
-    assert all(len(reference_trace(a, b, "c")) >= len(reference_trace(a, b, "r"))
-               for a, b in audit_pool(False)["carry"][:2000])
-    train, held = set(audit_pool(False)["carry"]), set(audit_pool(True)["carry"])
-    assert not train & held
-    p = next(q for q in task.problems("eval") if q.meta["type"] == "carry")
-    a, b = p.meta["a"], p.meta["b"]
-    assert task.score(reference_trace(a, b, "r"), p) == 0.0 and task.score(reference_trace(a, b, "c"), p) == 1.0
-    assert all(label_strategy(reference_trace(a, b, s)) == s for s in STRATEGIES)  # the parser labels it
-    assert [prefix_strategy(x) for x in load_task("testbed:audit", coach="applicable", size=5).coach_strategies(p)] \
-        == ["c", "c", "c"]
-    assert task.max_new_tokens == AUDIT_BUDGET + 1 and task.headline_niche == "carry"
-    with pytest.raises(ValueError, match="unknown option"):
-        load_task("testbed:audit", reward="answer")
-
-
-def test_warm_settings_per_family_keep_the_default_cache_name():
-    from meshrl.testbed.warm import _Examples, settings_hash, warm_settings
-
-    kw = {"seed": 0, "steps": 700, "preset": "tiny:small", "batch_size": 64, "lr": 3e-3, "coach_fraction": 0.06}
-    assert settings_hash(warm_settings(**kw)) == "134e5de0d2f0"  # the default warm start's cache name (round one)
-    audit = warm_settings(**kw, task="testbed:audit")
-    assert audit["prior"]["c"] == 0.1 and audit["budget"] == AUDIT_BUDGET and settings_hash(audit) != "134e5de0d2f0"
-    assert "coach_variants" in warm_settings(**kw, coach_variants=True)
-    with pytest.raises(ValueError, match="unknown task family"):
-        warm_settings(**kw, task="testbed:mul")
-    from meshrl.models import build_tiny
-
-    _, tok = build_tiny("tiny:small", seed=0)
-    data = _Examples(tok, {**audit, "batch_size": 400})
-    tags = [tok.decode(r[1][:1]) for r in data._rows(400, None)]
-    assert 0.04 < tags.count("c") / len(tags) < 0.18  # c is the rare procedure of the audit warm start
-    variants = _Examples(tok, {**warm_settings(**kw, coach_variants=True), "batch_size": 8})
-    assert len(variants.systems["r", "plain"]) == 3
-
-
-def _step(cfg, task, prefixes, texts_for):
-    """A RolloutStep over a fake backend that answers each prompt with ``texts_for(problem, strategy)``."""
-    from meshrl.trainer.rollout_step import ProblemSampler, PromptBudget, RolloutStep
-
-    step = RolloutStep.__new__(RolloutStep)
-    step.task, step.problems, step.cfg, step.prefixes = task, task.problems("train"), cfg, prefixes
-    step.budget = PromptBudget(None, cfg.rollout.max_new_tokens)  # the fake model has no position limit
-    step.sampler = ProblemSampler(len(step.problems), cfg.seed)
-    step.prompt_ids = lambda problem, k=-1: [k + 2]
-    step.rewards = lambda texts, problems: [task.score(t, p) for t, p in zip(texts, problems, strict=True)]
-
-    class Backend:
-        def generate(self, prompts, params, seed):
-            rows = [(i, k) for i, k in enumerate(prompts) for _ in range(params.n)]
-            arms = step._arms_cache
-            texts = [texts_for(step._chosen[arms[i][0]], arms[i][1]) for i, _ in rows]
-            return SimpleNamespace(prompt_index=[i for i, _ in rows], prompt_ids=[[0]] * len(rows),
-                                   response_ids=[[1]] * len(rows), texts=texts, truncated=[False] * len(rows),
-                                   engine_logprobs=None)
-
-    original = step._arms
-
-    def arms(chosen):
-        out = original(chosen)
-        step._arms_cache, step._chosen = out[0], chosen
-        return out
-
-    step._arms, step.backend = arms, Backend()
-    return step
-
-
-def test_trainer_hooks_bare_groups_and_conditioned_score():
-    from meshrl.trainer import load_config
-
-    task = load_task("testbed:add", follow=True, size=20, eval_size=0)
-    prefixes = {p.id: task.coach_strategies(p) for p in task.problems("train")}
-    cfg = load_config(overrides=["recipe=mesh", "task=testbed:add", "rollout.group_size=12", "mesh.m=3",
-                                 "mesh.bare_group=true", "mesh.bare_groups=3", "rollout.prompts_per_step=2"])
-    # every rollout writes the round-and-adjust trace: correct on low/carry problems whatever its prefix
-    step = _step(cfg, task, prefixes, lambda p, k: reference_trace(p.meta["a"], p.meta["b"], "r"))
-    data, _ = step._sample(0, 2, seed=0)
-    assert len(data) == 24 and data.strategy_ids.count(-1) == 12  # half the budget prefix-free
-    assert {data.strategy_ids.count(k) for k in range(3)} == {4}
-    for score, k, p in zip(data.scores, data.strategy_ids, data.problems, strict=True):
-        fits = "r" in task.feasible(p)
-        assert score == (1.0 if fits and k in (-1, 2) else 0.0)  # only prefix 2 (r) and bare rollouts keep it
-    with pytest.raises(ValueError, match="bare_groups"):
-        load_config(overrides=["recipe=mesh", "mesh.bare_group=true", "mesh.bare_groups=0"])
-    with pytest.raises(ValueError, match=r"\+ 2 \(mesh.bare_group\)"):
-        load_config(overrides=["recipe=mesh", "mesh.m=3", "mesh.bare_group=true", "mesh.bare_groups=2",
-                               "rollout.group_size=12"])
 
 
 def test_niche_outcomes_and_bar():
-    from meshrl.testbed.round2 import niche_outcomes
+    from experiments.collapse_testbed.tables import niche_outcomes
 
     def arm(niches, acc, passk):
         return {"acc": acc, "pass@8": passk, "per_seed": [{"seed": i, "acc/decade": v} for i, v in enumerate(niches)]}
@@ -210,7 +39,7 @@ def _fake_eval(path, acc, by):
 
 
 def test_checkpoint_table_final_vs_best(tmp_path):
-    from meshrl.testbed.round2 import checkpoint_table
+    from experiments.collapse_testbed.tables import checkpoint_table
 
     run = tmp_path / "runs" / "grpo" / "seed_0"
     _fake_eval(run / "eval", 0.6, {"low": 0.9, "carry": 0.8, "decade": 0.0})
@@ -230,7 +59,7 @@ def test_checkpoint_table_final_vs_best(tmp_path):
     assert row["by_step"][8] == {"acc": pytest.approx(0.6), "niche": pytest.approx(0.4), "seeds": 2}
     assert row["by_step"][24] == {"acc": 0.6, "niche": 0.0, "seeds": 1}
     assert row["worst_acc"] == pytest.approx(0.5) and row["worst_step"] == 20.0  # seed 1's trough: step 16
-    from meshrl.report.testbed import checkpoints_markdown
+    from experiments.collapse_testbed.report import checkpoints_markdown
 
     md = checkpoints_markdown({"checkpoints": json.loads(json.dumps({"grpo": row})),
                                "outcomes": {"headline_niche": "decade"}})
@@ -238,7 +67,7 @@ def test_checkpoint_table_final_vs_best(tmp_path):
 
 
 def test_signal_separation_hand_case():
-    from meshrl.testbed.round2 import signal_separation
+    from experiments.collapse_testbed.tables import signal_separation
 
     fall = "decade accuracy < 0.1"
     runs = [{"arm": "grpo", "seed": s, "crossings": {"entropy": e, "mei": m, fall: f}}
@@ -255,16 +84,17 @@ def test_signal_separation_hand_case():
 
 
 def test_experiment_presets_and_resume_guard(tmp_path):
-    from meshrl.testbed.experiment import (
+    from experiments.collapse_testbed.experiment import (
         ARMS,
-        ROUND1_ARMS,
-        ROUND2_ARMS,
+        PRESETS,
         ExperimentSettings,
         check_resumable,
         checkpoint_overrides,
         preset_settings,
     )
 
+    ROUND1_ARMS, ROUND2_ARMS = PRESETS["round1"]["arms"], PRESETS["round2"]["arms"]
+    assert isinstance(ROUND1_ARMS, tuple) and ExperimentSettings().arms == ROUND2_ARMS  # the default preset
     r2 = preset_settings("round2")
     assert len(r2.seeds) >= 5 and r2.arms == ROUND2_ARMS and set(ROUND2_ARMS) <= set(ARMS)
     assert {"grpo_g36", "mesh_pp_mu1e-5", "mesh_applicable", "mesh_follow", "support_bare_half_mu1e-1"} <= set(r2.arms)
@@ -291,9 +121,9 @@ def test_experiment_presets_and_resume_guard(tmp_path):
 
 
 @pytest.mark.slow
-def test_round_two_end_to_end_at_toy_size(tmp_path, monkeypatch):
-    from meshrl.cli import main as cli_main
-    from meshrl.testbed.experiment import ExperimentSettings, run_experiment
+def test_second_experiment_end_to_end_at_toy_size(tmp_path, monkeypatch):
+    from experiments.collapse_testbed.cli import main as cli_main
+    from experiments.collapse_testbed.experiment import ExperimentSettings, run_experiment
 
     monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
     s = ExperimentSettings(steps=2, prompts_per_step=2, group_size=6, probe_every=1, probe_problems=3,
@@ -313,7 +143,7 @@ def test_round_two_end_to_end_at_toy_size(tmp_path, monkeypatch):
     prefixes = [json.loads(x) for x in (out / "runs" / "cp_bare_half" / "seed_0" / "samples.jsonl").read_text()
                 .splitlines()]
     assert sum(r["strategy"] == -1 for r in prefixes if r["step"] == 1) == 6  # half the step's rollouts
-    assert cli_main(["experiment", "--out", str(out), "--summarize-only"]) == 0
+    assert cli_main(["--out", str(out), "--summarize-only"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert set(res["outcomes"]["arms"]) == set(s.arms) and res["outcomes"]["arms"]["grpo"]["seeds"] == 2
     assert set(res["checkpoints"]) == set(s.arms) and res["compute"]["grpo_g36"]["rollouts_mean"] == 144.0
@@ -327,8 +157,8 @@ def test_round_two_end_to_end_at_toy_size(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_audit_family_experiment_at_toy_size(tmp_path, monkeypatch):
-    from meshrl.testbed.experiment import ExperimentSettings, run_experiment
-    from meshrl.testbed.results import summarize_experiment
+    from experiments.collapse_testbed.experiment import ExperimentSettings, run_experiment
+    from experiments.collapse_testbed.results import summarize_experiment
     from meshrl.testbed.warm import warm_info
 
     monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
@@ -349,7 +179,7 @@ def test_audit_family_experiment_at_toy_size(tmp_path, monkeypatch):
 
 
 def test_prefix_procedures_follow_the_arms_coach(tmp_path):
-    from meshrl.testbed.round2 import arm_task_options, prefix_procedures
+    from experiments.collapse_testbed.tables import arm_task_options, prefix_procedures
 
     assert arm_task_options("mesh_applicable_follow") == {"coach": "applicable", "follow": True}
     assert arm_task_options("grpo") == {} and prefix_procedures(tmp_path, "mesh_mu1e-5", 0) == {}
@@ -362,7 +192,7 @@ def test_prefix_procedures_follow_the_arms_coach(tmp_path):
 
 
 def test_experiment_settings_keep_earlier_arms_and_the_directory_is_locked(tmp_path):
-    from meshrl.testbed.experiment import ExperimentSettings, experiment_lock, write_settings
+    from experiments.collapse_testbed.experiment import ExperimentSettings, experiment_lock, write_settings
 
     write_settings(tmp_path, ExperimentSettings(arms=("grpo", "cp_pp"), seeds=(0, 1), probe_arms=("grpo",)),
                    Path("/warm"))
@@ -381,7 +211,7 @@ def test_experiment_settings_keep_earlier_arms_and_the_directory_is_locked(tmp_p
 def test_a_finished_run_is_never_retrained(tmp_path):
     """A run with done.json (finished, or unpacked from a pack without checkpoints) is skipped whole: the
     checkpoint test alone would see no checkpoint and train it again over its own files."""
-    from meshrl.testbed.experiment import ExperimentSettings, _job
+    from experiments.collapse_testbed.experiment import ExperimentSettings, _job
 
     run_dir = tmp_path / "runs" / "grpo" / "seed_0"
     run_dir.mkdir(parents=True)
@@ -395,7 +225,7 @@ def test_a_finished_run_is_never_retrained(tmp_path):
 def test_every_experiment_arm_is_a_valid_train_config(tmp_path):
     """Each arm, on top of the experiment's shared overrides, passes the trainer's validation (the matched
     budget's divisibility, the coach_guide prerequisites, the plug-ins' settings) before any run starts."""
-    from meshrl.testbed.experiment import ARMS, ExperimentSettings, base_overrides
+    from experiments.collapse_testbed.experiment import ARMS, ExperimentSettings, base_overrides
     from meshrl.trainer.config import load_config
 
     s = ExperimentSettings()
@@ -404,3 +234,43 @@ def test_every_experiment_arm_is_a_valid_train_config(tmp_path):
         assert cfg.steps == s.steps, arm
     guided = load_config(overrides=[*base_overrides(s, tmp_path, 24), *ARMS["guide_all_log"]])
     assert guided.plugins.coach_guide.shape == "log" and not guided.mesh.bare_group
+
+
+def test_arm_and_preset_files_are_checked(tmp_path):
+    from experiments.collapse_testbed.experiment import ARMS, load_arms, load_presets
+
+    assert list(ARMS)[:2] == ["grpo", "dapo"] and ARMS["mesh_mu1e-5"] == ["recipe=mesh", "mesh.mu=1e-5"]
+    bad = tmp_path / "arms.yaml"
+    bad.write_text("grpo: [recipe=grpo]\nbroken: [recipe=grpo\n")
+    with pytest.raises(ValueError, match=r"arms.yaml, line \d+: not valid YAML"):
+        load_arms(bad)
+    bad.write_text("grpo: recipe=grpo\n")
+    with pytest.raises(ValueError, match="arm 'grpo' must be a list of key=value"):
+        load_arms(bad)
+    presets = tmp_path / "presets.yaml"
+    presets.write_text("mine:\n  arms: [grpo, nope]\n")
+    with pytest.raises(ValueError, match=r"preset 'mine': arms has unknown arm\(s\) \['nope'\]"):
+        load_presets(ARMS, presets)
+    presets.write_text("mine:\n  stepz: 3\n")
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['stepz'\]"):
+        load_presets(ARMS, presets)
+    presets.write_text("mine:\n  arms: [grpo]\n  seeds: [3]\n")
+    assert load_presets(ARMS, presets) == {"mine": {"arms": ("grpo",), "seeds": (3,)}}
+
+
+def test_demo_arms_are_the_experiment_arms(tmp_path):
+    """``meshrl demo`` keeps its own arm list inside the package; it must train exactly the experiment's arms."""
+    from experiments.collapse_testbed.experiment import ARMS, ExperimentSettings, base_overrides
+    from meshrl.testbed.demo import DEMO_ARMS, DemoSettings, arm_config
+    from meshrl.trainer import load_config
+
+    same = {"grpo": "grpo", "fork": "grpo_fork", "cp_only": "cp_only", "mesh": "mesh_mu1e-5"}
+    assert list(DEMO_ARMS) == list(same)
+    for s in (DemoSettings(), DemoSettings.quick()):
+        es = ExperimentSettings(steps=s.steps, prompts_per_step=s.prompts_per_step, group_size=s.group_size,
+                                lr=s.lr, ppo_epochs=s.ppo_epochs, mini_batches=s.mini_batches)
+        for demo_arm, arm in same.items():
+            want = load_config(overrides=[*base_overrides(es, tmp_path, 30), *ARMS[arm], "seed=3",
+                                          "log.samples_per_step=4", "log.progress=true",
+                                          f"checkpoint.every={max(s.steps, 1)}", "checkpoint.keep_last=1"])
+            assert arm_config(demo_arm, tmp_path, s, 3, 30) == want

@@ -5,13 +5,11 @@ held-out problems (pass@k, by problem type), evaluates every kept checkpoint on 
 (``ckpt_eval``: final vs best checkpoint), and for the probed arms probes every checkpoint with
 :func:`meshrl.testbed.signals.probe_signals` (the warning-signal data). Runs go ``workers`` at a time
 (one thread each) and everything is resumable: a finished run, evaluation or probe is never redone.
-``summarize_experiment(out)`` reads it all back into ``results.json`` (see ``docs/testbed.md``).
+``summarize_experiment(out)`` (``results.py``) reads it all back into ``results.json`` (README.md).
 
-Three presets (``PRESETS``): ``round1`` is issue 7's experiment (15 arms x 3 seeds, the figures of
-docs/testbed.md's first part); ``round2`` (the default) is issue 16's: the headline arms x 5 seeds, the
-rollout-budget arms and the variants designed from round one's mechanism; ``plugins`` is issue 14's: GRPO with
-each of the reading list's entropy-collapse plug-ins (Clip-Cov, KL-Cov, entropy advantage, forking tokens) x 5
-seeds from round one's warm start.
+The arms (``arms.yaml``) and the presets (``presets.yaml``: ``round1``, the first experiment; ``round2``, the
+default, the second; ``plugins``, GRPO with each of the reading list's entropy-collapse plug-ins) are data,
+read once at import.
 """
 
 from __future__ import annotations
@@ -22,82 +20,66 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from meshrl.testbed.runconfig import base_overrides, eval_config
+
 log = logging.getLogger("meshrl")
+HERE = Path(__file__).resolve().parent
+ARMS_FILE = HERE / "arms.yaml"
+PRESETS_FILE = HERE / "presets.yaml"
+__all__ = ["ARMS", "PRESETS", "ExperimentSettings", "base_overrides", "eval_config", "run_experiment"]
+
+
+def _read_yaml_mapping(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of names, got {type(data).__name__}")
+    return data
+
+
+def load_arms(path: Path = ARMS_FILE) -> dict[str, list[str]]:
+    """Arm name -> ``meshrl train`` keys, in the file's order; every entry a list of ``key=value`` strings."""
+    arms = _read_yaml_mapping(path)
+    for name, keys in arms.items():
+        if not isinstance(keys, list) or not all(isinstance(k, str) and "=" in k for k in keys):
+            raise ValueError(f"{path}: arm {name!r} must be a list of key=value strings, got {keys!r}")
+    return {str(name): list(keys) for name, keys in arms.items()}
+
+
+def load_presets(arms: dict[str, list[str]], path: Path = PRESETS_FILE) -> dict[str, dict[str, Any]]:
+    """Preset name -> ExperimentSettings fields (lists as tuples); fields and arm names are checked."""
+    known = {f.name for f in fields(ExperimentSettings)}
+    presets: dict[str, dict[str, Any]] = {}
+    for name, values in _read_yaml_mapping(path).items():
+        values = values or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: preset {name!r} must be a mapping of settings, got {values!r}")
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{path}: preset {name!r}: unknown setting(s) {unknown}; known: {sorted(known)}")
+        for key in ("arms", "probe_arms"):
+            bad = [a for a in values.get(key, ()) if a not in arms]
+            if bad:
+                raise ValueError(f"{path}: preset {name!r}: {key} has unknown arm(s) {bad}; see {ARMS_FILE.name}")
+        presets[str(name)] = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return presets
+
 
 #: arm name -> config overrides on top of the shared base (matched budget: every arm samples P x G).
-ARMS: dict[str, list[str]] = {
-    "grpo": ["recipe=grpo"],
-    # DAPO without refill rounds (a refill samples extra rollouts: not a matched budget) and without
-    # overlong shaping (the testbed's budget is already the length rule; shaping would fine legal traces).
-    "dapo": ["recipe=dapo", "dynamic_sampling.max_rounds=1", "algo.overlong_shaping=false"],
-    "grpo_kl": ["recipe=grpo_kl"],
-    "grpo_js": ["recipe=grpo_js"],
-    "cp_only": ["recipe=cp_only"],  # = the paper's Mesh at mu = 0
-    **{f"mesh_mu{mu}": ["recipe=mesh", f"mesh.mu={mu}"] for mu in ("1e-5", "1e-3", "1e-2", "1e-1")},
-    **{f"support_mu{mu}": ["recipe=mesh", "mesh.balance=support", f"mesh.mu={mu}"] for mu in ("1e-1", "1")},
-    # meshrl extension: a fourth, prefix-free group per query (G = 4 groups of 3), so the policy that is
-    # evaluated (no coach at test time) is trained too.
-    "cp_bare": ["recipe=cp_only", "mesh.bare_group=true"],
-    # ablations of the DAPO collapse: its token-mean aggregation alone on GRPO, and DAPO without it
-    "grpo_tokenmean": ["recipe=grpo", "algo.loss_agg=token-mean"],
-    "dapo_seqmean": ["recipe=dapo", "dynamic_sampling.max_rounds=1", "algo.overlong_shaping=false",
-                     "algo.loss_agg=seq-mean-token-mean"],
-    "support_bare_mu1e-1": ["recipe=mesh", "mesh.balance=support", "mesh.mu=1e-1", "mesh.bare_group=true"],
-    # ---- round two (issue 16) ----
-    # The rollout-budget question: each of the m = 3 prefixes gets a whole group of G = 12 (36 rollouts per
-    # query), against GRPO with the same 36 rollouts per query and the same optimiser steps.
-    "mesh_pp_mu1e-5": ["recipe=mesh", "mesh.budget=per_prefix"],
-    "cp_pp": ["recipe=cp_only", "mesh.budget=per_prefix"],
-    "grpo_g36": ["recipe=grpo", "rollout.group_size=36"],
-    # Variants from round one's mechanism (the paper's Mesh at mu = 1e-5 underneath, matched budget):
-    # the coach proposes only procedures that can solve the problem ...
-    "mesh_applicable": ["recipe=mesh", "task_options.coach=applicable"],
-    # ... a conditioned rollout that abandons its prefix's procedure earns 0 ...
-    "mesh_follow": ["recipe=mesh", "task_options.follow=true"],
-    "mesh_applicable_follow": ["recipe=mesh", "task_options.coach=applicable", "task_options.follow=true"],
-    # ... and half the budget prefix-free (3 bare groups of 2 + 3 prefix groups of 2), with balancing of
-    # the unconditioned strategy masses (support balancing) or without (CP only).
-    "support_bare_half_mu1e-1": ["recipe=mesh", "mesh.balance=support", "mesh.mu=1e-1", "mesh.bare_group=true",
-                                 "mesh.bare_groups=3"],
-    "cp_bare_half": ["recipe=cp_only", "mesh.bare_group=true", "mesh.bare_groups=3"],
-    # Coach-guided exploration (plugins.coach_guide): the coach's procedure opens the *response* (the tag, forced,
-    # off-policy, LUFFY-shaped) under the unconditioned prompt, one advantage group per query; "half": 3 strategies
-    # x 2 guided + 3 bare groups x 2 free rollouts per query, "all": 3 x 4 guided.
-    "guide_half": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "mesh.adv_unit=query",
-                   "mesh.bare_group=true", "mesh.bare_groups=3"],
-    "guide_all": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "mesh.adv_unit=query"],
-    # ... with the forced openings trained as if sampled (-A log p: a gradient that does not vanish at small p)
-    "guide_half_log": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "plugins.coach_guide.shape=log",
-                       "mesh.adv_unit=query", "mesh.bare_group=true", "mesh.bare_groups=3"],
-    # ... and every rollout guided (3 x 4): the policy never samples its own opening in training
-    "guide_all_log": ["recipe=cp_only", "plugins.coach_guide.enabled=true", "plugins.coach_guide.shape=log",
-                      "mesh.adv_unit=query"],
-    # ---- the reading list's entropy-collapse plug-ins on GRPO (issue 14; docs/plugins.md), paper defaults ----
-    "grpo_clip_cov": ["recipe=grpo", "plugins.clip_cov.enabled=true"],
-    "grpo_kl_cov": ["recipe=grpo", "plugins.kl_cov.enabled=true"],
-    "grpo_entropy_adv": ["recipe=grpo", "plugins.entropy_adv.enabled=true"],
-    "grpo_fork": ["recipe=grpo", "plugins.fork.enabled=true"],
-}
-PROBE_ARMS = ("grpo", "dapo", "grpo_kl", "grpo_js")  # round one's probed baselines
-ROUND1_ARMS: tuple[str, ...] = (
-    "grpo", "dapo", "grpo_kl", "grpo_js", "cp_only", "mesh_mu1e-5", "mesh_mu1e-3", "mesh_mu1e-2", "mesh_mu1e-1",
-    "support_mu1e-1", "support_mu1", "cp_bare", "grpo_tokenmean", "dapo_seqmean", "support_bare_mu1e-1")
-ROUND2_ARMS: tuple[str, ...] = (
-    "grpo", "mesh_mu1e-5", "cp_only", "grpo_g36", "mesh_pp_mu1e-5", "cp_pp", "mesh_applicable", "mesh_follow",
-    "mesh_applicable_follow", "support_bare_half_mu1e-1", "cp_bare_half")
-PLUGIN_ARMS: tuple[str, ...] = ("grpo", "grpo_clip_cov", "grpo_kl_cov", "grpo_entropy_adv", "grpo_fork")
-#: preset -> settings that differ from ExperimentSettings' defaults
-PRESETS: dict[str, dict[str, Any]] = {
-    "round1": {"arms": ROUND1_ARMS, "seeds": (0, 1, 2), "probe_arms": PROBE_ARMS, "ckpt_eval_every": 0,
-               "warm_coach_variants": False},
-    "round2": {},
-    # Do the entropy-collapse techniques keep the niche where GRPO loses it? (issue 14) Round one's warm start.
-    "plugins": {"arms": PLUGIN_ARMS, "probe_arms": ("grpo",), "warm_coach_variants": False},
-}
+ARMS: dict[str, list[str]] = load_arms()
+#: the default preset: its arms, seeds and probed arms are ExperimentSettings' defaults
+DEFAULT_PRESET = "round2"
+_DEFAULTS = {k: tuple(v) for k, v in yaml.safe_load(PRESETS_FILE.read_text())[DEFAULT_PRESET].items()}
 
 
 @dataclass(frozen=True)
@@ -114,36 +96,21 @@ class ExperimentSettings:
     eval_problems: int = 256
     eval_n: int = 8
     ks: tuple[int, ...] = (1, 2, 4, 8)
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)  # >= 5: GRPO's outcome is bimodal across seeds
-    arms: tuple[str, ...] = ROUND2_ARMS
-    probe_arms: tuple[str, ...] = ("grpo", "grpo_g36", "mesh_mu1e-5")  # warning signals (checkpoint probes)
+    seeds: tuple[int, ...] = _DEFAULTS["seeds"]  # >= 5: GRPO's outcome is bimodal across seeds
+    arms: tuple[str, ...] = _DEFAULTS["arms"]
+    probe_arms: tuple[str, ...] = _DEFAULTS["probe_arms"]  # warning signals (checkpoint probes)
     ckpt_eval_every: int = 8  # evaluate a checkpoint every this many steps, every arm (0 = final only)
     ckpt_eval_problems: int = 128
     task: str = "testbed:add"  # or "testbed:audit", the second family
     warm_seed: int = 0
     warm_steps: int = 700  # = meshrl.testbed.warm.DEFAULT_STEPS
-    # Round two's applicable coach repeats procedures in other words (COACH_VARIANTS): every arm starts from
+    # The applicable coach (arms.yaml) repeats procedures in other words (COACH_VARIANTS): every arm starts from
     # a warm start that was taught all the phrasings, so that all arms share one starting point.
     warm_coach_variants: bool = True
     prune_checkpoints: bool = True  # keep only the last checkpoint once a run is evaluated and probed
     workers: int = 2
     niche_kept_at: float = 0.5  # a seed keeps the niche when its held-out headline-niche accuracy >= this
     extra: tuple[str, ...] = field(default_factory=tuple)  # more overrides for every arm
-
-
-def base_overrides(s: ExperimentSettings, model_path: Path, max_new_tokens: int) -> list[str]:
-    return [
-        f"model={model_path}", f"task={s.task}", f"steps={s.steps}",
-        f"rollout.prompts_per_step={s.prompts_per_step}", f"rollout.group_size={s.group_size}",
-        f"rollout.max_new_tokens={max_new_tokens}", "rollout.temperature=1.0", f"optim.lr={s.lr}",
-        "optim.warmup_steps=3", f"train.ppo_epochs={s.ppo_epochs}", f"train.mini_batches={s.mini_batches}",
-        "train.micro_batch_size=96", "mesh.m=3", "mesh.template=plain", "diag.mei.every=1",
-        "log.progress=false", "log.samples_per_step=-1",
-        # The documented results (docs/testbed.md, README's demo table) were sampled with transformers'
-        # generate and scored in one pass in one process; pinned so that they reproduce sample for sample.
-        "rollout.backend=hf", "train.share_prompts=false", "train.update_workers=1",
-        "train.skip_zero_advantage=false", *s.extra,
-    ]
 
 
 def checkpoint_every(arm: str, s: ExperimentSettings) -> int:
@@ -157,16 +124,6 @@ def checkpoint_every(arm: str, s: ExperimentSettings) -> int:
 def checkpoint_overrides(arm: str, s: ExperimentSettings) -> list[str]:
     every = checkpoint_every(arm, s)
     return [f"checkpoint.every={every}", f"checkpoint.keep_last={s.steps // every + 1}"]
-
-
-def eval_config(model: str, s, seed: int, max_new: int, limit: int | None = None):
-    """The held-out evaluation of the testbed for settings ``s`` (experiment or demo; ``generate`` sampling
-    pinned, as in ``base_overrides``); ``limit`` problems instead of ``s.eval_problems`` when given."""
-    from meshrl.evaluation import EvalConfig
-
-    return EvalConfig(model=model, data=getattr(s, "task", "testbed:add"), split="eval", n=s.eval_n,
-                      ks=list(s.ks), limit=limit or s.eval_problems, max_new_tokens=max_new, temperature=1.0,
-                      seed=seed, by="type", backend="hf")
 
 
 def checkpoint_dirs(run_dir: Path) -> dict[int, Path]:
@@ -320,7 +277,7 @@ def experiment_lock(out: Path) -> Iterator[None]:
     """Hold ``out/.lock`` exclusively for the whole experiment: two experiments training into one directory
     would resume each other's half-written runs. A second one fails at once, naming the holder's pid; the
     lock is the kernel's (``flock``), so a killed experiment never leaves a stale lock behind. Workers that
-    outlive a killed parent are not covered: kill them too (docs/testbed.md, Reproduce)."""
+    outlive a killed parent are not covered: kill them too (README.md, "Running an experiment")."""
     import fcntl
     import os
 
@@ -331,7 +288,7 @@ def experiment_lock(out: Path) -> Iterator[None]:
         fh.seek(0)
         holder = fh.read().strip() or "unknown"
         fh.close()
-        raise RuntimeError(f"{out}: another `meshrl experiment` (pid {holder}) is running in this directory; wait "
+        raise RuntimeError(f"{out}: another experiment (pid {holder}) is running in this directory; wait "
                            "for it or use another --out") from None
     try:
         fh.seek(0)
@@ -373,6 +330,9 @@ def check_resumable(out: Path, s: ExperimentSettings) -> None:
         was = ", ".join(f"{k}={old[k]!r}" for k in diff)
         raise ValueError(f"{path}: this experiment was run with other settings ({was}); use another --out or the "
                          "same settings")
+
+
+PRESETS: dict[str, dict[str, Any]] = load_presets(ARMS)
 
 
 def preset_settings(name: str, **changes: Any) -> ExperimentSettings:

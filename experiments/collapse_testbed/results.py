@@ -1,4 +1,4 @@
-"""Read a testbed experiment back (``meshrl.testbed.experiment``) into tables: ``results.json``.
+"""Read a testbed experiment back (``experiment.py``) into tables: ``results.json``.
 
 - ``arms``: final held-out figures per arm (mean and sd over seeds): accuracy (c/n), pass@k, per type, the niches,
   and the final *unconditioned* strategy shares (parser labels on the evaluation samples);
@@ -17,6 +17,8 @@ import math
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+
+from meshrl.testbed.measure import eval_shares
 
 log = logging.getLogger("meshrl")
 
@@ -43,7 +45,7 @@ def _with_niche_min(row: dict[str, Any], niches: tuple[str, ...] = ("carry", "de
 
 
 def experiment_task(out: Path, **options: Any):
-    """The task of the experiment in ``out`` (``settings.json``'s ``task``; ``testbed:add`` before round two)."""
+    """The task of the experiment in ``out`` (``settings.json``'s ``task``; ``testbed:add`` when it names none)."""
     import meshrl.testbed  # noqa: F401  (registers the testbed tasks)
     from meshrl.tasks import load_task
 
@@ -83,29 +85,6 @@ def _runs(out: Path) -> dict[str, dict[int, Path]]:
         if (d / "eval" / "eval.json").is_file():
             runs[d.parent.name][int(d.name.split("_")[1])] = d
     return runs
-
-
-def eval_shares(eval_dir: Path, task) -> dict[str, Any]:
-    """Unconditioned strategy shares of the evaluation samples, overall and per type, and the mean over
-    problems of the per-problem max share."""
-    rows = _read_jsonl(eval_dir / "eval_samples.jsonl")
-    names = tuple(task.strategies)
-    overall: Counter = Counter()
-    by_type: dict[str, Counter] = defaultdict(Counter)
-    per_problem: dict[str, Counter] = defaultdict(Counter)
-    for r in rows:
-        lab = task.label_strategy(r["completion"]) or "other"
-        overall[lab] += 1
-        by_type[r.get("group", "?")][lab] += 1
-        per_problem[r["problem_id"]][lab] += 1
-
-    def shares(c: Counter) -> dict[str, float]:
-        n = sum(c.values())
-        return {s: c[s] / n for s in (*names, "other")} if n else {}
-
-    pmax = [max(c.values()) / sum(c.values()) for c in per_problem.values()]
-    return {"overall": shares(overall), "by_type": {t: shares(c) for t, c in sorted(by_type.items())},
-            "problem_max_mass": sum(pmax) / len(pmax) if pmax else math.nan}
 
 
 def arm_table(out: Path) -> dict[str, Any]:
@@ -263,7 +242,7 @@ TRAIN_SIGNALS: dict[str, tuple[str, str]] = {"MEI bias (online)": ("mei/query", 
                                              "overall max mass (training)": ("strategy/max_mass", "up")}
 
 
-DERIVED = "derived.json"  # per-run series kept by a pack in place of the training rollouts (meshrl.testbed.pack)
+DERIVED = "derived.json"  # per-run series kept by a pack in place of the training rollouts (pack.py)
 
 
 def _derived(run_dir: Path, key: str) -> dict[int, Any] | None:
@@ -294,7 +273,7 @@ def training_warning_table(out: Path, arms: tuple[str, ...] | None = None,
     from meshrl.testbed.signals import calibrated_threshold, first_crossing
 
     task = experiment_task(out)
-    if arms is None:  # the probed arms of the experiment (round one: the four GRPO-family baselines)
+    if arms is None:  # the probed arms of the experiment (the first experiment: the four GRPO-family baselines)
         settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
         arms = tuple(settings.get("probe_arms", ("grpo", "dapo", "grpo_kl", "grpo_js")))
     fall = f"{task.headline_niche} accuracy < {NICHE_FALL_AT:g}"
@@ -352,7 +331,7 @@ def partition_agreement(out: Path) -> dict[str, Any]:
 def coach_following_run(out: Path, arm: str, seed: int, d: Path, task) -> dict[int, tuple[float, float | None]]:
     """Step -> (share of the run's conditioned rollouts that follow their prefix, share of its correct ones that
     do not; None without a correct one)."""
-    from meshrl.testbed.round2 import prefix_procedures
+    from experiments.collapse_testbed.tables import prefix_procedures
 
     stored = _derived(d, "coach_following")
     if stored is not None:
@@ -448,10 +427,10 @@ def mei_vs_truth(out: Path) -> dict[str, Any]:
     return res
 
 
-def round_two(out: Path, res: dict[str, Any], k: int) -> dict[str, Any]:
-    """Issue 16's tables (``meshrl.testbed.round2``): niche outcomes per seed with exact tests, final vs
+def outcome_tables(out: Path, res: dict[str, Any], k: int) -> dict[str, Any]:
+    """The second experiment's tables (``tables.py``): niche outcomes per seed with exact tests, final vs
     best checkpoint, compute per arm, and which warning signals separate kept from lost runs."""
-    from meshrl.testbed.round2 import checkpoint_table, compute_table, niche_outcomes, signal_separation
+    from experiments.collapse_testbed.tables import checkpoint_table, compute_table, niche_outcomes, signal_separation
 
     settings = res["settings"]
     task = experiment_task(out)
@@ -473,6 +452,6 @@ def summarize_experiment(out: Path) -> dict[str, Any]:
            "partition": partition_agreement(out), "mei_vs_truth": mei_vs_truth(out),
            "coach_following": coach_following(out),
            "curves": curves(out)}
-    res.update(round_two(out, res, k))
+    res.update(outcome_tables(out, res, k))
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     return res

@@ -7,8 +7,8 @@ samples' problem, type and completion), checkpoint evaluations, compute record a
 not the training rollouts (``samples.jsonl``, tens of MB): the two per-step series the tables read from those
 (the true per-problem max strategy share of the training rollouts, and the coach-following shares) are stored in
 their place as ``derived.json``.
-``unpack_experiment(path, out)`` writes the files back, and ``meshrl experiment --out DIR --summarize-only``
-then rebuilds every table (docs/testbed.md, "Reproduce").
+``unpack_experiment(path, out)`` writes the files back, and ``python -m experiments.collapse_testbed --out DIR
+--summarize-only`` then rebuilds every table (README.md).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _trimmed(path: Path, keep) -> str:
 def pack_experiment(out: Path, path: Path) -> dict[str, int]:
     """Write ``path`` (gzipped JSON) from experiment directory ``out``; return ``{"runs": n, "files": m}``.
     Symlinked run directories (an experiment assembled from several) are followed."""
-    from meshrl.testbed.results import DERIVED, _training_truth, coach_following_run, experiment_task
+    from experiments.collapse_testbed.results import DERIVED, _training_truth, coach_following_run, experiment_task
 
     task = experiment_task(out)
     files: dict[str, str] = {}

@@ -1,8 +1,8 @@
-"""Round two's tables (issue 16), read from a finished experiment directory into ``results.json``.
+"""The second experiment's tables (README.md), read from a finished experiment directory into ``results.json``.
 
 - ``outcomes``: per arm and seed, whether the headline niche was kept (held-out accuracy on it >=
   ``niche_kept_at``, 0.5 by default) or lost; kept/lost counts and Fisher's exact test of each arm's counts
-  against GRPO's (two-sided, Holm-corrected across arms), and whether the arm meets issue 16's bar (kept in
+  against GRPO's (two-sided, Holm-corrected across arms), and whether the arm meets the experiment's bar (kept in
   >= 4 of 5 seeds, i.e. >= 80% of >= 5 seeds, with mean accuracy and pass@k at least GRPO's means);
 - ``checkpoints``: every evaluated checkpoint of every run (``ckpt_eval/step_N``): final and best (by
   accuracy, and by the headline niche) side by side with their steps;
@@ -21,12 +21,12 @@ from typing import Any
 
 import yaml
 
-from meshrl.testbed.results import _mean_sd, _read_jsonl, _runs, experiment_task
+from experiments.collapse_testbed.results import _mean_sd, _read_jsonl, _runs, experiment_task
 
 
 def arm_task_options(arm: str) -> dict[str, Any]:
     """The ``task_options.*`` overrides of experiment arm ``arm`` (empty for an unknown arm)."""
-    from meshrl.testbed.experiment import ARMS
+    from experiments.collapse_testbed.experiment import ARMS
 
     opts = {}
     for item in ARMS.get(arm, []):

@@ -1,4 +1,4 @@
-"""Tables (markdown) and figures (PNG) of a testbed experiment's ``results.json`` (docs/testbed.md)."""
+"""Tables (markdown) and figures (PNG) of a testbed experiment's ``results.json`` (README.md, results.md)."""
 
 from __future__ import annotations
 
@@ -176,14 +176,21 @@ def checkpoints_markdown(res: dict[str, Any]) -> str:
     if not rows:
         return "(no checkpoint evaluations)"
     niche = (res.get("outcomes") or {}).get("headline_niche", "niche")
-    lines = [f"| arm | final accuracy | best accuracy (step) | worst accuracy (step) | final {niche} | best {niche} "
-             "(step) | per seed: best step / final step |", "|---|---|---|---|---|---|---|"]
+    # results.json files written before the worst checkpoint and the per-step means were recorded (the plug-in
+    # measurement's) have neither: their tables are printed without those columns, as they were committed.
+    has_worst = any("worst_acc" in r for r in rows.values())
+    worst_head = " worst accuracy (step) |" if has_worst else ""
+    lines = [f"| arm | final accuracy | best accuracy (step) |{worst_head} final {niche} | best {niche} "
+             "(step) | per seed: best step / final step |", "|---|---|---|" + "---|" * (4 if has_worst else 3)]
     for arm, r in rows.items():
         steps = ", ".join(f"{p['best_step']}/{p['final_step']}" for p in r["per_seed"])
-        worst = f"{_pm(r, 'worst_acc')} ({_f(r['worst_step'], 1)})" if "worst_acc" in r else "–"
-        lines.append(f"| {arm} | {_pm(r, 'final_acc')} | {_pm(r, 'best_acc')} ({_f(r['best_step'], 1)}) | {worst} | "
+        worst = ""
+        if has_worst:
+            worst = (f" {_pm(r, 'worst_acc')} ({_f(r['worst_step'], 1)}) |" if "worst_acc" in r else " – |")
+        lines.append(f"| {arm} | {_pm(r, 'final_acc')} | {_pm(r, 'best_acc')} ({_f(r['best_step'], 1)}) |{worst} "
                      f"{_pm(r, 'final_niche')} | {_pm(r, 'best_niche')} ({_f(r['best_niche_step'], 1)}) | {steps} |")
-    return "\n".join(lines + ["", by_step_markdown(rows, niche)])
+    by_step = by_step_markdown(rows, niche)
+    return "\n".join(lines + (["", by_step] if by_step else []))
 
 
 def _by_step(row: dict[str, Any]) -> dict[int, dict[str, Any]]:

@@ -1,0 +1,68 @@
+"""Regenerate every committed table from the committed data and compare it byte for byte.
+
+``python -m experiments.collapse_testbed.regenerate [--only NAME ...] [--keep DIR]``: for each entry of
+``COMMITTED`` (README.md, "Results and the command behind each"), run the command that made the table into a
+temporary directory and compare its ``results.md`` with the committed file. Exit status 1 and a unified diff
+when one differs. No training: seconds per table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import io
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data"
+
+#: table name -> (committed table, arguments of ``python -m experiments.collapse_testbed`` with OUT for --out)
+COMMITTED: dict[str, tuple[str, list[str]]] = {
+    # the first experiment (preset round1): its results.json, kept in its data file
+    "first": ("testbed_experiment_results.md", ["--tables-from", "data/testbed_experiment.json.gz"]),
+    # the entropy-collapse plug-ins (preset plugins): the results.json itself
+    "plugins": ("testbed_plugins_results.md", ["--tables-from", "data/testbed_plugins.json.gz"]),
+    # the second experiment (preset round2) and the audit family: packs, summarized again from the runs
+    "second": ("testbed_round2_results.md", ["--unpack", "data/testbed_round2.json.gz", "--summarize-only"]),
+    "audit": ("testbed_audit_results.md", ["--unpack", "data/testbed_audit.json.gz", "--summarize-only"]),
+}
+
+
+def regenerate(name: str, work: Path) -> tuple[str, str]:
+    """(regenerated, committed) text of table ``name``, made under ``work``."""
+    from experiments.collapse_testbed.cli import main
+
+    table, args = COMMITTED[name]
+    out = work / name
+    argv = [str(HERE / a) if a.startswith("data/") else a for a in args]
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = main([*argv, "--out", str(out), "--no-figures", "--no-progress"])
+    if rc != 0:
+        raise RuntimeError(f"regenerating {name} failed (exit status {rc})")
+    return (out / "results.md").read_text(), (DATA / table).read_text()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.collapse_testbed.regenerate", description=__doc__)
+    p.add_argument("--only", nargs="+", choices=list(COMMITTED), default=list(COMMITTED))
+    p.add_argument("--keep", type=Path, default=None, help="work here (kept) instead of a temporary directory")
+    args = p.parse_args(argv)
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        for name in args.only:
+            new, old = regenerate(name, work)
+            same = new == old
+            print(f"{name}: {'identical' if same else 'DIFFERS'} ({COMMITTED[name][0]})")
+            if not same:
+                failed += 1
+                sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                           "committed", "regenerated"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
