@@ -21,7 +21,6 @@ from meshrl.trainer.plugins.coach_guide import (
     generate_guided,
     guided_policy_term,
     opening_ids,
-    response_opening,
 )
 
 GUIDED = ["model=tiny", "task=testbed:add", "recipe=cp_only", "mesh.m=3", "mesh.template=plain",
@@ -115,14 +114,11 @@ def test_openings_come_from_the_task_or_default_to_the_prefix_line(tmp_path):
 
     task = load_task("testbed:add", seed=0)
     problem = task.problems("train")[0]
-    assert response_opening(task, problem, COACH_VARIANTS["r"][2]) == "r:"
+    assert task.response_opening(problem, COACH_VARIANTS["r"][2]) == "r:"
     with pytest.raises(ValueError, match="describes none"):
-        response_opening(task, problem, "Think hard.")
-
-    class Plain:
-        pass
-
-    assert response_opening(Plain(), problem, "Use a table.") == "Use a table.\n"
+        task.response_opening(problem, "Think hard.")
+    plain = load_task("tiny:add", seed=0)  # the Task default: the prefix as the response's first line
+    assert plain.response_opening(problem, "Use a table.") == "Use a table.\n"
     t = Trainer(load_config(overrides=[*GUIDED, "steps=1"]), tmp_path / "t")
     try:
         with pytest.raises(ValueError, match=r"rollout\.max_new_tokens=2"):

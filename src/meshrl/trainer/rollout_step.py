@@ -234,11 +234,11 @@ class RolloutStep:
         """``(token ids, text)`` a rollout of arm ``strategy`` starts its response with (``([], "")``: free)."""
         if not self.guided or strategy < 0:
             return [], ""
-        from meshrl.trainer.plugins.coach_guide import opening_ids, response_opening
+        from meshrl.trainer.plugins.coach_guide import opening_ids
 
         key = (problem.id, strategy)
         if key not in self._opening_cache:
-            text = response_opening(self.task, problem, self.prefixes[problem.id][strategy])
+            text = self.task.response_opening(problem, self.prefixes[problem.id][strategy])
             self._opening_cache[key] = (opening_ids(self.tokenizer, text, self.cfg.rollout.max_new_tokens), text)
         return self._opening_cache[key]
 
@@ -309,7 +309,7 @@ class RolloutStep:
             data.rollout_logps.append(None if row["logps"] is None else list(row["logps"]))
             data.forced_tokens.append(int(row["forced"]))
         data.scores = self.rewards(data.texts, data.problems)
-        if self.prefixes is not None and hasattr(self.task, "conditioned_score"):  # e.g. a coach-following reward
+        if self.prefixes is not None:  # Task.conditioned_score: e.g. a coach-following reward (default: unchanged)
             data.scores = [self.task.conditioned_score(s, t, p, self.prefixes[p.id][k]) if k >= 0 else s
                            for s, t, p, k in zip(data.scores, data.texts, data.problems, data.strategy_ids,
                                                  strict=True)]

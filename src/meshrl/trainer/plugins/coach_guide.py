@@ -1,8 +1,8 @@
 """``plugins.coach_guide``: coach-guided exploration, the coach's strategy as the first tokens of the *response*.
 
 Coach Prompting (docs/method.md) conditions a rollout on a strategy prefix in the *prompt*. At test time there is
-no coach, and the collapse testbed (docs/testbed.md) measured why that can fail to keep a niche strategy: under
-a prefix whose procedure does not fit, the only reward comes from ignoring the prefix, and the unconditioned
+no coach, and the collapse testbed (experiments/collapse_testbed/results.md) measured why that can fail to keep a
+niche strategy: under a prefix whose procedure does not fit, the only reward comes from ignoring the prefix, and the unconditioned
 policy's own choice of procedure gets no direct signal. This plug-in moves the coach into the response:
 
 * **Sampling.** Each Mesh prefix arm (``mesh.m`` coach strategies) is sampled under the *unconditioned* prompt with
@@ -86,13 +86,6 @@ def validate_coach_guide(cfg: Any) -> None:
         raise ValueError("plugins.coach_guide.enabled needs mesh.adv_unit=query (got "
                          f"{cfg.mesh.adv_unit!r}): inside one prefix group every row starts with the same forced "
                          "opening, so its gradient would cancel")
-
-
-def response_opening(task: Any, problem: Any, prefix: str) -> str:
-    """The text a guided response starts with: the task's ``response_opening(problem, prefix)`` when it has one,
-    otherwise the coach prefix as the response's first line."""
-    hook = getattr(task, "response_opening", None)
-    return hook(problem, prefix) if callable(hook) else f"{prefix}\n"
 
 
 def opening_ids(tokenizer: Any, text: str, max_new_tokens: int) -> list[int]:
