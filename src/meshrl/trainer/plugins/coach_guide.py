@@ -3,7 +3,8 @@
 Coach Prompting (docs/method.md) conditions a rollout on a strategy prefix in the *prompt*. At test time there is
 no coach, and the collapse testbed (experiments/collapse_testbed/results.md) measured why that can fail to keep a
 niche strategy: under a prefix whose procedure does not fit, the only reward comes from ignoring the prefix, and
-the unconditioned policy's own choice of procedure gets no direct signal. This plug-in moves the coach into the response:
+the unconditioned policy's own choice of procedure gets no direct signal. This plug-in moves the coach into
+the response:
 
 * **Sampling.** Each Mesh prefix arm (``mesh.m`` coach strategies) is sampled under the *unconditioned* prompt with
   the response forced to start with the strategy's opening, ``task.response_opening(problem, prefix)`` (the
