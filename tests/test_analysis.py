@@ -171,10 +171,10 @@ def test_census_retokenises_with_eos_only_when_not_truncated():
 def test_census_bad_input_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"problem_id": "a", "prompt": "x", "completion": "y"}) + "\n{oops\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: not valid JSON"):
         census("tiny", bad, progress=False)
     bad.write_text("[1, 2]\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:1: expected a JSON object"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 1: expected a JSON object"):
         census("tiny", bad, progress=False)
     with pytest.raises(ValueError, match="missing.jsonl: no such file"):
         census("tiny", tmp_path / "missing.jsonl", progress=False)

@@ -17,9 +17,9 @@ import pytest
 
 from meshrl.cli import main as cli_main
 from meshrl.evaluation import EvalConfig, run_eval
+from meshrl.jsonl import read_jsonl
 from meshrl.tasks import load_task
 from meshrl.trainer import load_config, train
-from meshrl.trainer.runlog import read_jsonl
 
 # --- config: --set KEY=VALUE -------------------------------------------------------------------------------
 # (override, a regex the error must contain: the key, and where it helps the offending value)

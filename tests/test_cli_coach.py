@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from meshrl.cli import main as cli_main
-from meshrl.trainer.runlog import read_jsonl
+from meshrl.jsonl import read_jsonl
 from test_mesh_coach import KEY_ENV, SECRET, good_answer, server  # noqa: F401 - server is a fixture
 
 

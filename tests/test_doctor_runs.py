@@ -12,8 +12,8 @@ import pytest
 
 from meshrl.cli import main as cli_main
 from meshrl.doctor import diagnose
+from meshrl.jsonl import read_jsonl
 from meshrl.trainer import load_config, train
-from meshrl.trainer.runlog import read_jsonl
 
 SMALL = ["model=tiny", "rollout.prompts_per_step=4", "rollout.group_size=8", "rollout.max_new_tokens=8",
          "log.progress=false", "checkpoint.every=100", "log.samples_per_step=8"]

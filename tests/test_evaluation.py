@@ -9,8 +9,8 @@ import pytest
 
 from meshrl.cli import main as cli_main
 from meshrl.evaluation import EvalConfig, run_eval, summarize
+from meshrl.jsonl import read_jsonl
 from meshrl.trainer import load_config, train
-from meshrl.trainer.runlog import read_jsonl
 
 
 def test_summarize_matches_hand_computed_pass_and_mean_at_k():

@@ -12,11 +12,11 @@ import torch
 from safetensors import SafetensorError
 
 from meshrl.cli import main as cli_main
+from meshrl.jsonl import read_jsonl
+from meshrl.runs import checkpoint as ckpt_mod
+from meshrl.runs.checkpoint import CheckpointSpaceError, checkpoint_problem
 from meshrl.trainer import NonFiniteAbort, load_config, loss, train
-from meshrl.trainer import checkpoint as ckpt_mod
-from meshrl.trainer.checkpoint import CheckpointSpaceError, checkpoint_problem
 from meshrl.trainer.failure import RunHealth, StalledRun
-from meshrl.trainer.runlog import read_jsonl
 
 FAST = ["rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "train.micro_batch_size=8", "log.progress=false", "checkpoint.every=1"]

@@ -9,8 +9,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "meshrl"
 LAYER = {
     "algos": 1, "stats": 1,
     "mesh": 2, "diagnostics": 2,
-    "rewards": 3, "tasks": 3, "models": 3, "rollout": 3, "trainer": 3, "testbed": 3, "evaluation": 3, "analysis": 3,
-    "doctor": 3,
+    "rewards": 3, "tasks": 3, "models": 3, "rollout": 3, "runs": 3, "trainer": 3, "testbed": 3, "evaluation": 3,
+    "analysis": 3, "doctor": 3,
     "cli": 4, "integrations": 4, "report": 4,
 }
 FACES = {"cli", "integrations", "report"}
@@ -45,4 +45,55 @@ def test_imports_point_down():
             # The CLI is the outermost face: it may call the report and integration faces; nothing else may.
             if (dep in FACES and own != "cli") or LAYER[dep] > LAYER[own]:
                 bad.append(f"{path.relative_to(SRC)} imports meshrl.{dep}")
+    assert not bad, "\n".join(bad)
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = ["meshrl", *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_private_names_cross_modules():
+    """``from meshrl.x.y import _name`` (or anything from a private module ``meshrl.x._y``) only inside the package
+    that defines it: its own helpers."""
+    bad = []
+    for path in SRC.rglob("*.py"):
+        own = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshrl.")):
+                continue
+            source_pkg = node.module.rsplit(".", 1)[0] if node.module.count(".") > 1 else node.module
+            private_module = any(part.startswith("_") for part in node.module.split(".")[1:])
+            for alias in node.names:
+                if (alias.name.startswith("_") or private_module) and not own.startswith(source_pkg):
+                    bad.append(f"{path.relative_to(SRC)} imports {node.module}.{alias.name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_private_attributes_of_meshrl_objects_stay_inside():
+    """No ``trainer._x`` style access: a private attribute is read only through ``self`` / ``cls``. The integrations
+    are left out: there ``trainer`` is TRL's or verl's, whose private hooks are their extension points."""
+    bad = []
+    for path in SRC.rglob("*.py"):
+        if path.relative_to(SRC).parts[0] == "integrations":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in ("trainer", "engine", "plugins", "sampler")):
+                bad.append(f"{path.relative_to(SRC)}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def test_trainer_submodules_are_imported_only_inside_the_trainer():
+    """Outside ``meshrl.trainer`` its public API is ``from meshrl.trainer import ...``."""
+    bad = []
+    for path in SRC.rglob("*.py"):
+        if path.relative_to(SRC).parts[0] == "trainer":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            bad += [f"{path.relative_to(SRC)} imports {n}" for n in names if n.startswith("meshrl.trainer.")]
     assert not bad, "\n".join(bad)

@@ -18,11 +18,11 @@ import pytest
 from safetensors.torch import load_file
 
 from meshrl.cli import main as cli_main
-from meshrl.trainer import checkpoint as ckpt_mod
+from meshrl.jsonl import read_jsonl
+from meshrl.runs import checkpoint as ckpt_mod
+from meshrl.runs.checkpoint import checkpoint_problem, save_checkpoint
 from meshrl.trainer import load_config, loop, train
-from meshrl.trainer.checkpoint import checkpoint_problem, save_checkpoint
 from meshrl.trainer.rollout_step import RolloutStep
-from meshrl.trainer.runlog import read_jsonl
 from meshrl.trainer.signals import RunInterrupted
 
 # One process (no update / decode workers) keeps these fast on a busy machine; the slow trials in
@@ -209,7 +209,7 @@ def test_a_kill_during_the_records_rewrite_keeps_the_history(tmp_path, monkeypat
 
     monkeypatch.setattr(Path, "write_text", killed_write_text)  # wherever the rewrite writes, it dies there
     monkeypatch.setattr(os, "fsync", killed_fsync)
-    from meshrl.trainer.runlog import truncate_after_step
+    from meshrl.jsonl import truncate_after_step
 
     with pytest.raises(_Killed):
         truncate_after_step(run / "metrics.jsonl", 2)

@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 import meshrl
-from meshrl.trainer.runlog import read_jsonl
+from meshrl.jsonl import read_jsonl
 
 STEPS = 6
 TRAIN = ["train", "--model", "tiny", "--task", "tiny:repeat", "--no-progress", "--steps", str(STEPS),

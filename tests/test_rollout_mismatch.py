@@ -11,13 +11,13 @@ import torch
 
 from meshrl.algos import aggregate, ppo_clip_loss
 from meshrl.forkpool import fork_available
+from meshrl.jsonl import read_jsonl
 from meshrl.models import encode_prompt, load_model
 from meshrl.rollout import SamplingParams, make_backend
 from meshrl.testing import TINY_RUN
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import collate, response_logits, token_logprobs
 from meshrl.trainer.loss import UpdateInputs
-from meshrl.trainer.runlog import read_jsonl
 
 TINY = [*TINY_RUN, "train.update_workers=1"]
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from meshrl.diagnostics import bias_features, mei_metrics
+from meshrl.jsonl import read_jsonl
 from meshrl.testing import TINY_RUN
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import response_logits
-from meshrl.trainer.runlog import read_jsonl
 
 BASE = [*TINY_RUN, "rollout.prompts_per_step=2", "rollout.group_size=8", "rollout.max_new_tokens=4",
         "train.micro_batch_size=5", "diag.mei.every=1", "optim.lr=1e-5", "checkpoint.every=10"]

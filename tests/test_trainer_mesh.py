@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from meshrl.cli import main as cli_main
+from meshrl.jsonl import read_jsonl
 from meshrl.tasks.tiny import RepeatTask
 from meshrl.testing import TINY_RUN
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import response_logits, token_logprobs
-from meshrl.trainer.runlog import read_jsonl
 
 BASE = [*TINY_RUN, "rollout.prompts_per_step=2", "rollout.group_size=8", "rollout.max_new_tokens=4",
         "train.micro_batch_size=8", "optim.lr=1e-5"]

@@ -19,13 +19,13 @@ from meshrl.algos import (
     topk_forward_kl,
 )
 from meshrl.forkpool import fork_available
+from meshrl.jsonl import read_jsonl
 from meshrl.testing import TINY_RUN
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_entropy, token_logprobs
 from meshrl.trainer.loss import UpdateInputs
 from meshrl.trainer.plugins import PluginContext, PluginsConfig, TokenTerms, TrainPlugins
 from meshrl.trainer.plugins.luffy import load_traces
-from meshrl.trainer.runlog import read_jsonl
 from meshrl.trainer.update import StepPlan
 
 TINY = list(TINY_RUN)
@@ -246,10 +246,10 @@ def test_luffy_trains_and_refuses_bad_trace_files(tmp_path):
         load_config(overrides=["plugins.luffy.enabled=true", "plugins.luffy.traces=/nonexistent.jsonl"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "completion": "x"}\n{"id": "b"}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: missing field 'completion'"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: missing field 'completion'"):
         load_traces(bad)
     bad.write_text("not json\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:1: not JSON"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 1: not valid JSON"):
         load_traces(bad)
 
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import yaml
 
+from meshrl.jsonl import read_jsonl
 from meshrl.trainer import load_config, train
 from meshrl.trainer.config import OptimConfig
-from meshrl.trainer.runlog import read_jsonl
 from meshrl.trainer.schedule import lr_at
 
 

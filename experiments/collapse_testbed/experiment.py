@@ -163,9 +163,9 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
 
     import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
     from meshrl.evaluation import run_eval
+    from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.tasks import load_task
     from meshrl.trainer import load_config, train
-    from meshrl.trainer.checkpoint import latest_checkpoint
 
     if (run_dir / "done.json").is_file():
         # Finished: trained, evaluated, probed and pruned. Its checkpoints may be gone (pruned, or the run came
@@ -196,10 +196,10 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
 
 def probe_run(run_dir: Path, s: ExperimentSettings, seed: int, model_path: Path) -> Path:
     """``probes.jsonl``: :func:`probe_signals` at the warm start (step 0) and at every checkpoint."""
+    from meshrl.jsonl import read_jsonl
+    from meshrl.runs.policy import load_policy
     from meshrl.tasks import load_task
     from meshrl.testbed.signals import probe_signals
-    from meshrl.trainer.policy import load_policy
-    from meshrl.trainer.runlog import read_jsonl
 
     path = run_dir / "probes.jsonl"
     done = {r["step"] for r in read_jsonl(path)} if path.is_file() else set()
@@ -222,10 +222,10 @@ def probe_run(run_dir: Path, s: ExperimentSettings, seed: int, model_path: Path)
 def baseline_probes(out: Path, s: ExperimentSettings, model_path: Path, n: int = 5) -> dict[str, Any]:
     """Probe the warm start ``n`` times with different sampling seeds: the spread that calibrates each
     signal's threshold (mean +- 3 sd)."""
+    from meshrl.jsonl import read_jsonl
     from meshrl.models import load_model
     from meshrl.tasks import load_task
     from meshrl.testbed.signals import probe_signals
-    from meshrl.trainer.runlog import read_jsonl
 
     path = out / "baseline_probes.jsonl"
     have = len(read_jsonl(path)) if path.is_file() else 0

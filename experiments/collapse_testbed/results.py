@@ -74,7 +74,7 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The records of a JSONL file, or none when a run has not written it."""
-    from meshrl.trainer.runlog import read_jsonl
+    from meshrl.jsonl import read_jsonl
 
     return read_jsonl(path) if path.is_file() else []
 

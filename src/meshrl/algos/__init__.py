@@ -4,6 +4,7 @@ plug-ins around them (entropy control, off-policy terms, preference and distilla
 No trainer state; every function documents its formula, its source and its tensor shapes.
 """
 
+from meshrl.algos._checks import check_choice, check_mask, check_tensor
 from meshrl.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     advantage_estimator,
@@ -61,6 +62,9 @@ __all__ = [
     "DPO_LOSSES",
     "OFF_POLICY_SHAPES",
     "TOKEN_MASKS",
+    "check_choice",
+    "check_mask",
+    "check_tensor",
     "clip_cov_loss",
     "clip_cov_selection",
     "clipped_by_loss",

@@ -8,16 +8,19 @@
   under the unconditioned prompt (``meshrl probe``).
 
 Every entry point takes a model spec, a meshrl run directory or ``RUN_DIR/checkpoints/step_N``
-(:func:`meshrl.trainer.policy.load_policy`) and returns a JSON-ready dict (NaN where undefined; use
+(:func:`meshrl.runs.policy.load_policy`) and returns a JSON-ready dict (NaN where undefined; use
 :func:`nan_to_none` before ``json.dumps`` for strict JSON).
 """
 
-from meshrl.analysis._common import expand_param_names, nan_to_none
+from meshrl.analysis._common import expand_param_names, forward_response, nan_to_none, pad_id_of, sequence_logprobs
 from meshrl.analysis.calibrate import CALIBRATION_FEATURES, calibrate_mei
 from meshrl.analysis.census import DEFAULT_GROUP_KEY, REQUIRED_FIELDS, census, read_rollout_rows
 from meshrl.analysis.probe import probe
 
 __all__ = [
+    "forward_response",
+    "pad_id_of",
+    "sequence_logprobs",
     "CALIBRATION_FEATURES",
     "DEFAULT_GROUP_KEY",
     "REQUIRED_FIELDS",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -12,8 +11,9 @@ from typing import Any
 
 import torch
 
+from meshrl.jsonl import iter_jsonl
 from meshrl.progress import progress_bar  # noqa: F401  (re-exported for the analysis modules)
-from meshrl.trainer.batch import MicroBatch, collate, response_logits, token_logprobs
+from meshrl.trainer import MicroBatch, collate, response_logits, token_logprobs
 
 log = logging.getLogger("meshrl")
 
@@ -31,12 +31,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_for_analysis(model_spec: str, *, seed: int = 0, device: str = "auto") -> tuple[Any, Any, str]:
-    """``(model, tokenizer, description)`` via :func:`meshrl.trainer.policy.load_policy`, in eval mode.
+    """``(model, tokenizer, description)`` via :func:`meshrl.runs.policy.load_policy`, in eval mode.
 
     ``model_spec`` is a model spec (``tiny``, ``smollm2-135m``, a local HF directory), a meshrl run
     directory (its latest checkpoint) or ``RUN_DIR/checkpoints/step_N``.
     """
-    from meshrl.trainer.policy import load_policy
+    from meshrl.runs.policy import load_policy
 
     model, tok, desc = load_policy(str(model_spec), seed=seed)
     model = model.to(resolve_device(device)).eval()
@@ -128,19 +128,7 @@ def read_jsonl_rows(path: str | Path, what: str) -> list[tuple[int, dict[str, An
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{what} {p}: no such file")
-    out = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{what} {p}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{what} {p}:{n}: expected a JSON object, got {type(rec).__name__}")
-            out.append((n, rec))
-    return out
+    return list(iter_jsonl(p, what=what, partial_last="raise"))
 
 
 def expand_param_names(model: torch.nn.Module, patterns: Sequence[str] | str | None) -> list[str] | None:

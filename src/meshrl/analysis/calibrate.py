@@ -48,7 +48,7 @@ def query_gram(model: torch.nn.Module, prompt: list[int], responses: list[list[i
                feature: str, temperature: float, proj_dim: int | None = None, seed: int = 0) -> torch.Tensor:
     """``[G, G]`` float64 Gram matrix of one query's rollouts under the ``bias`` or ``head`` feature map."""
     from meshrl.diagnostics import bias_features, gram_matrix, head_gram
-    from meshrl.trainer.batch import collate
+    from meshrl.trainer import collate
 
     mb = collate([prompt] * len(responses), responses, pad_id)
     with torch.no_grad():

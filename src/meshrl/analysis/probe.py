@@ -191,7 +191,7 @@ Sampler = Callable[[list, bool, int], tuple[list[list[float]], list[list[float]]
 def _sampler(tok: Any, task: Any, backend: Any, runner: Any, params: Any, placement: str) -> Sampler:
     """``sample(part, baseline, seed) -> (accuracy[j][k], solved[j][k], baseline_accuracy[j])``."""
     from meshrl.mesh import wrap_prefix
-    from meshrl.trainer.rollout_step import CORRECT_AT
+    from meshrl.runs.correct import CORRECT_AT
 
     def prompt(problem: Any, prefix: str | None) -> list[int]:
         text = task.format_prompt(problem)

@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshrl.trainer.sweep import command_lines, load_sweep, run_sweep, summarize_sweep
+    from meshrl.trainer import command_lines, load_sweep, run_sweep, summarize_sweep
 
     sweep = load_sweep(args.grid)
     if args.print_commands:

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from meshrl.algos import RECIPES
-from meshrl.trainer.config import MESH_RECIPES
+from meshrl.trainer import MESH_RECIPES
 
 HELP = """Train a policy with a recipe on a task. Precedence: built-in defaults < --config file <
 explicit flags < --set overrides. Every resolved setting is written to RUN_DIR/config.yaml."""
@@ -82,12 +82,10 @@ def _stopped(err: BaseException, prefix: str = "") -> int:
 
 def run(args: argparse.Namespace) -> int:
     from meshrl.rewards import RewardError
-    from meshrl.trainer import NonFiniteAbort, load_config, train
-    from meshrl.trainer.failure import StalledRun
-    from meshrl.trainer.signals import RunInterrupted
+    from meshrl.trainer import NonFiniteAbort, RunInterrupted, StalledRun, load_config, train
 
     if args.help_config:
-        from meshrl.trainer.config import config_reference
+        from meshrl.trainer import config_reference
 
         sys.stdout.write(config_reference(markdown=args.markdown))
         return 0

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from meshrl.algos._checks import check_mask, check_tensor
+from meshrl.algos import check_mask, check_tensor
 
 DEFAULT_CHUNK = 256
 

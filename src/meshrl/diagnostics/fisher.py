@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
-from meshrl.algos._checks import check_choice, check_tensor
+from meshrl.algos import check_choice, check_tensor
 
 METHODS = ("loop", "vmap")
 SKETCH_BLOCK = 1 << 22  # coordinates hashed per block: bounds the sketch's index memory

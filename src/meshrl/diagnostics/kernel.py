@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from meshrl.algos._checks import check_tensor
+from meshrl.algos import check_tensor
 
 DEFAULT_EPS = 0.05
 #: Rounding allowance of the neighbourhood test ``d <= eps + DISTANCE_ATOL``: duplicated rollouts

@@ -30,8 +30,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from meshrl.algos import group_index
-from meshrl.algos._checks import check_tensor
+from meshrl.algos import check_tensor, group_index
 
 #: Standard feature-map names (docs/method.md §1.2). ``mei_metrics`` accepts any name matching FEATURE_NAME_RE so
 #: that variants (``head_sketch``, ``full_subset``) can be recorded exactly.

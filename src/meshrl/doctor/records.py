@@ -9,13 +9,14 @@ check needs to see it.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from meshrl.jsonl import BadLines, iter_jsonl
 
 
 def number(value: Any) -> float | None:
@@ -30,21 +31,11 @@ def number(value: Any) -> float | None:
 
 
 def read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
-    rows, bad = [], 0
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(obj, dict):
-            rows.append(obj)
-        else:
-            bad += 1
-    if bad:
-        notes.append(f"{path.name}: skipped {bad} unreadable line(s)")
+    """Every readable record of a (possibly foreign) JSONL log; unreadable lines are skipped and noted."""
+    bad = BadLines()
+    rows = [row for _, row in iter_jsonl(path, on_bad="skip", skipped=bad)]
+    if bad.count:
+        notes.append(f"{path.name}: skipped {bad.count} unreadable line(s)")
     return rows
 
 

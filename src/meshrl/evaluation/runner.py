@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshrl.jsonl import JsonlWriter, read_jsonl
 from meshrl.progress import progress_bar
-from meshrl.trainer.rollout_step import CORRECT_AT, PromptBudget, context_limit
-from meshrl.trainer.runlog import JsonlWriter, read_jsonl
+from meshrl.runs.correct import CORRECT_AT
+from meshrl.trainer import PromptBudget, context_limit
 
 log = logging.getLogger("meshrl")
 
@@ -101,9 +102,9 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     from meshrl.rewards import RewardRunner, scorer_time_limit
     from meshrl.rewards.grading import extract_for_kind
     from meshrl.rollout import SamplingParams, make_backend
+    from meshrl.runs.policy import load_policy
     from meshrl.tasks import load_task
-    from meshrl.trainer.policy import load_policy
-    from meshrl.trainer.rollout_step import encode_within_limit
+    from meshrl.trainer import encode_within_limit
 
     cfg.validate()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +179,7 @@ def trained_task(model: str) -> dict[str, Any] | None:
     (``name``, ``reward_kind``, ``instruction``), or ``None``."""
     import yaml
 
-    from meshrl.trainer.policy import is_run_dir
+    from meshrl.runs.policy import is_run_dir
 
     path = Path(model)
     if path.name.startswith("step_"):

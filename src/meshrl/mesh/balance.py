@@ -34,7 +34,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from meshrl.algos._checks import check_choice, check_tensor
+from meshrl.algos import check_choice, check_tensor
 
 IdsLike = Sequence[Hashable] | torch.Tensor
 REDUCTIONS = ("mean", "mean_active", "sum")

@@ -33,7 +33,7 @@ from collections.abc import Hashable
 
 import torch
 
-from meshrl.algos._checks import check_choice, check_tensor
+from meshrl.algos import check_choice, check_tensor
 from meshrl.mesh.balance import REDUCTIONS, IdsLike, _correct_mask, _labels
 
 

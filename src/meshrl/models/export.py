@@ -3,7 +3,7 @@
 A meshrl checkpoint (``RUN_DIR/checkpoints/step_N/model.safetensors``) holds weights only, and for a model
 with tied input/output embeddings (the tiny models, SmolLM2) it stores the shared matrix once, so it is not
 a model directory. :func:`export_model` rebuilds the policy exactly as ``meshrl eval`` does (the run's
-``config.yaml`` and the checkpoint through :func:`meshrl.trainer.policy.load_policy`) and writes it with
+``config.yaml`` and the checkpoint through :func:`meshrl.runs.policy.load_policy`) and writes it with
 transformers' own ``save_pretrained``, which handles the tie: ``config.json``, ``model.safetensors``,
 ``generation_config.json`` (the run's sampling settings), the tokenizer with its chat template, and
 ``meshrl.json`` (run, step, recipe, held-out figures). A LoRA run is written merged, or with
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from meshrl import __version__
+from meshrl.jsonl import read_jsonl
 from meshrl.models.loading import load_model
 from meshrl.models.lora import has_lora
 from meshrl.models.prompts import encode_prompt
@@ -36,10 +37,9 @@ from meshrl.models.tiny import TINY_PRESETS
 from meshrl.rollout import SamplingParams
 from meshrl.rollout.base import eos_ids
 from meshrl.rollout.hf import generation_config
-from meshrl.trainer.checkpoint import latest_checkpoint
-from meshrl.trainer.config import RunConfig, load_config
-from meshrl.trainer.policy import is_run_dir, load_policy
-from meshrl.trainer.runlog import read_jsonl
+from meshrl.runs.checkpoint import latest_checkpoint
+from meshrl.runs.policy import is_run_dir, load_policy
+from meshrl.trainer import RunConfig, load_config
 
 INFO_FILE = "meshrl.json"
 BASE_SUBDIR = "base_model"  # adapter exports of a base that exists only in memory (the tiny models)

@@ -70,11 +70,11 @@ def run_demo(out: Path, *, quick: bool = False, seed: int = 0, settings: DemoSet
 
     from meshrl.evaluation import run_eval
     from meshrl.evaluation.compare import compare_evals
+    from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.tasks import load_task
     from meshrl.testbed.runconfig import eval_config
     from meshrl.testbed.warm import warm_info, warm_start
     from meshrl.trainer import train
-    from meshrl.trainer.checkpoint import latest_checkpoint
 
     s = settings or (DemoSettings.quick() if quick else DemoSettings())
     torch.set_num_threads(s.threads)
@@ -111,9 +111,9 @@ def run_demo(out: Path, *, quick: bool = False, seed: int = 0, settings: DemoSet
 
 def _final_table(runs: dict[str, Path], evals: dict[str, Path]) -> dict[str, Any]:
     """Per arm: last-step training figures (max strategy mass, MEI) and held-out results by type."""
+    from meshrl.jsonl import read_jsonl
     from meshrl.tasks import load_task
     from meshrl.testbed.measure import eval_shares
-    from meshrl.trainer.runlog import read_jsonl
 
     task = load_task("testbed:add")
     table: dict[str, Any] = {}

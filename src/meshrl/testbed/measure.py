@@ -279,7 +279,7 @@ def eval_shares(eval_dir: Path, task) -> dict[str, Any]:
     """Unconditioned strategy shares of the samples of the evaluation in ``eval_dir`` (``eval_samples.jsonl``,
     labelled by ``task.label_strategy``), overall and per type, and the mean over problems of the per-problem
     max share."""
-    from meshrl.trainer.runlog import read_jsonl
+    from meshrl.jsonl import read_jsonl
 
     path = eval_dir / "eval_samples.jsonl"
     rows = read_jsonl(path) if path.is_file() else []

@@ -60,10 +60,10 @@ def adjusted_rand_index(a: Sequence[Any], b: Sequence[Any]) -> float:
 def _grams(model, tok, prompts: list[list[int]], responses: list[list[int]], temperature: float,
            features: Sequence[str]) -> tuple[dict[str, torch.Tensor], float]:
     """Gram matrix per feature map of the rollouts, and their mean token entropy (same forward pass)."""
-    from meshrl.analysis._common import forward_response, pad_id_of
+    from meshrl.analysis import forward_response, pad_id_of
     from meshrl.analysis.census import full_sequences
     from meshrl.diagnostics import bias_features, fisher_scores, head_gram
-    from meshrl.trainer.batch import collate, token_entropy
+    from meshrl.trainer import collate, token_entropy
 
     pad = pad_id_of(tok, [tok.eos_token_id])
     mb = collate(prompts, responses, pad)
@@ -89,7 +89,7 @@ def probe_signals(model, tok, task, problems: Sequence, *, group_size: int = 12,
                   epsilons: Sequence[float] = EPSILONS) -> dict[str, Any]:
     """Measure one policy on ``problems`` (see the module docstring). Returns ``{"scalars": {...},
     "per_problem": [...]}``; every scalar is a mean over problems unless its name says otherwise."""
-    from meshrl.analysis._common import pad_id_of, sequence_logprobs
+    from meshrl.analysis import pad_id_of, sequence_logprobs
     from meshrl.diagnostics import epsilon_partition, mei_from_gram, normalise_kernel, strategy_masses
     from meshrl.models import encode_prompt
     from meshrl.rollout import SamplingParams, make_backend

@@ -1,6 +1,16 @@
-"""Single-process RLVR trainer (engine layer)."""
+"""The RLVR trainer (engine layer): its public API. Modules outside the trainer import from here, never from its
+submodules (``tests/test_layering.py``); the step itself is :mod:`meshrl.trainer.step`."""
 
-from meshrl.trainer.config import RunConfig, load_config
-from meshrl.trainer.loop import NonFiniteAbort, Trainer, train
+from meshrl.trainer.batch import MicroBatch, collate, response_logits, token_entropy, token_logprobs
+from meshrl.trainer.config import MESH_RECIPES, RunConfig, config_reference, load_config
+from meshrl.trainer.failure import NonFiniteAbort, StalledRun
+from meshrl.trainer.loop import Trainer, train
+from meshrl.trainer.mei_monitor import load_threshold
+from meshrl.trainer.rollout_step import PromptBudget, context_limit, encode_within_limit
+from meshrl.trainer.signals import RunInterrupted
+from meshrl.trainer.sweep import command_lines, load_sweep, run_sweep, summarize_sweep
 
-__all__ = ["NonFiniteAbort", "RunConfig", "Trainer", "load_config", "train"]
+__all__ = ["MESH_RECIPES", "MicroBatch", "NonFiniteAbort", "PromptBudget", "RunConfig", "RunInterrupted",
+           "StalledRun", "Trainer", "collate", "command_lines", "config_reference", "context_limit",
+           "encode_within_limit", "load_config", "load_sweep", "load_threshold", "response_logits", "run_sweep",
+           "summarize_sweep", "token_entropy", "token_logprobs", "train"]

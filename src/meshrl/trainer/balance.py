@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from meshrl.trainer.rollout_step import CORRECT_AT
+from meshrl.runs.correct import CORRECT_AT
 
 log = logging.getLogger("meshrl")
 

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from meshrl.trainer.checkpoint import CheckpointError
+from meshrl.runs.checkpoint import CheckpointError
 from meshrl.trainer.signals import RunInterrupted
 
 log = logging.getLogger("meshrl")

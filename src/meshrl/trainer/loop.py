@@ -14,14 +14,15 @@ from typing import Any
 
 import torch
 
+from meshrl.jsonl import JsonlWriter
 from meshrl.progress import progress_bar
+from meshrl.runs.run_dir import prepare_fresh, prepare_resume, rewind_records, write_config
 from meshrl.trainer.config import RunConfig, config_record
 from meshrl.trainer.failure import NonFiniteAbort, StalledRun, record_stop
 from meshrl.trainer.periodic_eval import write_summary
-from meshrl.trainer.run_dir import prepare_fresh, prepare_resume, rewind_records, write_config
-from meshrl.trainer.runlog import JsonlWriter, Trackers
 from meshrl.trainer.signals import RunInterrupted, StopRequests
 from meshrl.trainer.step import Trainer
+from meshrl.trainer.trackers import Trackers
 
 __all__ = ["NonFiniteAbort", "StalledRun", "Trainer", "train"]
 

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from meshrl.doctor.grouping import grouping_metrics
-from meshrl.trainer.rollout_step import CORRECT_AT, StepData, strategy_figures
+from meshrl.runs.correct import CORRECT_AT
+from meshrl.trainer.rollout_step import StepData, strategy_figures
 
 
 def rollout_metrics(data: StepData) -> dict[str, float]:

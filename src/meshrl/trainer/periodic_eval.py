@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshrl.jsonl import read_jsonl
+from meshrl.runs.correct import CORRECT_AT
 from meshrl.trainer.rollout_step import (
-    CORRECT_AT,
     PromptBudget,
     context_limit,
     encode_within_limit,
@@ -80,7 +81,7 @@ def write_summary(run_dir: Path, key: str = "eval/mean@1") -> dict[str, Any] | N
     path = run_dir / "evals.jsonl"
     if not path.is_file():
         return None
-    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    rows = read_jsonl(path)
     if not rows:
         return None
     best = max(rows, key=lambda r: (r[key], -r["step"]))

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from meshrl.algos import Recipe, advantage_estimator, dynamic_sampling_mask, overlong_penalty
+from meshrl.runs.correct import CORRECT_AT
 
-CORRECT_AT = 1.0 - 1e-6  # a rollout is "correct" when its task score reaches 1
 log = logging.getLogger("meshrl")
 # Prompts longer than this many characters per model position are measured from their head first: no
 # tokenizer averages more characters per token, so a head already past the limit settles it cheaply.

@@ -76,7 +76,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, Any]:
-        from meshrl.trainer.checkpoint import rng_state
+        from meshrl.runs.checkpoint import rng_state
 
         t0 = time.perf_counter()
         self.boundary_rng = rng_state()
@@ -191,7 +191,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         """Checkpoint the last step boundary (once per step: the state has not changed since)."""
-        from meshrl.trainer.checkpoint import save_checkpoint
+        from meshrl.runs.checkpoint import save_checkpoint
 
         if self.dirty:
             raise RuntimeError(f"step {self.step_idx}: a checkpoint must hold a step boundary, not a step under way")
@@ -206,7 +206,7 @@ class Trainer:
         return path
 
     def restore(self) -> None:
-        from meshrl.trainer.checkpoint import restore_checkpoint
+        from meshrl.runs.checkpoint import restore_checkpoint
 
         _, state = restore_checkpoint(self.run_dir, self.model, self.optimizer)
         self.step_idx, self.cursor = int(state["step"]), int(state["cursor"])

@@ -32,9 +32,9 @@ from typing import Any
 
 import yaml
 
-from meshrl.trainer.checkpoint import latest_checkpoint
+from meshrl.jsonl import read_jsonl
+from meshrl.runs.checkpoint import latest_checkpoint
 from meshrl.trainer.config import RunConfig, load_config
-from meshrl.trainer.runlog import read_jsonl
 
 log = logging.getLogger("meshrl")
 

@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 
 from meshrl.diagnostics import bias_features, mei_key, mei_metrics
 from meshrl.integrations.trl.options import check_trl_version
-from meshrl.trainer.mei_monitor import load_threshold  # a number or a `meshrl mei calibrate` JSON, checked
+from meshrl.trainer import load_threshold  # a number or a `meshrl mei calibrate` JSON, checked
 
 log = logging.getLogger("meshrl")
 ON_WARNING = ("log", "stop", "checkpoint", "checkpoint_and_stop")

@@ -22,12 +22,12 @@ import torch
 
 from meshrl.mesh import BUDGET_MODES, REDUCTIONS, budget_groups, wrap_prefix
 from meshrl.mesh.coach import PLACEMENTS
+from meshrl.runs.correct import CORRECT_AT  # a rollout is correct when its reward reaches 1
 
 SUPPORTED_TRL = ("1.16", "2")  # >= 1.16, < 2: the override points used here were read in trl 1.16.0
 ADV_UNITS = ("prefix_group", "query")
 BALANCES = ("paper", "support")
 TEMPLATES = ("wrapped", "plain")
-CORRECT_AT = 1.0 - 1e-6  # a rollout is correct when its correctness reward reaches 1 (as meshrl's trainer)
 
 
 def check_trl_version(version: str | None = None) -> str:

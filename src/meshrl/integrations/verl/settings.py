@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from meshrl.mesh import REDUCTIONS
-from meshrl.trainer.rollout_step import CORRECT_AT
+from meshrl.runs.correct import CORRECT_AT
 
 #: Per-sample fields the meshrl trainer writes into each verl batch row and the loss wrapper reads.
 QUERY_ID = "meshrl_query_id"

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from meshrl.jsonl import iter_jsonl
 from meshrl.mesh.coach.backends import BackendError, MissingKeyError, RuleCoach, describe_backend
 from meshrl.mesh.coach.prompts import COACH_PROMPT_VERSION, coach_messages, retry_messages
 from meshrl.mesh.coach.validate import PrefixRules, check_answer, validate_strategies
@@ -68,25 +69,17 @@ class CoachSummary:
 
 
 def _read_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
-    """Records of a JSONL file; a truncated last line (interrupted write) is dropped and repaired."""
+    """Records of a JSONL file; a truncated last line (interrupted write) is dropped and the file repaired."""
     if not path.is_file():
         return []
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines) and not text.endswith("\n"):
-                _rewrite(path, out)
-                break
-            raise ValueError(f"{what} {path}: line {n} is not valid JSON") from None
-        if not isinstance(rec, dict) or "key" not in rec:
-            raise ValueError(f"{what} {path}: line {n} is not a record with a 'key'")
+    for n, rec in iter_jsonl(path, what=what):
+        if "key" not in rec:
+            raise ValueError(f"{what} {path}, line {n}: not a record with a 'key'")
         out.append(rec)
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):  # the partial last line of an interrupted append: write what is intact
+        _rewrite(path, out)
     return out
 
 

@@ -111,7 +111,7 @@ def form_pairs(group_ids: list[Any], prompt_ids: list[list[int]], scores: list[f
                rewards: torch.Tensor | None, rule: str) -> tuple[list[tuple[int, int]], int]:
     """``([(chosen row, rejected row), ...], groups that gave a pair)`` of a step's rows under ``rule``
     (see the module docstring); rows are paired only within one (group, prompt)."""
-    from meshrl.trainer.rollout_step import CORRECT_AT
+    from meshrl.runs.correct import CORRECT_AT
 
     if rule not in PAIR_RULES:
         raise ValueError(f"plugins.dpo.pairs must be one of {PAIR_RULES}, got {rule!r}")

@@ -9,7 +9,6 @@ rows take the shaped, unclipped loss ``-A f(pi_theta)``, ``f(p) = p / (p + gamma
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from meshrl.algos import OFF_POLICY_SHAPES, luffy_off_policy_loss
+from meshrl.jsonl import iter_jsonl
 from meshrl.settings import setting
 from meshrl.trainer.plugins.base import Plugin, PluginContext, Stage, Stats, TokenTerms, register
 
@@ -112,20 +112,12 @@ def load_traces(path: Path) -> dict[str, list[str]]:
     """``problem id -> [completion, ...]`` from a JSONL of ``{"id": ..., "completion": ...}`` rows; a bad row
     raises ``ValueError`` naming the file, the line and the field."""
     out: dict[str, list[str]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{n}: a row must be a JSON object")
+    for n, row in iter_jsonl(path, what="plugins.luffy.traces", partial_last="raise"):
         for key in ("id", "completion"):
             if key not in row:
-                raise ValueError(f"{path}:{n}: missing field {key!r}")
+                raise ValueError(f"plugins.luffy.traces {path}, line {n}: missing field {key!r}")
         if not isinstance(row["completion"], str) or not row["completion"]:
-            raise ValueError(f"{path}:{n}: field 'completion' must be a non-empty string")
+            raise ValueError(f"plugins.luffy.traces {path}, line {n}: field 'completion' must be a non-empty string")
         out.setdefault(str(row["id"]), []).append(row["completion"])
     if not out:
         raise ValueError(f"{path}: no traces")

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshrl.runs.correct import CORRECT_AT
 from meshrl.settings import setting
 from meshrl.trainer.plugins.base import Plugin, PluginContext, Stage, register
-from meshrl.trainer.rollout_step import CORRECT_AT
 
 
 @dataclass

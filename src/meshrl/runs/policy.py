@@ -4,8 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
-from meshrl.trainer.config import load_config
+from typing import Any
+
+from meshrl.runs.checkpoint import latest_checkpoint, load_checkpoint
+
+
+def read_run_config(run_dir: str | Path) -> Any:
+    """The validated :class:`meshrl.trainer.RunConfig` a run recorded in ``RUN_DIR/config.yaml``."""
+    from meshrl.trainer import load_config
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no config.yaml (not a meshrl run directory)")
+    return load_config(path)
 
 
 def is_run_dir(spec: str | Path) -> bool:
@@ -28,7 +39,7 @@ def load_policy(spec: str, *, dtype: str = "float32", seed: int = 0):
     if not is_run_dir(path):
         model, tok = load_model(spec, dtype=dtype, seed=seed)
         return model, tok, spec
-    cfg = load_config(path / "config.yaml")
+    cfg = read_run_config(path)
     model, tok = load_model(cfg.model, dtype=dtype, seed=cfg.seed)
     if cfg.train.lora_r > 0:
         model = apply_lora(model, r=cfg.train.lora_r, alpha=cfg.train.lora_alpha)

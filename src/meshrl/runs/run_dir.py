@@ -14,15 +14,14 @@ import shutil
 from pathlib import Path
 
 import yaml
-
-from meshrl.trainer.checkpoint import (
+from meshrl.runs.checkpoint import (
     atomic_write_text,
     latest_checkpoint,
     remove_after,
     remove_temporaries,
     step_dirs,
 )
-from meshrl.trainer.runlog import truncate_after_step
+from meshrl.jsonl import truncate_after_step
 
 log = logging.getLogger("meshrl")
 

@@ -37,6 +37,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
+from meshrl.jsonl import atomic_write_text, fsync_dir
+
 log = logging.getLogger("meshrl")
 
 STEP_DIR = re.compile(r"step_(\d+)")
@@ -58,30 +60,6 @@ class CheckpointMismatch(CheckpointError):
 
 
 # ---------------------------------------------------------------------- durable file operations
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary sibling, fsync it, rename it over ``path`` and fsync the directory."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 def _fsync_file(path: Path) -> None:
     with path.open("rb") as f:
         os.fsync(f.fileno())
