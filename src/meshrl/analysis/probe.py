@@ -191,7 +191,7 @@ Sampler = Callable[[list, bool, int], tuple[list[list[float]], list[list[float]]
 def _sampler(tok: Any, task: Any, backend: Any, runner: Any, params: Any, placement: str) -> Sampler:
     """``sample(part, baseline, seed) -> (accuracy[j][k], solved[j][k], baseline_accuracy[j])``."""
     from meshrl.mesh import wrap_prefix
-    from meshrl.runs.correct import CORRECT_AT
+    from meshrl.runs.correct import is_correct
 
     def prompt(problem: Any, prefix: str | None) -> list[int]:
         text = task.format_prompt(problem)
@@ -212,7 +212,7 @@ def _sampler(tok: Any, task: Any, backend: Any, runner: Any, params: Any, placem
         scores = runner(ro.texts, probs)
         hits: dict[tuple[int, int], list[float]] = {}
         for i, s in zip(ro.prompt_index, scores, strict=True):
-            hits.setdefault(arms[i], []).append(float(s >= CORRECT_AT))
+            hits.setdefault(arms[i], []).append(float(is_correct(s)))
         acc = [[sum(hits[(j, k)]) / len(hits[(j, k)]) for k in range(len(x))] for j, (_, x) in enumerate(part)]
         solved = [[float(a > 0) for a in row] for row in acc]
         base = [sum(hits[(j, -1)]) / len(hits[(j, -1)]) if baseline else None for j in range(len(part))]

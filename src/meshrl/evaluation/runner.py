@@ -21,7 +21,7 @@ from typing import Any
 
 from meshrl.jsonl import JsonlWriter, read_jsonl
 from meshrl.progress import progress_bar
-from meshrl.runs.correct import CORRECT_AT
+from meshrl.runs.correct import is_correct
 from meshrl.trainer import PromptBudget, context_limit
 
 log = logging.getLogger("meshrl")
@@ -152,7 +152,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                     row = {"problem_id": prob.id, "sample": counts[prob.id], "completion": text,
                            "extracted": extract_for_kind(text, task.reward_kind), "reference": prob.answer,
                            "score": score,
-                           "correct": score >= CORRECT_AT, "truncated": bool(trunc)}
+                           "correct": is_correct(score), "truncated": bool(trunc)}
                     if cfg.by is not None:
                         row["group"] = prob.meta.get(cfg.by, "?")
                     counts[prob.id] += 1

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from meshrl.runs.correct import CORRECT_AT
+from meshrl.runs.correct import is_correct
 
 log = logging.getLogger("meshrl")
 
@@ -113,7 +113,7 @@ class StrategyBalance:
         """One no-grad forward of the correct rollouts under their bare queries, at the start parameters."""
         from meshrl.mesh import support_balance_row_weights
 
-        correct = [s >= CORRECT_AT and k >= 0 for s, k in zip(data.scores, data.strategy_ids, strict=True)]
+        correct = [is_correct(s) and k >= 0 for s, k in zip(data.scores, data.strategy_ids, strict=True)]
         seq = torch.zeros(len(data), dtype=torch.float64)
         with torch.no_grad():
             for idx, mb in self.forward.micro_batches([j for j, ok in enumerate(correct) if ok], data, bare=True):
@@ -136,7 +136,7 @@ def balance_row_weights(cfg, data, seq_logp: torch.Tensor, ref_seq_logp: torch.T
     from meshrl.mesh import strategy_balance_row_weights
 
     # Rows of the bare group (strategy -1) have no prefix: they are not a strategy cell to balance.
-    correct = torch.tensor([s >= CORRECT_AT and k >= 0 for s, k in zip(data.scores, data.strategy_ids, strict=True)])
+    correct = torch.tensor([is_correct(s) and k >= 0 for s, k in zip(data.scores, data.strategy_ids, strict=True)])
     w, _loss, metrics = strategy_balance_row_weights(
         seq_logp, ref_seq_logp, correct, data.query_ids, data.strategy_ids, cfg.balance_mu,
         subtract_ref=cfg.mesh.subtract_ref, reduction=cfg.mesh.reduction,

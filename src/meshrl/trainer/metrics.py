@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from meshrl.doctor.grouping import grouping_metrics
-from meshrl.runs.correct import CORRECT_AT
+from meshrl.runs.correct import CORRECT_AT, is_correct
 from meshrl.trainer.rollout_step import StepData, strategy_figures
 
 
@@ -17,7 +17,7 @@ def rollout_metrics(data: StepData) -> dict[str, float]:
         if not data.seen:
             return {}
         return {"reward/mean": data.stats["reward/sampled_mean"],
-                "acc/mean": sum(float(sc >= CORRECT_AT) for _, sc, _ in data.seen) / len(data.seen)}
+                "acc/mean": sum(float(is_correct(sc)) for _, sc, _ in data.seen) / len(data.seen)}
     scores = torch.tensor(data.scores)
     lengths = torch.tensor([len(r) for r in data.response_ids], dtype=torch.float32)
     return {
@@ -40,5 +40,5 @@ def strategy_metrics(task: Any, data: StepData) -> dict[str, float]:
     seen = data.seen or list(zip(data.texts, data.scores, data.problems, strict=True))
     if not seen:
         return {}
-    return {"acc/sampled_mean": sum(float(sc >= CORRECT_AT) for _, sc, _ in seen) / len(seen),
+    return {"acc/sampled_mean": sum(float(is_correct(sc)) for _, sc, _ in seen) / len(seen),
             **strategy_figures(task, seen)}

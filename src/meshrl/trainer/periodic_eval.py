@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.jsonl import read_jsonl
-from meshrl.runs.correct import CORRECT_AT
+from meshrl.runs.correct import is_correct
 from meshrl.trainer.rollout_step import (
     PromptBudget,
     context_limit,
@@ -63,7 +63,7 @@ class PeriodicEval:
         scores = self.rewards(out.texts, probs)
         correct: dict[str, list[bool]] = {}
         for p, s in zip(probs, scores, strict=True):
-            correct.setdefault(p.id, []).append(s >= CORRECT_AT)
+            correct.setdefault(p.id, []).append(is_correct(s))
         n_prob = len(correct)
         return {
             "eval/mean@1": sum(sum(v) / len(v) for v in correct.values()) / n_prob,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from meshrl.algos import Recipe, advantage_estimator, dynamic_sampling_mask, overlong_penalty
-from meshrl.runs.correct import CORRECT_AT
+from meshrl.runs.correct import is_correct
 
 log = logging.getLogger("meshrl")
 # Prompts longer than this many characters per model position are measured from their head first: no
@@ -88,7 +88,7 @@ def strategy_figures(task, samples: list[tuple[str, float, Any]], prefix: str = 
     by_type: dict[str, list[float]] = {}
     for _, score, problem in samples:
         if "type" in problem.meta:
-            by_type.setdefault(str(problem.meta["type"]), []).append(float(score >= CORRECT_AT))
+            by_type.setdefault(str(problem.meta["type"]), []).append(float(is_correct(score)))
     for t, v in sorted(by_type.items()):
         out[f"{prefix}acc/type/{t}"] = sum(v) / len(v)
     return out

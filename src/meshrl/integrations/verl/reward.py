@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshrl.integrations.verl.settings import CORRECT_AT  # "acc" as meshrl's trainer counts a rollout correct
 from meshrl.rewards import RewardRunner
+from meshrl.runs.correct import is_correct  # "acc" as meshrl's trainer counts a rollout correct
 from meshrl.tasks import load_task
 
 
@@ -56,4 +56,4 @@ class TaskScorer:
         if self._runner is None:
             self._runner = RewardRunner(task.score, timeout_s=self.timeout_s, isolation=self.isolation)
         score = self._runner.score_one(solution_str, problem)
-        return {"score": score, "acc": score >= CORRECT_AT}
+        return {"score": score, "acc": is_correct(score)}

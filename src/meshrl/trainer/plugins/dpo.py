@@ -111,7 +111,7 @@ def form_pairs(group_ids: list[Any], prompt_ids: list[list[int]], scores: list[f
                rewards: torch.Tensor | None, rule: str) -> tuple[list[tuple[int, int]], int]:
     """``([(chosen row, rejected row), ...], groups that gave a pair)`` of a step's rows under ``rule``
     (see the module docstring); rows are paired only within one (group, prompt)."""
-    from meshrl.runs.correct import CORRECT_AT
+    from meshrl.runs.correct import is_correct
 
     if rule not in PAIR_RULES:
         raise ValueError(f"plugins.dpo.pairs must be one of {PAIR_RULES}, got {rule!r}")
@@ -121,8 +121,8 @@ def form_pairs(group_ids: list[Any], prompt_ids: list[list[int]], scores: list[f
     pairs: list[tuple[int, int]] = []
     groups = 0
     for rows in cells.values():
-        good = [i for i in rows if scores[i] >= CORRECT_AT]
-        bad = [i for i in rows if scores[i] < CORRECT_AT]
+        good = [i for i in rows if is_correct(scores[i])]
+        bad = [i for i in rows if not is_correct(scores[i])]
         if not good or not bad:
             continue
         groups += 1

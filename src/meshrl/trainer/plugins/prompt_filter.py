@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.runs.correct import CORRECT_AT
+from meshrl.runs.correct import is_correct
 from meshrl.settings import setting
 from meshrl.trainer.plugins.base import Plugin, PluginContext, Stage, register
 
@@ -108,7 +108,7 @@ class FilteredProblems:
         ``filter/skipped`` (problems skipped while this step was sampled) and ``filter/skipped_frac``."""
         groups: dict[str, list[bool]] = {}
         for _, score, problem in seen:
-            groups.setdefault(str(problem.id), []).append(score >= CORRECT_AT)
+            groups.setdefault(str(problem.id), []).append(is_correct(score))
         for pid, correct in groups.items():
             self._history.setdefault(pid, []).append(all(correct) or not any(correct))
             self._last_seen[pid] = step
