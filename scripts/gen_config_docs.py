@@ -1,4 +1,4 @@
-"""Write docs/config.md from the config declarations (tests/test_config_docs.py checks it is up to date).
+"""Write docs/config.md from the config declarations (tests/unit/test_config_docs.py checks it is up to date).
 
     python scripts/gen_config_docs.py           # from the repository root
 """

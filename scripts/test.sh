@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# A real headless browser for the report's screenshot test (tests/test_report.py; skipped without it): Debian's
+# A real headless browser for the report's screenshot test (tests/integration/test_report.py; skipped without it): Debian's
 # chromium, about 30 s to install. Best effort, as root with apt only.
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
@@ -21,7 +21,7 @@ if [ "$#" -eq 0 ]; then
 fi
 # verl in its own environment (verl 0.9.1 pins transformers<5.11): scripts/verl_env.sh builds .venv-verl once (about
 # 1.5 min from scratch on the team machine, reused while its requirements and pyproject.toml are unchanged) and runs
-# tests/verl_engine there (about 1-3 min on 2 busy cores). Budget: 10 min for both; MESHRL_SKIP_VERL=1 skips it.
+# tests/integration/verl_engine there (about 1-3 min on 2 busy cores). Budget: 10 min for both; MESHRL_SKIP_VERL=1 skips it.
 if [ "$#" -eq 0 ] && [ "${MESHRL_SKIP_VERL:-0}" != "1" ]; then
   verl_start=$(date +%s)
   timeout 600 bash scripts/verl_env.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build .venv-verl (verl's own environment) if needed and run the verl integration tests (tests/verl_engine) in it.
+# Build .venv-verl (verl's own environment) if needed and run the verl integration tests (tests/integration/verl_engine) in it.
 #
 # verl 0.9.1 pins transformers<5.11 while .venv carries a newer transformers, so verl gets a virtual environment
 # of its own. torch==2.13.0 goes first so pip takes the CPU wheel; then verl with the light part of its
@@ -7,7 +7,7 @@
 # meshrl's runtime dependencies and pytest; meshrl itself last, --no-deps and editable, which also installs its
 # `verl.plugins` entry point (the tests check that `import verl` finds it).
 # A stamp file records the requirement set: the environment is rebuilt only when it changes (or is broken).
-# Arguments are passed to pytest (default: tests/verl_engine).
+# Arguments are passed to pytest (default: tests/integration/verl_engine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -44,5 +44,5 @@ fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # verl probes for an accelerator at import and warns when it finds none; the tests run on the CPU on purpose.
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning}"
-if [ "$#" -eq 0 ]; then set -- tests/verl_engine; fi
+if [ "$#" -eq 0 ]; then set -- tests/integration/verl_engine; fi
 "$ENV_DIR/bin/python" -m pytest -q -p no:cacheprovider "$@"

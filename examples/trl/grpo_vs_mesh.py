@@ -1,7 +1,7 @@
 """GRPO vs Mesh Learning in TRL on a real model, with the MEI monitor on both arms.
 
 UNTESTED ON A GPU: written against trl 1.16.0 and checked on a CPU with a tiny model only
-(tests/test_integration_trl.py); see examples/trl/README.md for the exact launch commands.
+(tests/integration/test_integration_trl.py); see examples/trl/README.md for the exact launch commands.
 
     python examples/trl/grpo_vs_mesh.py --arm mesh --data runs/trl_data --prefixes prefixes.jsonl \
         --task gsm8k --model Qwen/Qwen2.5-1.5B-Instruct --threshold threshold.json --out runs/trl_mesh

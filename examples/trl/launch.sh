@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO vs Mesh Learning inside TRL, one GPU (Qwen2.5-1.5B-Instruct) or one 8-GPU node (Qwen2.5-7B-Instruct).
-# UNTESTED ON A GPU: the pieces run on a CPU with a tiny model in tests/test_integration_trl.py only.
+# UNTESTED ON A GPU: the pieces run on a CPU with a tiny model in tests/integration/test_integration_trl.py only.
 #
 #   pip install "meshrl[trl,math]" "trl[vllm]>=1.16,<2"      # trl[vllm] pins vllm>=0.22,<=0.31
 #   huggingface-cli download Qwen/Qwen2.5-1.5B-Instruct --local-dir models/qwen2.5-1.5b

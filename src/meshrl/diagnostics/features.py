@@ -141,7 +141,7 @@ def head_gram(
     ``(2 + 3^q) / k``, i.e. ``c <= 11`` here), so the error on the cosine scale has standard deviation
     ``sqrt(c / k)``. Measured on a small case (B=6, T=12, V=50, D=16, k=2048, 30 seeds): ``c <= 2.9``
     over all entries, relative Frobenius error of the Gram 0.056 mean / 0.080 max, largest cosine-scale
-    entry error 0.061 mean / 0.111 max (``tests/test_diagnostics.py`` asserts <= 0.2).
+    entry error 0.061 mean / 0.111 max (``tests/unit/test_diagnostics.py`` asserts <= 0.2).
 
     Args:
         logits: ``[B, T, V]`` aligned logits; tokens, mask: ``[B, T]`` (see the module docstring).

@@ -1,7 +1,7 @@
 """Every number ``meshrl doctor`` compares against, in one place (documented in docs/doctor.md).
 
 The defaults were set so that the README quick-start GRPO job (``tiny:repeat``, 20 steps) raises nothing
-above ``info`` while each failure built deliberately in ``tests/test_doctor_runs.py`` is named. "Window"
+above ``info`` while each failure built deliberately in ``tests/integration/test_doctor_runs.py`` is named. "Window"
 figures are means over the first / last ``window_frac`` of the logged steps (at least ``min_window`` steps),
 which keeps single noisy steps from deciding a trend.
 """

@@ -1,5 +1,5 @@
 """The RLVR trainer (engine layer): its public API. Modules outside the trainer import from here, never from its
-submodules (``tests/test_layering.py``); the step itself is :mod:`meshrl.trainer.step`."""
+submodules (``tests/unit/test_layering.py``); the step itself is :mod:`meshrl.trainer.step`."""
 
 from meshrl.trainer.batch import MicroBatch, collate, response_logits, token_entropy, token_logprobs
 from meshrl.trainer.config import MESH_RECIPES, RunConfig, config_reference, load_config

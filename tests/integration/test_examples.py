@@ -11,7 +11,7 @@ import pytest
 
 from meshrl.trainer import load_config, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 SMALL = ["steps=1", "rollout.prompts_per_step=1", "rollout.group_size=3", "rollout.max_new_tokens=8",
          "checkpoint.every=100", "eval.every=0", "log.progress=false", "diag.mei.every=0",

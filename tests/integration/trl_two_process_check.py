@@ -1,4 +1,4 @@
-"""Run by tests/test_integration_trl.py under ``torchrun --nproc_per_node 2`` (gloo, CPU).
+"""Run by tests/integration/test_integration_trl.py under ``torchrun --nproc_per_node 2`` (gloo, CPU).
 
 One query's 8 completions are split over the two processes (4 each). Each process computes the gradient
 of its own micro-batch loss with the policy term switched off (advantages 0); their mean (what DDP does) must

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "meshrl"
+SRC = Path(__file__).resolve().parents[2] / "src" / "meshrl"
 LAYER = {
     "algos": 1, "stats": 1,
     "mesh": 2, "diagnostics": 2,

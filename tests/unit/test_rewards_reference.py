@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "reference_acceptance.py"
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "reference_acceptance.py"
 _spec = importlib.util.spec_from_file_location("reference_acceptance", _BENCH)
 assert _spec is not None and _spec.loader is not None
 ra = importlib.util.module_from_spec(_spec)

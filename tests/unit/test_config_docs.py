@@ -12,7 +12,7 @@ import pytest
 from meshrl.settings import iter_settings
 from meshrl.trainer.config import RunConfig, config_reference, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_key_has_help():

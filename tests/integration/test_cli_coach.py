@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+from test_mesh_coach import KEY_ENV, SECRET, good_answer, server  # noqa: F401 - server is a fixture
+
 from meshrl.cli import main as cli_main
 from meshrl.jsonl import read_jsonl
-from test_mesh_coach import KEY_ENV, SECRET, good_answer, server  # noqa: F401 - server is a fixture
 
 
 def test_hf_backend_runs_the_local_model_and_records_rejects(tmp_path, capsys):
