@@ -3,7 +3,8 @@ a uniformly random moment of training, then ``--resume`` until the run is done; 
 weights must equal those of the uninterrupted run, bit for bit (CPU).
 
 The default worker processes (update and decode) run, so a group signal reaches them too. CI runs 5 trials of
-each kind; ``python tests/integration/test_resume_trials.py N`` runs N of each and prints the tally (docs/reliability.md).
+each kind; ``python tests/integration/test_resume_trials.py N`` runs N of each and prints the tally
+(docs/reliability.md).
 """
 
 from __future__ import annotations

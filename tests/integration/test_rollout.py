@@ -91,7 +91,7 @@ def test_same_seed_same_samples_and_rng_untouched(tiny):
     c = backend.generate(prompts, params, seed=8)
     assert a.response_ids == b.response_ids and a.texts == b.texts
     assert a.response_ids != c.response_ids
-    assert a.engine_logprobs == b.engine_logprobs  # the sampler's log-probs (tests/integration/test_rollout_mismatch.py)
+    assert a.engine_logprobs == b.engine_logprobs  # the sampler's log-probs (test_rollout_mismatch.py)
     assert [len(x) for x in a.engine_logprobs] == [len(x) for x in a.response_ids]
 
 

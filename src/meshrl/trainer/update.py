@@ -3,8 +3,8 @@
 :class:`SerialEngine` is the plain path: micro-batch after micro-batch in this process, each one's loss
 (:class:`meshrl.trainer.loss.Objective`) weighted for exact gradient accumulation and backpropagated, with the
 Mesh balancing term's gradient kept apart. :class:`PartsEngine` only makes it faster on a CPU, with the same
-gradients up to float rounding (``tests/integration/test_trainer_parallel.py``): each micro-batch is split by prompt over
-forked worker processes (:mod:`meshrl.trainer.parallel_update`), and rows whose advantage is 0 run a no-grad
+gradients up to float rounding (``tests/integration/test_trainer_parallel.py``): each micro-batch is split by prompt
+over forked worker processes (:mod:`meshrl.trainer.parallel_update`), and rows whose advantage is 0 run a no-grad
 forward only, when their gradient is exactly zero. Whenever a step needs every row's logits or graph in this
 process (MEI collection, strategy balancing, a plug-in that uses whole-micro-batch statistics) it runs the
 serial path for that mini-batch. The trainer chooses the engine once per run (:func:`make_engine`).
