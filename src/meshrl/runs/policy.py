@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import Any
 
 from meshrl.runs.checkpoint import latest_checkpoint, load_checkpoint

@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 
 import yaml
+
+from meshrl.jsonl import truncate_after_step
 from meshrl.runs.checkpoint import (
     atomic_write_text,
     latest_checkpoint,
@@ -21,7 +23,6 @@ from meshrl.runs.checkpoint import (
     remove_temporaries,
     step_dirs,
 )
-from meshrl.jsonl import truncate_after_step
 
 log = logging.getLogger("meshrl")
 
