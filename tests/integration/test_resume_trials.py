@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import meshrl
 from meshrl.jsonl import read_jsonl
+from meshrl.runs import latest_checkpoint
 
 STEPS = 6
 TRAIN = ["train", "--model", "tiny", "--task", "tiny:repeat", "--no-progress", "--steps", str(STEPS),
@@ -86,7 +87,9 @@ def trial(root: Path, ref: Path, window_s: float, sig: int, seed: int) -> tuple[
     for _ in range(3):  # resume (or, killed before the first checkpoint, the same command again)
         if rc == 0:
             break
-        has_ckpt = (run / "checkpoints" / "latest").exists()
+        # the rule `meshrl train` itself applies (a kill between a checkpoint's rename and its `latest` pointer
+        # leaves a complete checkpoint without the pointer: a fresh run refuses it and says --resume)
+        has_ckpt = latest_checkpoint(run) is not None
         done = _run(["train", "--resume", str(run)] if has_ckpt else [*TRAIN, "--out", str(run)])
         if done.returncode != 0:
             return False, f"delay {delay:.2f}s rc {first}; then rc {done.returncode}: {done.stderr[-500:]}"
