@@ -12,45 +12,12 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from vllm_probe import MATCH_TOL, MOVED_MIN, SEQUENCE, engine_logprobs, optimiser_step, policy_logprobs  # noqa: E402
 
 from meshrl.models import build_tiny  # noqa: E402
 from meshrl.models.lora import apply_lora  # noqa: E402
 from meshrl.rollout import make_backend  # noqa: E402
 from meshrl.rollout.base import SamplingParams  # noqa: E402
-
-# Engine and trainer both compute in float32 but with different kernels (vLLM's CPU attention and GEMM); they
-# agree to about 1e-5 on these models. An update at lr 1e-2 moves the log-probs by far more than MATCH_TOL.
-MATCH_TOL = 1e-3
-MOVED_MIN = 0.05
-SEQUENCE = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54]
-
-
-def engine_logprobs(backend, ids: list[int]) -> torch.Tensor:
-    """The engine's log-prob of each token of ``ids`` after the first, given the tokens before it."""
-    from vllm import SamplingParams as VSamplingParams
-
-    params = VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-    out = backend.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    return torch.tensor([step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:], strict=True)])
-
-
-@torch.no_grad()
-def policy_logprobs(model, ids: list[int]) -> torch.Tensor:
-    x = torch.tensor([ids])
-    logits = model(input_ids=x).logits.float()[0, :-1]
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0]
-
-
-def optimiser_step(model, lr: float = 1e-2) -> None:
-    """One AdamW step that raises the likelihood of SEQUENCE (any update that moves the weights would do)."""
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr)
-    loss = -policy_logprobs.__wrapped__(model, SEQUENCE).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    model.eval()
 
 
 @pytest.fixture(scope="module")
