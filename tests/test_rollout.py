@@ -313,7 +313,8 @@ def test_vllm_glue_with_fake_engine(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     backend = make_backend("vllm", model, tok, work_dir=tmp_path, max_model_len=256)
     engine = fake.engines[0]
-    assert engine.kw == {"dtype": "bfloat16", "max_model_len": 256, "gpu_memory_utilization": 0.3}
+    assert engine.kw == {"dtype": "bfloat16", "logprobs_mode": "processed_logprobs", "max_model_len": 256,
+                         "gpu_memory_utilization": 0.3}
     reloaded, _ = load_local(engine.model_dir, torch.float32)  # the engine reads the current policy
     assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
     out = backend.generate([[1, 2], [3]], SamplingParams(2, temperature=1.0, n=3), seed=5)

@@ -12,13 +12,12 @@ and replaces ``layer.weight`` by an empty parameter without a ``weight_loader`` 
 either. ``weight_sync="reload"`` saves the policy and rebuilds the engine (slow, but independent of vLLM's
 worker API); it is also what happens on a vLLM without ``reload_weights``.
 
-Engine log-probs (``Rollouts.engine_logprobs``): vLLM returns the log-prob of each sampled token. By
-default (V1 engine) they are *raw* log-probs (log-softmax of the unscaled logits, i.e. temperature 1);
-pass ``logprobs_mode="processed_logprobs"`` in ``llm_kwargs`` (vLLM >= 0.10.2) to get those after
-temperature (and top-p, renormalised over the nucleus). The trainer compares them with
-``log softmax(logits / T)[y]`` over the whole vocabulary (the convention of the ``native`` and ``hf``
-backends), so the comparison is like for like with the default mode at ``temperature = 1, top_p = 1`` and
-with ``processed_logprobs`` at any temperature and ``top_p = 1``. Tested on CPU in tests/vllm_engine.
+Engine log-probs (``Rollouts.engine_logprobs``): the engine is built with
+``logprobs_mode="processed_logprobs"``, so the log-prob of each sampled token is the one it was drawn with:
+after temperature and, under top-p / top-k, renormalised over the tokens the sampler kept (vLLM's default,
+raw log-probs, ignores the temperature). At ``top_p = 1`` that is the trainer's ``log softmax(logits / T)[y]``;
+under truncation it exceeds it by ``-log(kept mass)``, and the trainer's log-prob under the same truncated
+distribution is :func:`meshrl.rollout.truncation.truncated_logprobs`. Tested on CPU in tests/vllm_engine.
 """
 
 from __future__ import annotations
@@ -71,9 +70,10 @@ class VLLMBackend(RolloutBackend):
 
     Memory for the KV cache: on a GPU ``gpu_memory_utilization`` (default 0.3, the trainer shares the
     GPU); on vLLM's CPU build, where that flag is a share of *host* memory, a fixed 1 GiB
-    (``kv_cache_memory_bytes``) unless either is given. Other ``llm_kwargs`` go to ``vllm.LLM`` (``dtype``
-    default "bfloat16", ``max_model_len``, ``enforce_eager``, ``logprobs_mode``, ...). ``batch_size`` (the
-    in-process samplers' knob) is accepted and ignored: vLLM schedules its own batches.
+    (``kv_cache_memory_bytes``) unless either is given. Other ``llm_kwargs`` go to ``vllm.LLM`` (``dtype``:
+    default "bfloat16" on a GPU, "float32" on the CPU; ``logprobs_mode``: default "processed_logprobs";
+    ``max_model_len``, ``enforce_eager``, ...). ``batch_size`` (the in-process samplers' knob) is accepted and
+    ignored: vLLM schedules its own batches.
     """
 
     name = "vllm"
@@ -107,7 +107,8 @@ class VLLMBackend(RolloutBackend):
         # On a GPU bfloat16 by default: vLLM's flash-attention kernels do not take float32 (the tiny models
         # and the converted SmolLM2 are saved in float32). On the CPU float32, the trainer's own precision,
         # so that the sampler's log-probs are the policy's.
-        self.llm_kwargs = {"dtype": "float32" if on_cpu else "bfloat16", **llm_kwargs}
+        self.llm_kwargs = {"dtype": "float32" if on_cpu else "bfloat16", "logprobs_mode": "processed_logprobs",
+                           **llm_kwargs}
         if gpu_memory_utilization is not None:
             self.llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         elif "kv_cache_memory_bytes" not in llm_kwargs:
