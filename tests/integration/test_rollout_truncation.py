@@ -53,3 +53,39 @@ def test_bad_parameters_are_refused():
         kept_mask(_logits(), top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         kept_mask(_logits(), temperature=0.0)
+
+
+def test_the_trainer_adds_the_kept_mass_back_to_a_truncating_samplers_logprobs():
+    """A sampler that reports log-probs under its top-p distribution (vLLM's processed log-probs): the log kept
+    mass the update computes (PolicyForward.log_kept_mass) turns them into the whole-vocabulary log-probs the
+    trainer computes, so the mismatch diagnostic and the rollout correction compare like with like."""
+    from meshrl.testing import tiny_config
+    from meshrl.trainer.batch import token_logprobs
+    from meshrl.trainer.forward import PolicyForward
+    from meshrl.trainer.mismatch import sampler_logps
+    from meshrl.trainer.rollout_step import StepData
+
+    cfg = tiny_config("rollout.temperature=0.8", "rollout.top_p=0.7")
+    torch.manual_seed(0)
+    table = torch.randn(40, 32) * 3
+
+    model = torch.nn.Identity()  # stands for the policy: position t's logits are row t of a fixed random table
+    forward = PolicyForward(cfg, model, None, pad_id=0, bare_prompt=lambda p: [])
+    forward.logits = lambda m, mb: table[: mb.response_ids.shape[1]].expand(mb.response_ids.shape[0], -1, -1)
+    best = table.argmax(-1).tolist()  # the most likely token is always inside the nucleus
+    data = StepData(prompt_ids=[[1, 2], [3]], response_ids=[best[:3], best[:2]], texts=["a", "b"],
+                    forced_tokens=[0, 0])
+    mb = forward.collate(data.prompt_ids, data.response_ids)
+    logits = forward.logits(model, mb)
+    sampled, _ = truncated_logprobs(logits, mb.response_ids, temperature=0.8, top_p=0.7)
+    whole = token_logprobs(logits, mb.response_ids, 0.8)
+    lengths = [3, 2]
+    data.rollout_logps = [sampled[i, :n].tolist() for i, n in enumerate(lengths)]
+    as_reported = sampler_logps(data, [0, 1])
+    gap = max(abs(a - b) for i, n in enumerate(lengths)
+              for a, b in zip(as_reported[i], whole[i, :n].tolist(), strict=True))
+    assert gap > 0.05  # the truncation alone: what the diagnostic would call mismatch
+    data.rollout_log_kept = forward.log_kept_mass(model, data, 0.7)
+    corrected = sampler_logps(data, [0, 1])
+    for i, n in enumerate(lengths):
+        assert torch.allclose(torch.tensor(corrected[i], dtype=torch.float64), whole[i, :n].double(), atol=1e-5)

@@ -64,6 +64,9 @@ class RolloutBackend(ABC):
     """Generates samples from the current policy. One ``generate`` call per training step."""
 
     name: str = "base"
+    # True when the log-probs a backend returns are taken under the truncated (top-p / top-k) distribution it
+    # sampled from; False when they are over the whole tempered vocabulary (the in-process samplers).
+    logprobs_truncated: bool = False
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int) -> Rollouts:

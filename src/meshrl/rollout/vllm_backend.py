@@ -120,6 +120,11 @@ class VLLMBackend(RolloutBackend):
         self.work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="meshrl-vllm-"))
         self.llm = self._build_engine(model)
 
+    @property
+    def logprobs_truncated(self) -> bool:  # type: ignore[override]
+        """vLLM's processed log-probs are taken after top-p / top-k (raw ones before the temperature, too)."""
+        return self.llm_kwargs.get("logprobs_mode") == "processed_logprobs"
+
     def _build_engine(self, model):
         from vllm import LLM
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from meshrl.rollout.truncation import truncated_logprobs
 from meshrl.trainer.batch import MicroBatch, collate, response_logits, token_entropy, token_logprobs
 
 
@@ -52,6 +53,19 @@ class PolicyForward:
             lp = token_logprobs(self.logits(model, mb), mb.response_ids, self.temperature)
             for k, j in enumerate(idx):
                 out[j] = lp[k, : len(data.response_ids[j])].cpu()
+        return out
+
+    @torch.no_grad()
+    def log_kept_mass(self, model: torch.nn.Module, data: Any, top_p: float) -> list[torch.Tensor]:
+        """Per row ``[T_i]``: log of the tempered probability mass the sampler's top-p set keeps at each response
+        token under ``model`` (vLLM's rule, :func:`meshrl.rollout.truncation.kept_mask`); 0 where nothing is cut."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(data)
+        temperature = self.temperature if self.temperature > 0 else 1.0
+        for idx, mb in self.micro_batches(list(range(len(data))), data):
+            _, kept = truncated_logprobs(self.logits(model, mb), mb.response_ids, temperature=temperature,
+                                         top_p=top_p)
+            for k, j in enumerate(idx):
+                out[j] = kept[k, : len(data.response_ids[j])].cpu()
         return out
 
     def ref_logps(self, data: Any) -> list[torch.Tensor]:

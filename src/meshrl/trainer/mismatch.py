@@ -1,8 +1,10 @@
 """The training-inference mismatch, measured every step (docs/plugins.md, "Training-inference mismatch").
 
-The rollout backend returns its own log-prob of every sampled token (``Rollouts.engine_logprobs``: the
-tempered distribution ``log softmax(logits / T)[y]`` before the top-p cut, in the backend's precision); the
-update scores the same tokens with the training forward. Their difference is the mismatch of Yao et al.
+The rollout backend returns its own log-prob of every sampled token (``Rollouts.engine_logprobs``, in the
+backend's precision): the in-process samplers the tempered ``log softmax(logits / T)[y]`` over the whole
+vocabulary, vLLM the log-prob under the top-p distribution it drew from (``RolloutBackend.logprobs_truncated``),
+to which the update adds back the log mass the top-p set keeps (:func:`sampler_logps`); the update scores the
+same tokens with the training forward. Their difference is the mismatch of Yao et al.
 2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"): nonzero whenever the two
 forwards differ in precision or kernels (a bf16 sampler, vLLM), so that "on-policy" training is in fact
 slightly off-policy. :class:`MismatchMonitor` collects, per step, the update's log-probs of the old policy the
@@ -24,6 +26,28 @@ def unsampled_rows(data: Any) -> set[int]:
     """Rows whose tokens the sampler did not choose (all of them or a forced opening): off-policy traces
     (``StepData.trace_rows``) and coach-guided rows (``StepData.forced_tokens``)."""
     return set(data.trace_rows) | {i for i, n in enumerate(data.forced_tokens) if n}
+
+
+def sampler_logps(data: Any, rows: list[int]) -> list[list[float] | None]:
+    """The sampler's log-probs of step ``rows`` over the whole tempered vocabulary, the trainer's measure (None
+    where a row has none or was not sampled). A backend that reports log-probs under its truncated (top-p)
+    distribution gets the row's log kept mass added back (``StepData.rollout_log_kept``): without it, every token
+    would show a gap of ``-log(kept mass)`` that is truncation, not mismatch, and an importance ratio
+    ``pi_train / pi_sampler`` would be biased by it (meshrl.rollout.truncation)."""
+    return whole_vocab_rows(data, data.rollout_logps, unsampled_rows(data), rows)
+
+
+def whole_vocab_rows(data: Any, logps: list[list[float] | None], skip: set[int], rows: list[int]
+                     ) -> list[list[float] | None]:
+    """``logps`` of ``rows`` (None for skipped or missing ones), each plus its ``rollout_log_kept`` if set."""
+    kept = getattr(data, "rollout_log_kept", None)
+    out: list[list[float] | None] = []
+    for j in rows:
+        r = logps[j] if j < len(logps) and j not in skip else None
+        if r is not None and kept is not None and j < len(kept) and len(kept[j]) == len(r):
+            r = (torch.tensor(r, dtype=torch.float64) + kept[j].double()).tolist()
+        out.append(r)
+    return out
 
 
 def rows_tensor(rows: list[list[float] | None], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,16 +73,19 @@ class MismatchMonitor:
         self.rollout: list[list[float] | None] = []
         self.skip: set[int] = set()
         self.old: dict[int, torch.Tensor] = {}
+        self.data: Any = None
         self.announced = False
 
     def begin(self, data: Any, skip: set[int]) -> None:
+        self.data = data
         self.rollout = list(getattr(data, "rollout_logps", []) or [])
         self.skip = set(skip)
         self.old = {}
 
     def rows(self, idx: list[int]) -> list[list[float] | None]:
-        """The sampler's log-probs of step rows ``idx`` (None where a row has none or is skipped)."""
-        return [self.rollout[j] if j < len(self.rollout) and j not in self.skip else None for j in idx]
+        """The sampler's log-probs of step rows ``idx`` over the whole vocabulary (:func:`sampler_logps`; None
+        where a row has none or is skipped)."""
+        return whole_vocab_rows(self.data, self.rollout, self.skip, idx)
 
     def observe(self, idx: list[int], old: torch.Tensor, mask: torch.Tensor) -> None:
         """Keep ``old [n, T]`` of each row of ``idx`` the first time the row is seen this step."""

@@ -126,6 +126,11 @@ class StepData:
     # The sampler's own log-prob of each response token (Rollouts.engine_logprobs), None for a row that has none
     # (a backend without them, an off-policy trace): compared with the update's in the mismatch diagnostic.
     rollout_logps: list[list[float] | None] = field(default_factory=list)
+    # Where the sampler's log-probs are taken under its truncated distribution (vLLM, rollout.top_p < 1): per row,
+    # log of the tempered mass its top-p set keeps at each response token, under the policy at the update's start
+    # (set by the update; None otherwise). ``rollout_logps + rollout_log_kept`` is then the sampler's log-prob over
+    # the whole vocabulary, the quantity the trainer's log-probs are (meshrl.rollout.truncation).
+    rollout_log_kept: list[torch.Tensor] | None = None
     # plugins.coach_guide: how many leading response tokens were forced to the coach's opening (0 = sampled)
     forced_tokens: list[int] = field(default_factory=list)
     trace_rows: set[int] = field(default_factory=set)  # rows replaced by off-policy traces (plugins.luffy)

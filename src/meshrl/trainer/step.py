@@ -130,6 +130,8 @@ class Trainer:
         """PPO epochs x mini-batches over the step's rollouts; the step's update metrics."""
         tc, rec = self.cfg.train, self.recipe
         single_pass = tc.ppo_epochs == 1 and tc.mini_batches == 1
+        if self.backend.logprobs_truncated and self.cfg.rollout.top_p < 1:  # compare like with like (mismatch.py)
+            data.rollout_log_kept = self.forward.log_kept_mass(self.model, data, self.cfg.rollout.top_p)
         # With one optimiser step per batch the old policy IS the current one: reuse logp.detach().
         start_logps = (None if single_pass and not self.balance.needs_start_logps
                        else self.forward.logps(self.model, data))

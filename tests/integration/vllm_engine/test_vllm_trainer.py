@@ -58,3 +58,31 @@ def test_resumed_run_samples_from_the_restored_weights(tmp_path):
         assert torch.allclose(engine_logprobs(trainer.backend, SEQUENCE), restored, atol=MATCH_TOL)
     finally:
         trainer.close()
+
+
+def test_top_p_mismatch_and_importance_ratio_compare_like_with_like(tmp_path):
+    """At top_p 0.9 vLLM's processed log-probs are under the truncated distribution; the trainer adds back the
+    log kept mass, so on the same weights the mismatch is float noise and the correction's weight is 1, not
+    1 / kept mass (the bias it would carry if the two were compared as they come)."""
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[*FAST, "steps=2", "rollout.top_p=0.9", "rollout.max_new_tokens=8",
+                                 "plugins.rollout_corr.enabled=true"])
+    train(cfg, run)
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert all(r["mismatch/logp_absdiff_max"] < MATCH_TOL for r in rows), rows
+    assert all(abs(r["rollout_corr/weight_mean"] - 1) < MATCH_TOL for r in rows), rows
+
+
+def test_without_the_kept_mass_top_p_shows_as_mismatch(tmp_path, monkeypatch):
+    """The control: with the kept mass left out, the same run reports the truncation as mismatch (the test
+    above can fail)."""
+    from meshrl.rollout.vllm_backend import VLLMBackend
+
+    monkeypatch.setattr(VLLMBackend, "logprobs_truncated", property(lambda self: False))
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[*FAST, "steps=1", "rollout.top_p=0.9", "rollout.max_new_tokens=8",
+                                 "plugins.rollout_corr.enabled=true"])
+    train(cfg, run)
+    (row,) = read_jsonl(run / "metrics.jsonl")
+    assert row["mismatch/logp_absdiff_max"] > 10 * MATCH_TOL
+    assert row["rollout_corr/weight_mean"] < 1 - MATCH_TOL

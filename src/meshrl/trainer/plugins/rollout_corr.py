@@ -17,7 +17,7 @@ import torch
 
 from meshrl.algos import rollout_is_weights, rollout_rejection_mask
 from meshrl.settings import setting
-from meshrl.trainer.mismatch import rows_tensor, unsampled_rows
+from meshrl.trainer.mismatch import rows_tensor, sampler_logps, unsampled_rows
 from meshrl.trainer.plugins.base import Plugin, Stage, Stats, TokenTerms, register
 
 REJECT_STATS = ("none", "k1", "k2", "k3")
@@ -69,12 +69,6 @@ class RolloutCorr(Plugin):
                   ) -> tuple[torch.Tensor, torch.Tensor, Stats]:
         rollout, has = rows_tensor(sampler_logps(terms.batch, terms.rows), terms.old)
         return rollout_correction(self.cfg, pg_mat, agg_mask, terms.old, rollout, has, terms.mask)
-
-
-def sampler_logps(data: Any, rows: list[int]) -> list[list[float] | None]:
-    """The sampler's log-probs of step ``rows`` (None where a row has none or was not sampled)."""
-    skip = unsampled_rows(data)
-    return [data.rollout_logps[j] if j < len(data.rollout_logps) and j not in skip else None for j in rows]
 
 
 def rollout_correction(c: RolloutCorrConfig, pg_mat: torch.Tensor, agg_mask: torch.Tensor, old: torch.Tensor,
