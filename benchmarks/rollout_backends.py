@@ -62,7 +62,7 @@ def main() -> None:
     rates: dict[tuple[str, int], list[float]] = {}
     for group in args.groups:
         params = SamplingParams(max_new_tokens=args.tokens, temperature=1.0, n=group)
-        for name, backend in backends.items():  # warm-up call, not timed
+        for backend in backends.values():  # warm-up call, not timed
             backend.generate(prompts, params, seed=0)
         for rep in range(args.reps):
             for name, backend in backends.items():

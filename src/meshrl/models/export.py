@@ -201,7 +201,9 @@ def export_model(run_dir: str | Path, out: str | Path, *, which: str | int = "fi
                  adapter: bool = False) -> dict[str, Any]:
     """Write checkpoint ``which`` of ``run_dir`` to the new directory ``out``; return ``meshrl.json``'s
     content. ``adapter=True`` (LoRA runs only) writes the peft adapter instead of merged weights."""
-    run_dir, out = Path(run_dir), Path(out)
+    from meshrl.runs import check_out_dir
+
+    run_dir, out = Path(run_dir), check_out_dir(out)
     if not is_run_dir(run_dir):
         raise ValueError(f"{run_dir} is not a meshrl run directory (config.yaml and checkpoints/)")
     if out.exists():

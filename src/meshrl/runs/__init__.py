@@ -16,6 +16,7 @@ from meshrl.jsonl import JsonlWriter, iter_jsonl, read_jsonl, truncate_after_ste
 from meshrl.runs.checkpoint import latest_checkpoint, load_checkpoint
 from meshrl.runs.correct import CORRECT_AT, is_correct
 from meshrl.runs.policy import is_run_dir, load_policy, read_run_config
+from meshrl.runs.run_dir import check_out_dir
 
-__all__ = ["CORRECT_AT", "JsonlWriter", "is_correct", "is_run_dir", "iter_jsonl", "latest_checkpoint",
+__all__ = ["CORRECT_AT", "JsonlWriter", "check_out_dir", "is_correct", "is_run_dir", "iter_jsonl", "latest_checkpoint",
            "load_checkpoint", "load_policy", "read_jsonl", "read_run_config", "truncate_after_step"]

@@ -30,6 +30,20 @@ RECORDS = ("metrics.jsonl", "samples.jsonl", "events.jsonl", "evals.jsonl")
 DERIVED = ("summary.json",)
 
 
+def check_out_dir(out: str | Path, option: str = "--out") -> Path:
+    """``out`` as a Path if a directory can be written there: ``ValueError`` naming ``option`` when ``out`` is an
+    existing file, or when one of its parents is a file (mkdir would fail with a traceback deep inside)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{option} {out} is a file, not a directory; choose another {option}")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{option} {out}: {parent} is a file, not a directory; choose another {option}")
+            break
+    return out
+
+
 def make_run_dir(run_dir: Path) -> None:
     """Create ``run_dir``; a clear error when it (or a parent) is a file."""
     if run_dir.exists() and not run_dir.is_dir():

@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshrl.runs import check_out_dir
+
 LAYOUTS = ("query", "query_prefix")
 
 
@@ -67,8 +69,11 @@ def export_trl(task_spec: str, prefixes: str | Path, out: str | Path, *, m: int 
     from meshrl.tasks import load_task
 
     path = Path(prefixes)
+    out_dir = check_out_dir(out)
     if not path.is_file():
         raise ValueError(f"--prefixes: prefix file not found: {path}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"--limit must be an integer >= 1 (the first N problems), got {limit!r}")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"--m must be an integer >= 1, got {m!r}")
     records = load_prefix_records(path)
@@ -85,7 +90,6 @@ def export_trl(task_spec: str, prefixes: str | Path, out: str | Path, *, m: int 
         raise ValueError(f"task {task_spec} has no problems in split {split!r}")
     rows = export_rows(task, problems, table, m, layout=layout, placement=placement, template=template, names=names,
                        prefix_file=str(path))
-    out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     data_path = out_dir / f"{split}.jsonl"
     with data_path.open("w", encoding="utf-8") as f:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.mesh import prefixes_by_problem, wrap_prefix
+from meshrl.runs import check_out_dir
 from meshrl.tasks import load_task
 
 TEMPLATES = ("wrapped", "plain")
@@ -100,8 +101,8 @@ def export_verl(task_spec: str, out_dir: str | Path, *, prefixes: str | Path | N
     """
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"--m must be an integer >= 1, got {m!r}")
+    out = check_out_dir(out_dir)
     task = load_task(task_spec, seed=seed)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     problems = task.problems(split)
     if not problems:
