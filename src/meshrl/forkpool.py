@@ -29,10 +29,25 @@ import torch
 log = logging.getLogger("meshrl")
 
 
+_FORK_UNSAFE: list[str] = []  # why forking is no longer safe in this process (see forbid_fork)
+
+
+def forbid_fork(reason: str) -> None:
+    """From now on :func:`fork_available` is False in this process: callers run their work in one process.
+
+    vLLM's in-process engine starts threads that hold locks (its CPU build also binds OpenMP threads to cores);
+    a process forked while one is held waits on that lock forever (seen: a native decode worker forked after
+    ``vllm.LLM`` came up sat in ``futex_wait`` and the rollout never returned)."""
+    if reason not in _FORK_UNSAFE:
+        _FORK_UNSAFE.append(reason)
+        log.info("worker processes off in this process: %s", reason)
+
+
 def fork_available() -> bool:
     """Worker processes are forked, which is safe for torch on Linux only (macOS forbids it for some
-    system frameworks; Windows has no fork)."""
-    return sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()
+    system frameworks; Windows has no fork), and only before something that starts lock-holding threads
+    (:func:`forbid_fork`)."""
+    return sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods() and not _FORK_UNSAFE
 
 
 def shared_memory_room(model: torch.nn.Module) -> tuple[int, int]:
@@ -149,6 +164,8 @@ class ForkPool:
     def __init__(self, model: torch.nn.Module, fn: Callable, workers: int, name: str = "worker"):
         if workers < 2:
             raise ValueError(f"a worker pool needs >= 2 workers, got {workers}")
+        if _FORK_UNSAFE:
+            raise RuntimeError(f"forking is off in this process ({'; '.join(_FORK_UNSAFE)})")
         if not fork_available():
             raise RuntimeError("worker processes need the 'fork' start method on Linux")
         check_shared_memory(model)

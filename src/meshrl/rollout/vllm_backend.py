@@ -28,6 +28,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from meshrl.forkpool import forbid_fork
 from meshrl.models.lora import base_model, merged_state_dict
 from meshrl.rollout.base import RolloutBackend, Rollouts, SamplingParams, cut_at_eos, eos_ids, register_backend
 
@@ -132,6 +133,7 @@ class VLLMBackend(RolloutBackend):
         if policy_dir.exists():
             shutil.rmtree(policy_dir)
         save_policy(model, self.tokenizer, policy_dir)
+        forbid_fork("vLLM's engine runs in this process, and a process forked beside its threads can hang")
         return LLM(model=str(policy_dir), tokenizer=str(policy_dir), **self.llm_kwargs)
 
     def sync_weights(self, model) -> None:

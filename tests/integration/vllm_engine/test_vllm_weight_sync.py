@@ -74,3 +74,16 @@ def test_tiny_head_size_is_refused_with_a_clear_message():
     model, tok = build_tiny("tiny", seed=0)
     with pytest.raises(ValueError, match="head size 16"):
         make_backend("vllm", model, tok)
+
+
+def test_no_process_is_forked_beside_the_engine(engine):
+    """A native decoder asked for two worker processes after vLLM came up decodes in this one instead of forking
+    beside vLLM's threads (a fork there hung in futex_wait), and still returns its rows."""
+    from meshrl.forkpool import fork_available
+
+    model, tok, _ = engine
+    assert not fork_available()
+    native = make_backend("native", model, tok, workers=2)
+    out = native.generate([[1, 40, 41]] * 2, SamplingParams(n=16, temperature=1.0, max_new_tokens=4), seed=0)
+    assert len(out.response_ids) == 32 and native.workers == 1
+    native.close()
