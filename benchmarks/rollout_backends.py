@@ -73,7 +73,7 @@ def main() -> None:
     workers, starts = {}, {}
     for name in args.backends:  # built one after the other: engine starts are timed on an otherwise idle box
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=serve, args=(name, args.model, child), daemon=True)
+        proc = ctx.Process(target=serve, args=(name, args.model, child))  # not daemonic: native forks
         proc.start()
         kind, value = parent.recv()
         if kind == "missing":
