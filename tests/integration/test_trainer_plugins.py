@@ -479,3 +479,17 @@ def test_clip_cov_candidates_leave_out_what_each_loss_already_clipped():
         assert torch.equal(clipped, no_grad), name
         if name != "cispo":
             assert clipped.any(), name  # the case exercises the clip
+
+
+def test_replay_with_nothing_stored_resumes_without_a_warning(caplog):
+    """A checkpoint taken before replay stored a batch holds replay's (empty) state: the resume restores "nothing
+    stored" instead of warning that the checkpoint has no state of plugins.replay."""
+    pc = PluginsConfig()
+    pc.replay.reuse_steps = 2
+    saved = TrainPlugins(pc, _context()).state_dict()
+    assert saved == {"replay": {}}
+    resumed = TrainPlugins(pc, _context())
+    with caplog.at_level("WARNING", logger="meshrl"):
+        resumed.load_state_dict(saved)
+    assert "no state of plugins.replay" not in caplog.text
+    assert resumed.get("replay").stored is None

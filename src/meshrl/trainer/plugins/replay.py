@@ -72,14 +72,15 @@ class Replay(Plugin):
 
     def state_dict(self) -> dict[str, Any] | None:
         if self.stored is None:
-            return None
+            return {}  # nothing stored yet is a state too: None would read as "not kept" (a warning on resume)
         data, logps, born = self.stored
         if logps is None:  # an empty batch never reaches an update
             logps = self.ctx.forward.logps(self.ctx.forward.model, data)
         return replay_to_json((data, logps, set(data.trace_rows), born))
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if state is None:
+        if not state:
+            self.stored = None
             return
         by_id = {str(p.id): p for p in self.ctx.problems}
         data, logps, off_rows, born = replay_from_json(state, by_id)
