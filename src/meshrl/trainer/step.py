@@ -138,8 +138,10 @@ class Trainer:
         old_logps = self.plugins.behaviour_logps(data, start_logps)  # a reused batch: its sampler's
         need_ref = (rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled") or self.balance.needs_reference)
         ref_logps = self.forward.ref_logps(data) if need_ref else None
-        # Per-step terms at the start parameters: Mesh balancing weights, then the plug-ins' (DPO's pairs).
-        step_stats = self.balance.begin_update(data, start_logps, ref_logps)
+        # Per-step terms: Mesh balancing weights (over the log-probs of the policy that sampled the batch, which
+        # for a batch plugins.replay reuses is the earlier behaviour policy), then the plug-ins' (DPO's pairs, at
+        # the start parameters).
+        step_stats = self.balance.begin_update(data, old_logps, ref_logps)
         step_stats.update(self.plugins.begin_update(data, start_logps, ref_logps))
         plan = StepPlan(collect_mei=collect_mei, balance=self.balance.active)
         inputs = UpdateInputs(data, old_logps, ref_logps, self.step_idx)
