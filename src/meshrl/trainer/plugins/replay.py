@@ -56,8 +56,12 @@ class Replay(Plugin):
 
     def after_sampling(self, step: int, data: Any, sampler: Any) -> Any:
         data.stats["replay/age"] = 0.0
-        self.stored = (data, None, step)
         return data
+
+    def batch_ready(self, step: int, data: Any) -> None:
+        # Stored once every plug-in's after_sampling ran (LUFFY's traces and coach_guide's openings sit in later
+        # stages): the reused batch is the one the first update trained on.
+        self.stored = (data, None, step)
 
     def behaviour_logps(self, data: Any, old_logps: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """A reused batch's ratio is against the policy that sampled it; a fresh one's is the update's own (its
