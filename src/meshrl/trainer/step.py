@@ -162,8 +162,10 @@ class Trainer:
                     return self._skip_step(sums, n_updates)
         self.bad_in_row = 0
         out = {**{k: v / max(n_updates, 1) for k, v in sums.items()}, **step_stats}
-        for term in ("mesh/balance_loss", "dpo/term"):  # the per-step terms' share of the objective
-            if term in step_stats and "loss/total" in out:
+        # The per-step terms' share of the objective: Mesh's balancing loss and any plug-in's ``<ns>/term``.
+        terms = [k for k in step_stats if k == "mesh/balance_loss" or k.endswith("/term")]
+        if "loss/total" in out:
+            for term in terms:
                 out["loss/total"] += step_stats[term]
         return out
 
