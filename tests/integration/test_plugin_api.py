@@ -138,3 +138,56 @@ def test_any_plugins_term_is_added_to_the_total_loss(tmp_path, monkeypatch):
     for a, b in zip(plain, with_term, strict=True):
         assert b["const/term"] == 0.25
         assert b["loss/total"] == pytest.approx(a["loss/total"] + 0.25, abs=1e-12)
+
+
+STATE_PLUGINS = '''
+from dataclasses import dataclass
+
+from meshrl.settings import setting
+from meshrl.trainer.plugins import Plugin, Stage
+
+
+@dataclass
+class CountConfig:
+    enabled: bool = setting(True, help="on")
+    start: int = setting(0, help="first count")
+
+
+class CountA(Plugin):
+    name = "count_a"
+    Config = CountConfig
+    stage = Stage.EXTRA_LOSS
+    whole_micro_batch = False
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        self.count = cfg.start
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"] if state else self.cfg.start
+
+
+class CountB(CountA):
+    name = "count_b"
+'''
+
+
+def test_custom_plugin_state_follows_the_plugin_not_its_position(tmp_path, monkeypatch):
+    (tmp_path / "state_plugins.py").write_text(STATE_PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ctx = PluginContext(cfg=None, recipe=None, forward=None, tokenizer=None, task=None, problems=[], seed=0,
+                        rollouts=None)
+    a, b = {"path": "state_plugins:CountA", "start": 1}, {"path": "state_plugins:CountB", "start": 2}
+    try:
+        saved = TrainPlugins(load_config(overrides=[*TINY, f"plugins.custom=[{a}, {b}]"]).plugins, ctx).state_dict()
+        swapped = TrainPlugins(load_config(overrides=[*TINY, f"plugins.custom=[{b}, {a}]"]).plugins, ctx)
+        swapped.load_state_dict(saved)
+        counts = {type(p).__name__: p.count for p in swapped.active}
+        assert counts == {"CountA": 1, "CountB": 2}
+        with pytest.raises(ValueError, match=r"plugins\.custom\[1\]\.path 'state_plugins:CountA' is listed twice"):
+            load_config(overrides=[*TINY, f"plugins.custom=[{a}, {a}]"])
+    finally:
+        sys.modules.pop("state_plugins", None)

@@ -55,9 +55,15 @@ def _instances(plugins: Any) -> list[tuple[str, type[Plugin], Any]]:
     out = [(f"plugins.{name}", cls, getattr(plugins, name)) for name, cls in REGISTRY.items()]
     if not isinstance(plugins.custom, list):
         raise ValueError(f"plugins.custom must be a list of mappings, got {plugins.custom!r}")
+    seen: dict[str, int] = {}
     for i, entry in enumerate(plugins.custom):
         where = f"plugins.custom[{i}]"
         cls, cfg = load_custom(entry, where)
+        if entry["path"] in seen:
+            first = seen[entry["path"]]
+            raise ValueError(f"{where}.path {entry['path']!r} is listed twice (also plugins.custom[{first}]); "
+                             "a plug-in is known by its path (its checkpoint state too): list it once")
+        seen[entry["path"]] = i
         out.append((where, cls, cfg))
     return out
 

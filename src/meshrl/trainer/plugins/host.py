@@ -19,7 +19,10 @@ class TrainPlugins:
 
     def __init__(self, plugins_cfg: Any, ctx: PluginContext) -> None:
         found = [(name, cls, getattr(plugins_cfg, name)) for name, cls in REGISTRY.items()]
-        found += [(f"custom[{i}]", *load_custom(e, f"plugins.custom[{i}]")) for i, e in enumerate(plugins_cfg.custom)]
+        # A custom plug-in is known by its import path, so that its checkpoint state follows it when the list is
+        # reordered (a position would load one plug-in's state into another); validation refuses duplicates.
+        found += [(f"custom:{e['path']}", *load_custom(e, f"plugins.custom[{i}]"))
+                  for i, e in enumerate(plugins_cfg.custom)]
         on = [(name, cls(cfg, ctx)) for name, cls, cfg in found if cls.is_enabled(cfg)]
         on.sort(key=lambda item: (item[1].stage, item[1].order))  # stable: ties keep registry order
         self.by_name: dict[str, Plugin] = dict(on)
