@@ -28,7 +28,6 @@ and overrides only the hooks it needs (each a no-op here). The step calls them i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -91,6 +90,7 @@ class Plugin:
     whole_micro_batch: ClassVar[bool] = True
     token_level: ClassVar[bool] = True
     excludes: ClassVar[tuple[str, ...]] = ()
+    needs_reference: ClassVar[bool] = False  # scores rollouts under the frozen reference (the trainer keeps one)
     summary: ClassVar[str] = ""  # one line for the docs and `--help-config`
 
     def __init__(self, cfg: Any, ctx: PluginContext) -> None:
@@ -123,18 +123,16 @@ class Plugin:
         """The step's fresh batch as the update will see it, after every plug-in's :meth:`after_sampling` (a
         plug-in that keeps the batch keeps this one, not an earlier stage's)."""
 
-    def off_policy_rows(self) -> set[int]:
-        """Rows of the current batch the sampler did not produce (left out of the mismatch diagnostic)."""
-        return set()
-
     def behaviour_logps(self, data: Any, old_logps: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """The log-probs the ratio is taken against (a reused batch: those of the policy that sampled it)."""
         return old_logps
 
     # ---- the update
     def begin_update(self, data: Any, start_logps: list[torch.Tensor] | None,
-                     ref_logps: Callable[[], list[torch.Tensor]]) -> Stats:
-        """Once per update, at the start parameters; metrics (``<ns>/term`` is added to ``loss/total``)."""
+                     ref_logps: list[torch.Tensor] | None) -> Stats:
+        """Once per update, at the start parameters; metrics (``<ns>/term`` is added to ``loss/total``).
+        ``start_logps`` / ``ref_logps``: per-row token log-probs of the start policy and the reference when the
+        update computed them anyway, else None (score them through ``ctx.forward`` if needed)."""
         return {}
 
     def shape_advantages(self, terms: TokenTerms) -> tuple[torch.Tensor, Stats]:

@@ -37,9 +37,6 @@ class TrainPlugins:
         whole, in one process, with every row's backward."""
         return any(p.whole_micro_batch for p in self.active)
 
-    @property
-    def needs_reference(self) -> bool:
-        return any(getattr(p, "needs_reference", False) for p in self.active)
 
     # ---- sampling
     def sample(self, sampler: Any, step: int, cursor: int) -> tuple[Any, int]:

@@ -70,6 +70,9 @@ class Replay(Plugin):
             return old_logps
         stored, logps, born = self.stored
         if logps is None:
+            # One extra no-grad forward per stored batch: with one optimiser step per batch the update takes its
+            # old log-probs from its own forward (old_logps is None here), so nothing has scored the batch under
+            # the sampling policy yet, and after this step's update that policy is gone.
             logps = self.ctx.forward.logps(self.ctx.forward.model, stored)
             self.stored = (stored, logps, born)
         return logps if data.stats.get("replay/age", 0) > 0 else old_logps
