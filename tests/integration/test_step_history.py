@@ -116,3 +116,7 @@ def test_a_history_whose_file_was_rewound_says_so(tmp_path):
     assert hist[1] == {"step": 2}
     with pytest.raises(LookupError, match="metrics.jsonl: no record of step 3"):
         list(hist)
+    (tmp_path / "metrics.jsonl").unlink()  # e.g. a temporary run directory, gone
+    assert hist[-1] == {"step": 4}  # the last step's metrics stay in memory
+    with pytest.raises(LookupError, match="metrics.jsonl: no such file"):
+        hist[0]

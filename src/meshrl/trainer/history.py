@@ -66,6 +66,9 @@ class StepHistory(Sequence[Metrics]):
             return
         first, last = self.first_step + 1, self.first_step + self._count
         expected = first
+        if not self.path.is_file():
+            raise LookupError(f"{self.path}: no such file (the run directory was removed?); keep list(history) "
+                              "while it exists")
         for _, record in iter_jsonl(self.path):
             step = record.get("step")
             if not isinstance(step, int) or not first <= step <= last:
