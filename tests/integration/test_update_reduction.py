@@ -89,3 +89,83 @@ def test_one_configured_part_keeps_the_plain_one_process_path(tmp_path):
         assert t.engine._here is None  # no part buffers: the gradients go straight to .grad, all threads
     finally:
         t.close()
+
+
+# A plug-in that, once, sends SIGTERM to its run's process group at the start of step 2's sampling and then keeps
+# sampling for longer than an idle update worker used to outlive such a signal.
+SIGNALLER = '''
+import os, signal, time
+from dataclasses import dataclass
+
+from meshrl.settings import setting
+from meshrl.trainer.plugins import Plugin, Stage
+
+
+@dataclass
+class SignalConfig:
+    enabled: bool = setting(True, help="on")
+    marker: str = setting("", help="signal only while this file does not exist")
+
+
+class SignalDuringSampling(Plugin):
+    name = "signal_during_sampling"
+    Config = SignalConfig
+    stage = Stage.SAMPLING
+    whole_micro_batch = False
+    calls = 0
+
+    def before_sampling(self, sampler):
+        self.calls += 1
+        if self.calls == 2 and not os.path.exists(self.cfg.marker):
+            open(self.cfg.marker, "w").close()
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+            time.sleep(6)
+'''
+
+
+@pytest.mark.slow
+def test_a_group_sigterm_during_sampling_resumes_bitwise(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    import meshrl
+    from meshrl.jsonl import read_jsonl
+
+    (tmp_path / "signaller.py").write_text(SIGNALLER)
+    src = str(Path(meshrl.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(tmp_path)]), "HF_HUB_OFFLINE": "1"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "import sys; from meshrl.cli import main; sys.exit(main())",
+                               *args], env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+
+    def train(run: Path, marker: Path) -> list[str]:
+        return ["train", "--out", str(run), "--model", "tiny", "--task", "tiny:repeat", "--no-progress",
+                "--steps", "4", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=4",
+                "--set", "rollout.max_new_tokens=6", "--set", "train.update_workers=2",
+                "--set", "train.mini_batches=2", "--set", "train.micro_batch_size=3", "--set", "optim.lr=1e-2",
+                "--set", "checkpoint.every=2",
+                "--set", f"plugins.custom=[{{path: 'signaller:SignalDuringSampling', marker: '{marker}'}}]"]
+
+    done = tmp_path / "signalled"
+    done.touch()
+    reference = cli(*train(tmp_path / "reference", done))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    stopped = cli(*train(tmp_path / "run", tmp_path / "marker"))
+    assert stopped.returncode == 128 + 15 and (tmp_path / "marker").exists(), stopped.stderr[-2000:]
+    assert "worker process died" not in stopped.stderr
+    resumed = cli("train", "--resume", str(tmp_path / "run"), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    def records(run: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+                for r in read_jsonl(run / "metrics.jsonl")]
+
+    assert records(tmp_path / "run") == records(tmp_path / "reference")
+    a, b = (load_file(str(r / "checkpoints" / "step_000004" / "model.safetensors"))
+            for r in (tmp_path / "run", tmp_path / "reference"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
