@@ -292,6 +292,7 @@ def test_no_room_in_shared_memory_means_one_process(tmp_path, monkeypatch, caplo
         with caplog.at_level("WARNING", logger="meshrl"):
             metrics = t.update(data)
         assert "no worker processes" in caplog.text and t.engine.workers_wanted == 1 and not t.engine.started
+        assert t.engine.parts == 1  # cannot start at the first update: one part, all threads, as update_workers=1
         assert not allocated  # refused before any buffer was written to shared memory
         assert "loss/policy" in metrics
     finally:

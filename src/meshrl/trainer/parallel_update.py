@@ -11,9 +11,10 @@ is weighted as a micro-batch of its own (:func:`meshrl.trainer.batch.micro_weigh
 totals), so the parts' gradients sum to the micro-batch's gradient, up to float rounding of the summation
 order. That order is fixed by the run's number of parts, not by how many processes compute them
 (:class:`GradSlots`): part ``k`` of every micro-batch accumulates into a flat buffer of its own (a worker's, in
-shared memory), added into ``.grad`` after the mini-batch. When the workers are gone (killed, or they could
-not start) the parent computes every part in turn, one thread, the same way, so that a run that loses its
-workers mid-way still gives bitwise the update it would have given with them (a resume stays exact).
+shared memory), added into ``.grad`` after the mini-batch. When the workers die (a signal, the OOM killer) the
+parent computes every part in turn, one thread, the same way, so that a run that loses its workers mid-way
+still gives bitwise the update it would have given with them (a resume stays exact). Where they cannot start
+at the run's first update (no fork, too little shared memory) the run uses one part, as one process would.
 
 The same parts carry the zero-advantage shortcut (also in one process): when the loss is the policy term
 alone, a row with advantage 0 has an exactly zero gradient (``A`` times a function of the ratio), so it runs

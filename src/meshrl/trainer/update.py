@@ -29,8 +29,8 @@ the mini-batch                                              path
 ==========================================================  =================================================
 MEI's first epoch, strategy balancing, a plug-in with       serial (every row's logits and graph here)
 ``whole_micro_batch``
-two or more parts (``update_workers`` >= 2)                 parts: over the workers, or all here in turn when
-                                                            they are gone (one thread, bitwise the same)
+two or more parts (``update_workers`` >= 2; one when the     parts: over the workers, or all here in turn when
+workers cannot start at the run's first update)             they died (one thread, bitwise the same)
 one part, zero-advantage skip, a row with advantage 0       parts: one part here, zero rows forward only
 otherwise                                                   serial
 ==========================================================  =================================================
@@ -126,6 +126,7 @@ class PartsEngine(SerialEngine):
         self.parts = workers  # per micro-batch, fixed for the run: the reduction order does not follow the processes
         self._workers: UpdateWorkers | None = None
         self._here: GradSlots | None = None  # the parts' buffers when this process computes them all
+        self._computed = False  # an update has run in parts (from then on their number stays)
 
     @property
     def started(self) -> bool:
@@ -166,9 +167,11 @@ class PartsEngine(SerialEngine):
             try:
                 self._workers = UpdateWorkers(model, params, functools.partial(_remote_part, self), self.workers_wanted)
             except (OSError, RuntimeError) as err:  # no fork, no shared memory (e.g. a tiny /dev/shm)
-                log.warning("update: no worker processes (%s); this process computes the %d parts (the same "
-                            "result, slower)", err, self.parts)
                 self.workers_wanted = 1
+                if not self._computed:  # none computed yet: this machine cannot run workers, one part (all threads)
+                    self.parts = 1
+                log.warning("update: no worker processes (%s); %s", err, "one process" if self.parts == 1 else
+                            f"this process computes the {self.parts} parts (the same result, slower)")
                 return None
         return self._workers
 
@@ -190,6 +193,7 @@ class PartsEngine(SerialEngine):
         cost = [(len(p) // max(1, self.group_size) + len(r)) / (3 if skip and a == 0 else 1)
                 for p, r, a in zip(data.prompt_ids, data.response_ids, data.advantages.tolist(), strict=True)]
         slots = workers.slots if workers is not None else self._slots_here(params)
+        self._computed = True
         if slots is not None:
             slots.begin()
         for i in range(0, len(rows), self.forward.micro_batch_size):
