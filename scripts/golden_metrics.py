@@ -98,6 +98,7 @@ def cases(tmp: Path) -> dict[str, list[str]]:
         "mesh_support": base + ["recipe=mesh", "mesh.balance=support", "mesh.mu=0.5", "mesh.m=2"],
         "cp_only": base + ["recipe=cp_only", "mesh.m=2"],
         "mesh_fork": base + ["recipe=mesh", "mesh.m=2", "mesh.mu=0.1", "plugins.fork.enabled=true"],
+        "mesh_replay": base + ["recipe=mesh", "mesh.m=2", "mesh.mu=0.1", "plugins.replay.reuse_steps=1"],
         "mei": base + ["diag.mei.every=1"],
         "mei_w2": base + ["diag.mei.every=1", "train.update_workers=2", "train.ppo_epochs=2"],
         "lora": base + ["train.lora_r=4", "recipe=grpo_kl"],

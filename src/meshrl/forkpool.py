@@ -48,7 +48,8 @@ def fork_available() -> bool:
     """Worker processes are forked, which is safe for torch on Linux only (macOS forbids it for some
     system frameworks; Windows has no fork), and only before something that starts lock-holding threads
     (:func:`forbid_fork`)."""
-    return sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods() and not _FORK_UNSAFE
+    return (sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods() and not _FORK_UNSAFE
+            and not mp.current_process().daemon)  # multiprocessing forbids a daemonic process children
 
 
 def shared_memory_room(model: torch.nn.Module) -> tuple[int, int]:
@@ -152,6 +153,8 @@ class ForkPool:
             raise ValueError(f"a worker pool needs >= 2 workers, got {workers}")
         if _FORK_UNSAFE:
             raise RuntimeError(f"forking is off in this process ({'; '.join(_FORK_UNSAFE)})")
+        if mp.current_process().daemon:
+            raise RuntimeError("this is a daemonic process, which multiprocessing allows no children")
         if not fork_available():
             raise RuntimeError("worker processes need the 'fork' start method on Linux")
         check_shared_memory(model)

@@ -99,3 +99,42 @@ def test_bad_user_plugins_are_refused_by_key(user_module, entry, message):
 def test_plugin_base_hooks_change_nothing():
     assert all(getattr(Plugin, hook) is not None for hook in ("shape_advantages", "transform", "after_sampling"))
     assert Plugin.is_enabled(type("C", (), {"enabled": True})()) and not Plugin.is_enabled(object())
+
+
+TERM_PLUGIN = '''
+from dataclasses import dataclass
+
+from meshrl.settings import setting
+from meshrl.trainer.plugins import Plugin, Stage
+
+
+@dataclass
+class TermConfig:
+    enabled: bool = setting(True, help="on")
+    value: float = setting(0.25, help="the per-step term reported")
+
+
+class ConstantTerm(Plugin):
+    name = "const_term"
+    Config = TermConfig
+    stage = Stage.EXTRA_LOSS
+    whole_micro_batch = False
+
+    def begin_update(self, data, start_logps, ref_logps):
+        return {"const/term": self.cfg.value}
+'''
+
+
+def test_any_plugins_term_is_added_to_the_total_loss(tmp_path, monkeypatch):
+    """docs/plugins.md: a plug-in's ``<ns>/term`` from begin_update is part of ``loss/total`` (not only DPO's)."""
+    (tmp_path / "term_plugin.py").write_text(TERM_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        plain = train(load_config(overrides=TINY), tmp_path / "plain")
+        with_term = train(load_config(overrides=[*TINY, "plugins.custom=[{path: 'term_plugin:ConstantTerm'}]"]),
+                          tmp_path / "term")
+    finally:
+        sys.modules.pop("term_plugin", None)
+    for a, b in zip(plain, with_term, strict=True):
+        assert b["const/term"] == 0.25
+        assert b["loss/total"] == pytest.approx(a["loss/total"] + 0.25, abs=1e-12)

@@ -202,3 +202,30 @@ def test_bare_group_samples_without_prefix_at_the_matched_budget(balance, tmp_pa
 def test_bare_group_needs_divisible_group_size():
     with pytest.raises(ValueError, match=r"mesh.m=3 \+ 1 \(mesh.bare_group\)"):
         _cfg("recipe=mesh", "mesh.m=3", "mesh.bare_group=true", "rollout.group_size=6")
+
+
+def test_paper_balance_of_a_replayed_batch_uses_its_behaviour_logprobs(tmp_path):
+    """The paper's balancing weights are a function of the batch's sampling distribution: for a batch that
+    plugins.replay reuses, that is the earlier policy that sampled it (its stored log-probs), not the current one."""
+    from meshrl.trainer import Trainer
+
+    tr = Trainer(_cfg("recipe=mesh", "mesh.mu=0.1", "plugins.replay.reuse_steps=1", "optim.lr=1e-2", steps=2),
+                 tmp_path / "run")
+    seen = []
+    begin = tr.balance.begin_update
+
+    def recording(data, logps, ref_logps):
+        seen.append([lp.clone() for lp in logps])
+        return begin(data, logps, ref_logps)
+
+    tr.balance.begin_update = recording
+    tr.step()
+    behaviour = [lp.clone() for lp in tr.plugins.get("replay").stored[1]]
+    tr.step()  # the same batch again, after an optimiser step (lr 1e-2 moves the policy)
+    assert len(seen) == 2
+    for fresh, sampled in zip(seen[0], behaviour, strict=True):
+        torch.testing.assert_close(fresh, sampled)
+    for replayed, sampled in zip(seen[1], behaviour, strict=True):
+        torch.testing.assert_close(replayed, sampled)
+    current = tr.forward.logps(tr.model, tr.plugins.get("replay").stored[0])
+    assert max((a - b).abs().max().item() for a, b in zip(current, behaviour, strict=True)) > 1e-4

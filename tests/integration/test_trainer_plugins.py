@@ -479,3 +479,41 @@ def test_clip_cov_candidates_leave_out_what_each_loss_already_clipped():
         assert torch.equal(clipped, no_grad), name
         if name != "cispo":
             assert clipped.any(), name  # the case exercises the clip
+
+
+def test_replay_with_nothing_stored_resumes_without_a_warning(caplog):
+    """A checkpoint taken before replay stored a batch holds replay's (empty) state: the resume restores "nothing
+    stored" instead of warning that the checkpoint has no state of plugins.replay."""
+    pc = PluginsConfig()
+    pc.replay.reuse_steps = 2
+    saved = TrainPlugins(pc, _context()).state_dict()
+    assert saved == {"replay": {}}
+    resumed = TrainPlugins(pc, _context())
+    with caplog.at_level("WARNING", logger="meshrl"):
+        resumed.load_state_dict(saved)
+    assert "no state of plugins.replay" not in caplog.text
+    assert resumed.get("replay").stored is None
+
+
+def test_replay_keeps_the_batch_every_after_sampling_hook_produced(tmp_path):
+    """A plug-in at a later stage than replay may return a new batch from after_sampling (LUFFY mixes traces in,
+    coach_guide adds openings): replay must reuse that final batch, not the sampler's."""
+    import dataclasses
+
+    from meshrl.trainer.plugins.base import Plugin
+
+    class Swapper(Plugin):  # stands for any plug-in that replaces the batch object
+        name = "swapper"
+        order = 9.0
+
+        def after_sampling(self, step, data, sampler):
+            return dataclasses.replace(data, stats={**data.stats, "swapped": 1.0})
+
+    t = _trainer(tmp_path, "t", "plugins.replay.reuse_steps=1", "train.update_workers=1")
+    swapper = Swapper(None, t.plugins.active[0].ctx)
+    t.plugins.active.append(swapper)
+    first, cursor = t.plugins.sample(t.sampler, 0, 0)
+    assert first.stats["swapped"] == 1.0
+    again, _ = t.plugins.sample(t.sampler, 1, cursor)
+    assert again.texts is first.texts and again.stats["swapped"] == 1.0
+    assert t.plugins.get("replay").stored[0] is first

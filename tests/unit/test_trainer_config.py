@@ -65,3 +65,14 @@ def test_set_into_a_commented_out_section(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("optim:\n  # lr: 1\n")
     assert load_config(f, ["optim.lr=0.5"]).optim.lr == 0.5
+
+
+def test_dr_grpo_with_adv_scale_std_is_refused_naming_both_settings():
+    """Dr. GRPO's estimator never divides by the group std: ``adv_scale=std`` beside it would be silently ignored."""
+    for overrides in (["recipe=dr_grpo", "algo.adv_scale=std"], ["algo.advantage=dr_grpo", "algo.adv_scale=std"]):
+        with pytest.raises(ValueError, match=r"algo.advantage=dr_grpo .*contradicts algo.adv_scale=std"):
+            load_config(overrides=overrides)
+    # Without an explicit adv_scale the resolved recipe records what runs: no std division.
+    assert load_config(overrides=["algo.advantage=dr_grpo"]).resolved_recipe().adv_scale == "none"
+    assert load_config(overrides=["recipe=dr_grpo"]).resolved_recipe().adv_scale == "none"
+    assert load_config(overrides=["recipe=grpo"]).resolved_recipe().adv_scale == "std"

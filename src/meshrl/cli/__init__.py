@@ -21,6 +21,7 @@ from meshrl.cli import (
     sweep_cmd,
     train_cmd,
 )
+from meshrl.errors import MissingDependency
 
 COMMANDS = [demo_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd,
             census_cmd, probe_cmd, export_cmd, doctor_cmd]
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except ValueError as e:  # bad input: one clear line, no traceback
+    except (ValueError, MissingDependency) as e:  # bad input or a missing extra: one clear line, no traceback
         print(f"meshrl {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

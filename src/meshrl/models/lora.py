@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import torch
 
+from meshrl.errors import MissingDependency
+
 
 def apply_lora(
     model,
@@ -27,7 +29,7 @@ def apply_lora(
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:  # optional extra
-        raise ImportError("LoRA needs peft: pip install 'meshrl[peft]'") from exc
+        raise MissingDependency("LoRA needs peft: pip install 'meshrl[peft]'") from exc
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,

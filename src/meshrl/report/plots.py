@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshrl.errors import MissingDependency
 from meshrl.report.data import STRATEGY_MASS_PREFIX, EvalData, RunData, as_number, eval_key_order
 
 QUERY_SCALE = ("query scale (mei/query): per query over all its G rollouts (for Mesh, across all prefix "
@@ -37,7 +38,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
-        raise ImportError("meshrl report needs matplotlib for its plots: pip install 'meshrl[report]'") from e
+        raise MissingDependency("meshrl report needs matplotlib for its plots: pip install 'meshrl[report]'") from e
 
 
 def _figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (7.5, 4.2)) -> tuple[Any, list[Any]]:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
+from meshrl.errors import MissingDependency
 from meshrl.rewards.extract import extract_answer, extract_last_number
 from meshrl.rewards.normalize import (
     choice_letter,
@@ -72,7 +73,7 @@ def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any], list[Any]]:
     try:
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
+        raise MissingDependency(
             "grade(kind='math') needs math-verify for non-identical answers: pip install 'meshrl[math]'"
         ) from exc
     for name in ("math_verify.parser", "math_verify.grader"):

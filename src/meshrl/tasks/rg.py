@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshrl.errors import MissingDependency
 from meshrl.tasks._spec import int_option
 from meshrl.tasks.base import Problem, StaticTask, register_task_prefix
 
@@ -31,7 +32,7 @@ def _create_dataset(name: str, seed: int, size: int, config: dict[str, Any]):
         import reasoning_gym
         from reasoning_gym.factory import DATASETS
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("rg: tasks need reasoning-gym: pip install 'meshrl[tasks]'") from exc
+        raise MissingDependency("rg: tasks need reasoning-gym: pip install 'meshrl[tasks]'") from exc
     if name not in DATASETS:
         near = [known for known in sorted(DATASETS) if name.lower() in known.lower()]
         examples = near[:10] or sorted(DATASETS)[:8]

@@ -247,7 +247,10 @@ class RunConfig:
     def resolved_recipe(self) -> Recipe:
         """The recipe preset (``mesh.base`` for the Mesh recipes) with ``algo`` overrides applied."""
         base = self.mesh.base if self.mesh_enabled else self.recipe
-        return recipe(base).replace(**self.algo.overrides())
+        resolved = recipe(base).replace(**self.algo.overrides())
+        if resolved.advantage == "dr_grpo" and self.algo.adv_scale is None:
+            resolved = resolved.replace(adv_scale="none")  # what dr_grpo computes; config.yaml records it
+        return resolved
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -270,7 +273,11 @@ class RunConfig:
             value = getattr(self.algo, key)
             if value is not None and value not in registry:
                 raise ValueError(f"algo.{key}={value!r}; known: {', '.join(registry)}")
-        self.resolved_recipe()  # unknown bases raise here
+        resolved = self.resolved_recipe()  # unknown bases raise here
+        if resolved.advantage == "dr_grpo" and self.algo.adv_scale == "std":
+            # dr_grpo's estimator never divides by the std: running it would silently ignore adv_scale=std.
+            raise ValueError("algo.advantage=dr_grpo (Dr. GRPO: no std division) contradicts algo.adv_scale=std; "
+                             "use algo.advantage=grpo with adv_scale=std, or adv_scale=none")
         bad = [(k, v, allowed) for k, v, allowed in check_settings(self) if not k.startswith("plugins.")]
         if bad:
             for key, value, allowed in bad:

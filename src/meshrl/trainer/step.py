@@ -138,8 +138,10 @@ class Trainer:
         old_logps = self.plugins.behaviour_logps(data, start_logps)  # a reused batch: its sampler's
         need_ref = (rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled") or self.balance.needs_reference)
         ref_logps = self.forward.ref_logps(data) if need_ref else None
-        # Per-step terms at the start parameters: Mesh balancing weights, then the plug-ins' (DPO's pairs).
-        step_stats = self.balance.begin_update(data, start_logps, ref_logps)
+        # Per-step terms: Mesh balancing weights (over the log-probs of the policy that sampled the batch, which
+        # for a batch plugins.replay reuses is the earlier behaviour policy), then the plug-ins' (DPO's pairs, at
+        # the start parameters).
+        step_stats = self.balance.begin_update(data, old_logps, ref_logps)
         step_stats.update(self.plugins.begin_update(data, start_logps, ref_logps))
         plan = StepPlan(collect_mei=collect_mei, balance=self.balance.active)
         inputs = UpdateInputs(data, old_logps, ref_logps, self.step_idx)
@@ -160,8 +162,10 @@ class Trainer:
                     return self._skip_step(sums, n_updates)
         self.bad_in_row = 0
         out = {**{k: v / max(n_updates, 1) for k, v in sums.items()}, **step_stats}
-        for term in ("mesh/balance_loss", "dpo/term"):  # the per-step terms' share of the objective
-            if term in step_stats and "loss/total" in out:
+        # The per-step terms' share of the objective: Mesh's balancing loss and any plug-in's ``<ns>/term``.
+        terms = [k for k in step_stats if k == "mesh/balance_loss" or k.endswith("/term")]
+        if "loss/total" in out:
+            for term in terms:
                 out["loss/total"] += step_stats[term]
         return out
 

@@ -15,9 +15,11 @@ registered with :func:`register`. The trainer looks plug-ins up here; nothing el
 
 and overrides only the hooks it needs (each a no-op here). The step calls them in this order:
 
-1. sampling: :meth:`Plugin.before_sampling`, :meth:`Plugin.reuse_batch`, :meth:`Plugin.after_sampling`,
-   :meth:`Plugin.behaviour_logps`;
-2. update start: :meth:`Plugin.begin_update` (per-row weights from the start policy, e.g. DPO);
+1. sampling: :meth:`Plugin.reuse_batch` (the first plug-in that returns a stored batch ends the sampling), else
+   :meth:`Plugin.before_sampling`, the sampler, :meth:`Plugin.after_sampling` (each plug-in's output is the next
+   one's input) and :meth:`Plugin.batch_ready` (the final batch);
+2. update start: :meth:`Plugin.behaviour_logps` (the log-probs the ratio is taken against), then
+   :meth:`Plugin.begin_update` (per-row weights from the start policy, e.g. DPO);
 3. each micro-batch: :meth:`Plugin.shape_advantages` -> :meth:`Plugin.loss_settings` / :meth:`Plugin.base_loss` ->
    :meth:`Plugin.transform` (in stage order) -> :meth:`Plugin.extra_loss` -> :meth:`Plugin.surrogate`;
 4. checkpoints: :meth:`Plugin.state_dict` / :meth:`Plugin.load_state_dict`.
@@ -116,6 +118,10 @@ class Plugin:
     def after_sampling(self, step: int, data: Any, sampler: Any) -> Any:
         """The step's fresh rollouts, possibly changed (mixed traces, extra statistics)."""
         return data
+
+    def batch_ready(self, step: int, data: Any) -> None:
+        """The step's fresh batch as the update will see it, after every plug-in's :meth:`after_sampling` (a
+        plug-in that keeps the batch keeps this one, not an earlier stage's)."""
 
     def off_policy_rows(self) -> set[int]:
         """Rows of the current batch the sampler did not produce (left out of the mismatch diagnostic)."""

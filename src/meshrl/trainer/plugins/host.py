@@ -51,6 +51,8 @@ class TrainPlugins:
         data, cursor = sampler.run(step, cursor)
         for p in self.active:
             data = p.after_sampling(step, data, sampler)
+        for p in self.active:
+            p.batch_ready(step, data)
         return data, cursor
 
     def behaviour_logps(self, data: Any, old_logps: list[torch.Tensor] | None) -> list[torch.Tensor] | None:

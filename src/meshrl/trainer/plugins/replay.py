@@ -56,8 +56,12 @@ class Replay(Plugin):
 
     def after_sampling(self, step: int, data: Any, sampler: Any) -> Any:
         data.stats["replay/age"] = 0.0
-        self.stored = (data, None, step)
         return data
+
+    def batch_ready(self, step: int, data: Any) -> None:
+        # Stored once every plug-in's after_sampling ran (LUFFY's traces and coach_guide's openings sit in later
+        # stages): the reused batch is the one the first update trained on.
+        self.stored = (data, None, step)
 
     def behaviour_logps(self, data: Any, old_logps: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """A reused batch's ratio is against the policy that sampled it; a fresh one's is the update's own (its
@@ -72,14 +76,15 @@ class Replay(Plugin):
 
     def state_dict(self) -> dict[str, Any] | None:
         if self.stored is None:
-            return None
+            return {}  # nothing stored yet is a state too: None would read as "not kept" (a warning on resume)
         data, logps, born = self.stored
         if logps is None:  # an empty batch never reaches an update
             logps = self.ctx.forward.logps(self.ctx.forward.model, data)
         return replay_to_json((data, logps, set(data.trace_rows), born))
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if state is None:
+        if not state:
+            self.stored = None
             return
         by_id = {str(p.id): p for p in self.ctx.problems}
         data, logps, off_rows, born = replay_from_json(state, by_id)
