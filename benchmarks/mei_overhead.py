@@ -25,7 +25,7 @@ def timed_run(model: str, task: str, steps: int, group: int, tokens: int, mei: b
         "train.micro_batch_size=16", "checkpoint.every=1000", f"diag.mei.every={1 if mei else 0}",
     ])
     with tempfile.TemporaryDirectory() as d:
-        return train(cfg, Path(d) / "run")
+        return list(train(cfg, Path(d) / "run"))  # read the records before the directory goes
 
 
 def main() -> None:

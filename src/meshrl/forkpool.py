@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import sys
@@ -86,50 +87,35 @@ class WorkerDied(RuntimeError):
 _PARENT_ENDS: weakref.WeakSet = weakref.WeakSet()
 
 
-# A scheduler's SIGTERM reaches the whole process group. A worker then keeps serving the requests that follow
-# within TERM_GRACE_S (the parent finishes its step with every worker, as without the signal) and ends once it
-# has been idle that long; a worker idle in the wait when the signal comes checks the same.
-TERM_GRACE_S = 5.0
-_term = {"received": False, "waiting": False}
+# A scheduler's SIGTERM (and a terminal's Ctrl-C) reaches the whole process group. Workers ignore both: the parent
+# decides (the trainer finishes its step with every worker, so that the step computes what it would have without
+# the signal) and releases them by closing their pipes. A worker also ends when its parent is gone: EOF on its
+# pipe, or, should another process still hold the parent's end open, a new parent process id (checked every
+# PARENT_CHECK_S while idle).
+PARENT_CHECK_S = 1.0
+_PARENTS_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-class _Terminated(BaseException):
-    """Raised by the worker's SIGTERM handler while it waits (no message half-read) for a request."""
+def _next_request(conn, parent: int) -> bool:
+    """Wait for a request (or EOF, which the following ``recv`` reports); False once the parent has died."""
+    while not conn.poll(PARENT_CHECK_S):
+        if os.getppid() != parent:
+            return False
+    return True
 
 
-def _worker_sigterm(signum: int, frame: object) -> None:
-    _term["received"] = True
-    if _term["waiting"]:
-        raise _Terminated
-
-
-def _next_request(conn) -> bool:
-    """Wait for a request (or EOF); False when the worker must end: SIGTERM and no request within the grace."""
-    while True:
-        if _term["received"]:
-            return bool(conn.poll(TERM_GRACE_S))
-        _term["waiting"] = True
-        try:
-            if not _term["received"]:  # (a signal between the check above and here raises no exception)
-                conn.poll(None)
-                return True
-        except _Terminated:
-            continue
-        finally:
-            _term["waiting"] = False
-
-
-def _worker_main(conn, fn: Callable) -> None:
-    """Serve ``fn(*args)`` requests until the parent closes the pipe."""
+def _worker_main(conn, fn: Callable, parent: int) -> None:
+    """Serve ``fn(*args)`` requests until the parent closes the pipe (or dies)."""
     for inherited in list(_PARENT_ENDS):
         with contextlib.suppress(OSError):
             inherited.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    signal.signal(signal.SIGTERM, _worker_sigterm)
+    for sig in _PARENTS_SIGNALS:  # (blocked since before the fork, so none came in between)
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _PARENTS_SIGNALS)
     torch.set_num_threads(1)
     while True:
         try:
-            if not _next_request(conn):
+            if not _next_request(conn, parent):
                 return
             args = conn.recv()
         except (EOFError, OSError):
@@ -176,11 +162,16 @@ class ForkPool:
         self.model, self.params, self.name = model, list(model.parameters()), name
         ctx = mp.get_context("fork")
         self.conns, self.procs = [], []
+        parent_pid = os.getpid()
         for _ in range(workers - 1):
             parent, child = ctx.Pipe()
             _PARENT_ENDS.add(parent)  # this worker closes its own copy too (EOF when the parent dies)
-            proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True)
-            proc.start()
+            proc = ctx.Process(target=_worker_main, args=(child, fn, parent_pid), daemon=True)
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _PARENTS_SIGNALS)  # delivered here after the fork
+            try:
+                proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)

@@ -90,9 +90,9 @@ def test_workers_sum_gradients_and_leave_unreached_parameters_without_one():
         here = Shard([[5]], [[6]], [3.0], None, None, (1, 1, 1))
         for _ in range(2):  # the buffers are zeroed between mini-batches
             model.zero_grad(set_to_none=True)
-            workers.begin()
+            workers.slots.begin()
             out = workers.map(lambda: run(here), shards)
-            workers.collect()
+            workers.slots.collect()
             assert [s["n"] for _, s in out] == [1.0, 2.0, 1.0]
         expected = _Toy()
         for shard in (here, *shards):
@@ -104,9 +104,9 @@ def test_workers_sum_gradients_and_leave_unreached_parameters_without_one():
             workers.map(lambda: run(here), [shards[0], Shard([[666]], [[0]], [1.0], None, None, (1, 1, 1))])
         assert not workers.pool.closed
         model.zero_grad(set_to_none=True)
-        workers.begin()  # after a failure every buffer is cleared, whatever the failed worker had added
+        workers.slots.begin()  # after a failure every buffer is cleared, whatever the failed worker had added
         workers.map(lambda: (True, {}), [Shard([[3]], [[4]], [1.0], None, None, (1, 1, 1))])
-        workers.collect()
+        workers.slots.collect()
         expected = _Toy()
         _toy_loss(expected, Shard([[3]], [[4]], [1.0], None, None, (1, 1, 1))).backward()
         torch.testing.assert_close(model.a.grad, expected.a.grad)
@@ -246,7 +246,7 @@ def test_a_dead_update_worker_means_this_mini_batch_runs_here(tmp_path, caplog):
         pool.procs[0].join()
         with caplog.at_level("WARNING", logger="meshrl"):
             m_one, m_many = one.update(data), many.update(data)
-        assert "update worker process died" in caplog.text and many.engine.workers_wanted == 1
+        assert "a worker process died" in caplog.text and many.engine.workers_wanted == 1
         assert m_many["loss/policy"] == pytest.approx(m_one["loss/policy"], rel=1e-5)
         _assert_same_weights(one, many)
 
@@ -292,6 +292,7 @@ def test_no_room_in_shared_memory_means_one_process(tmp_path, monkeypatch, caplo
         with caplog.at_level("WARNING", logger="meshrl"):
             metrics = t.update(data)
         assert "no worker processes" in caplog.text and t.engine.workers_wanted == 1 and not t.engine.started
+        assert t.engine.parts == 1  # cannot start at the first update: one part, all threads, as update_workers=1
         assert not allocated  # refused before any buffer was written to shared memory
         assert "loss/policy" in metrics
     finally:

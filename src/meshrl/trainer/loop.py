@@ -19,19 +19,21 @@ from meshrl.progress import progress_bar
 from meshrl.runs.run_dir import prepare_fresh, prepare_resume, rewind_records, write_config
 from meshrl.trainer.config import RunConfig, config_record
 from meshrl.trainer.failure import NonFiniteAbort, StalledRun, record_stop
+from meshrl.trainer.history import StepHistory
 from meshrl.trainer.periodic_eval import write_summary
 from meshrl.trainer.signals import RunInterrupted, StopRequests
 from meshrl.trainer.step import Trainer
 from meshrl.trainer.trackers import Trackers
 
-__all__ = ["NonFiniteAbort", "StalledRun", "Trainer", "train"]
+__all__ = ["NonFiniteAbort", "StalledRun", "StepHistory", "Trainer", "train"]
 
 log = logging.getLogger("meshrl")
 
 
 # ---------------------------------------------------------------------- entry point
-def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
-    """Run (or resume) training into ``run_dir``; return the metrics of the steps run now.
+def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> StepHistory:
+    """Run (or resume) training into ``run_dir``; return the metrics of the steps run now (a read-only sequence of
+    dicts read back from ``metrics.jsonl``: :class:`meshrl.trainer.history.StepHistory`, constant memory).
 
     SIGTERM / Ctrl-C finish the step, save it and raise :class:`RunInterrupted`; see ``docs/reliability.md``.
     """
@@ -43,7 +45,7 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> list[dict[s
     write_config(config_record(cfg, trainer.task), run_dir)
     writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events", "evals")}
     trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
-    history: list[dict[str, Any]] = []
+    history = StepHistory(run_dir / "metrics.jsonl", trainer.step_idx)
     with StopRequests() as stops:
         try:
             with progress_bar("train", cfg.steps, cfg.log.progress, start=trainer.step_idx) as advance:

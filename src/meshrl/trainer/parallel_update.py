@@ -9,9 +9,12 @@ processes with one thread each, every one running a part of each micro-batch, ke
 A part is a set of whole prompt groups, so the shared-prompt forward still runs each prompt once. Each part
 is weighted as a micro-batch of its own (:func:`meshrl.trainer.batch.micro_weight` with the mini-batch's
 totals), so the parts' gradients sum to the micro-batch's gradient, up to float rounding of the summation
-order. A worker accumulates its gradients into a flat shared-memory buffer of its own; the parent adds the
-buffers into ``.grad`` after the mini-batch, and only for parameters a worker gave a gradient (a parameter
-no row reached keeps ``grad=None``, as in one process).
+order. That order is fixed by the run's number of parts, not by how many processes compute them
+(:class:`GradSlots`): part ``k`` of every micro-batch accumulates into a flat buffer of its own (a worker's, in
+shared memory), added into ``.grad`` after the mini-batch. When the workers die (a signal, the OOM killer) the
+parent computes every part in turn, one thread, the same way, so that a run that loses its workers mid-way
+still gives bitwise the update it would have given with them (a resume stays exact). Where they cannot start
+at the run's first update (no fork, too little shared memory) the run uses one part, as one process would.
 
 The same parts carry the zero-advantage shortcut (also in one process): when the loss is the policy term
 alone, a row with advantage 0 has an exactly zero gradient (``A`` times a function of the ratio), so it runs
@@ -92,25 +95,26 @@ def split_rows(rows: list[int], prompt_of: list[tuple[int, ...]], cost: list[int
     return [sorted(s) for s in shards if s]
 
 
-class UpdateWorkers:
-    """``workers - 1`` forked processes that run :class:`Shard` backward passes into shared gradient buffers.
+class GradSlots:
+    """Gradient accumulators of parts ``1 .. parts - 1`` of every micro-batch, one flat buffer per part and dtype.
 
-    ``run(shard) -> (finite, result)`` is called in a worker with the trainer it inherited at fork time; it
-    must leave its gradients in the parameters' ``.grad`` (``params``, shared-memory storage). ``result``
-    (picklable) goes back to the parent.
+    The reduction order is fixed by the parts, not by the processes that compute them: part 0's gradients
+    accumulate in ``.grad`` over the mini-batch's micro-batches, part ``k``'s in slot ``k - 1``, and
+    :meth:`collect` adds the slots to ``.grad`` in order at the end of the mini-batch. A worker process fills
+    its slot in shared memory; without workers the parent fills them itself (:meth:`run_here`), with the same
+    float operations in the same order, so that the update is bitwise the same either way.
     """
 
-    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
-                 run: Callable[[Shard], tuple[bool, Any]], workers: int):
-        self.params, self.run = params, run
-        self.grads: list[list[torch.Tensor]] = []  # per worker, one view per parameter
+    def __init__(self, params: list[torch.nn.Parameter], slots: int, shared: bool):
+        self.params = params
         by_dtype: dict[torch.dtype, int] = {}
         for p in params:
             by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
-        extra = sum(n * torch.empty(0, dtype=d).element_size() for d, n in by_dtype.items()) * (workers - 1)
-        check_shared_memory(model, extra)  # before writing the buffers: a full /dev/shm is a SIGBUS, not an error
-        for _ in range(workers - 1):
-            flats = {d: torch.zeros(n, dtype=d).share_memory_() for d, n in by_dtype.items()}
+        self.grads: list[list[torch.Tensor]] = []  # per slot, one view per parameter
+        for _ in range(slots):
+            flats = {d: torch.zeros(n, dtype=d) for d, n in by_dtype.items()}
+            if shared:
+                flats = {d: f.share_memory_() for d, f in flats.items()}
             offsets = dict.fromkeys(by_dtype, 0)
             views = []
             for p in params:
@@ -119,6 +123,72 @@ class UpdateWorkers:
                 offsets[p.dtype] = o + p.numel()
             self.grads.append(views)
         self.touched: list[set[int]] = [set() for _ in self.grads]
+
+    @staticmethod
+    def nbytes(params: list[torch.nn.Parameter], slots: int) -> int:
+        return sum(p.numel() * p.element_size() for p in params) * slots
+
+    def take(self, slot: int) -> list[int]:
+        """Add the parameters' ``.grad`` (one part's gradients) into ``slot`` and clear them; the indices added."""
+        try:
+            touched = []
+            for i, (p, buf) in enumerate(zip(self.params, self.grads[slot], strict=True)):
+                if p.grad is not None:
+                    buf.add_(p.grad)
+                    touched.append(i)
+            return touched
+        finally:  # also after a failure: a gradient left here would join a later part
+            for p in self.params:
+                p.grad = None
+
+    def run_here(self, slot: int, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (a part's backward) in this process with its gradients going to ``slot``; ``.grad`` (part 0's
+        sum so far) is set aside meanwhile."""
+        kept = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        try:
+            result = fn()
+            self.touched[slot].update(self.take(slot))
+            return result
+        finally:
+            for p, g in zip(self.params, kept, strict=True):
+                p.grad = g
+
+    def begin(self) -> None:
+        """Zero the slots before a mini-batch."""
+        for views, touched in zip(self.grads, self.touched, strict=True):
+            for i in touched:
+                views[i].zero_()
+            touched.clear()
+
+    def spoil(self) -> None:
+        """After a failed call: a part may have added some of its gradients, so every buffer is zeroed next."""
+        for touched in self.touched:
+            touched.update(range(len(self.params)))
+
+    def collect(self) -> None:
+        """Add the slots' gradients of this mini-batch into the parameters' ``.grad``, slot after slot (only for
+        parameters a part gave a gradient: one no row reached keeps ``grad=None``, as in one process)."""
+        for views, touched in zip(self.grads, self.touched, strict=True):
+            for i in sorted(touched):
+                p = self.params[i]
+                p.grad = views[i].clone() if p.grad is None else p.grad.add_(views[i])
+
+
+class UpdateWorkers:
+    """``workers - 1`` forked processes that run :class:`Shard` backward passes into :class:`GradSlots` in shared
+    memory (worker ``k`` computes part ``k + 1`` of each micro-batch into slot ``k``).
+
+    ``run(shard) -> (finite, result)`` is called in a worker with the trainer it inherited at fork time; it
+    must leave its gradients in the parameters' ``.grad``. ``result`` (picklable) goes back to the parent.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
+                 run: Callable[[Shard], tuple[bool, Any]], workers: int):
+        self.params, self.run = params, run
+        check_shared_memory(model, GradSlots.nbytes(params, workers - 1))  # a full /dev/shm is a SIGBUS, not an error
+        self.slots = GradSlots(params, workers - 1, shared=True)
         self.pool = ForkPool(model, self._remote, workers, name="update")
 
     @property
@@ -131,46 +201,27 @@ class UpdateWorkers:
                 and all(a is b for a, b in zip(params, self.params, strict=True)))
 
     def _remote(self, slot: int, shard: Shard) -> tuple[bool, Any, list[int]]:
-        """In worker ``slot``: run the shard, move its gradients into the shared buffer, say which it touched."""
+        """In worker ``slot``: run the shard, add its gradients to the slot, say which it touched."""
         try:
             finite, result = self.run(shard)
-            touched = []
-            for i, (p, buf) in enumerate(zip(self.params, self.grads[slot], strict=True)):
-                if p.grad is not None:
-                    buf.add_(p.grad)
-                    touched.append(i)
-            return finite, result, touched
-        finally:  # also after a failure: a gradient left here would join a later mini-batch
-            for p in self.params:
+        except BaseException:
+            for p in self.params:  # a gradient left here would join a later part
                 p.grad = None
-
-    def begin(self) -> None:
-        """Zero the buffers before a mini-batch (the workers are idle between calls)."""
-        for views, touched in zip(self.grads, self.touched, strict=True):
-            for i in touched:
-                views[i].zero_()
-            touched.clear()
+            raise
+        return finite, result, self.slots.take(slot)
 
     def map(self, local: Callable[[], tuple[bool, Any]], shards: list[Shard]) -> list[tuple[bool, Any]]:
         """``[local(), run(shards[0]) in worker 1, ...]``: the first part runs here, with one thread."""
         try:
             replies = self.pool.map(local, [(), *[(k, s) for k, s in enumerate(shards)]])
         except Exception:
-            for touched in self.touched:  # a failed worker may have left part of its gradients: clear all
-                touched.update(range(len(self.params)))
+            self.slots.spoil()
             raise
         out = [replies[0]]
         for k, (finite, result, touched) in enumerate(replies[1:]):
-            self.touched[k].update(touched)
+            self.slots.touched[k].update(touched)
             out.append((finite, result))
         return out
-
-    def collect(self) -> None:
-        """Add the workers' gradients of this mini-batch into the parameters' ``.grad``."""
-        for views, touched in zip(self.grads, self.touched, strict=True):
-            for i in sorted(touched):
-                p = self.params[i]
-                p.grad = views[i].clone() if p.grad is None else p.grad.add_(views[i])
 
     def close(self) -> None:
         self.pool.close()

@@ -4,16 +4,43 @@
 (:class:`meshrl.trainer.loss.Objective`) weighted for exact gradient accumulation and backpropagated, with the
 Mesh balancing term's gradient kept apart. :class:`PartsEngine` only makes it faster on a CPU, with the same
 gradients up to float rounding (``tests/integration/test_trainer_parallel.py``): each micro-batch is split by prompt
-over forked worker processes (:mod:`meshrl.trainer.parallel_update`), and rows whose advantage is 0 run a no-grad
-forward only, when their gradient is exactly zero. Whenever a step needs every row's logits or graph in this
-process (MEI collection, strategy balancing, a plug-in that uses whole-micro-batch statistics) it runs the
-serial path for that mini-batch. The trainer chooses the engine once per run (:func:`make_engine`).
+into a fixed number of parts computed by forked worker processes (:mod:`meshrl.trainer.parallel_update`; bitwise
+the same result when fewer processes compute them), and rows whose advantage is 0 run a no-grad forward only,
+when their gradient is exactly zero. The trainer chooses the engine once per run (:func:`make_engine`):
+
+==========================================================  =================================================
+the run                                                     engine
+==========================================================  =================================================
+an enabled plug-in overrides an update hook                 SerialEngine (:data:`UPDATE_HOOKS`: the workers
+                                                            would not see the state it sets here, nor the
+                                                            whole batch; the skip would drop its terms)
+one update process (``train.update_workers=1``; auto with   SerialEngine
+more than 16M trainable parameters; not a CPU, no fork, a
+CUDA build) and no zero-advantage skip
+(``train.skip_zero_advantage=false``, a KL or JS term,
+routed experts)
+otherwise                                                   PartsEngine
+==========================================================  =================================================
+
+and the PartsEngine, per mini-batch (:meth:`PartsEngine.backward`):
+
+==========================================================  =================================================
+the mini-batch                                              path
+==========================================================  =================================================
+MEI's first epoch, strategy balancing, a plug-in with       serial (every row's logits and graph here)
+``whole_micro_batch``
+two or more parts (``update_workers`` >= 2; one when the     parts: over the workers, or all here in turn when
+workers cannot start at the run's first update)             they died (one thread, bitwise the same)
+one part, zero-advantage skip, a row with advantage 0       parts: one part here, zero rows forward only
+otherwise                                                   serial
+==========================================================  =================================================
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +48,14 @@ import torch
 
 from meshrl.forkpool import WorkerDied
 from meshrl.trainer.loss import MiniBatchSizes, Objective, TokenValues, UpdateInputs
-from meshrl.trainer.parallel_update import Shard, UpdateWorkers, routed_experts, split_rows, update_worker_count
+from meshrl.trainer.parallel_update import (
+    GradSlots,
+    Shard,
+    UpdateWorkers,
+    routed_experts,
+    split_rows,
+    update_worker_count,
+)
 from meshrl.trainer.rollout_step import StepData
 
 log = logging.getLogger("meshrl")
@@ -89,7 +123,10 @@ class PartsEngine(SerialEngine):
                  group_size: int) -> None:
         super().__init__(objective, balance, mei)
         self.workers_wanted, self.skip_zero, self.group_size = workers, skip_zero, group_size
+        self.parts = workers  # per micro-batch, fixed for the run: the reduction order does not follow the processes
         self._workers: UpdateWorkers | None = None
+        self._here: GradSlots | None = None  # the parts' buffers when this process computes them all
+        self._computed = False  # an update has run in parts (from then on their number stays)
 
     @property
     def started(self) -> bool:
@@ -103,15 +140,18 @@ class PartsEngine(SerialEngine):
         if self.serial(plan, epoch):
             return super().backward(rows, inputs, params, stats, plan, epoch)
         workers = self.workers(params)
-        if workers is not None or (self.skip_zero and bool((inputs.data.advantages[rows] == 0).any())):
+        if self.parts > 1 or (self.skip_zero and bool((inputs.data.advantages[rows] == 0).any())):
             try:
-                return self._parts_backward(workers, rows, inputs, stats)
+                return self._parts_backward(workers, rows, inputs, params, stats)
             except WorkerDied as err:  # e.g. the OOM killer took one: redo this mini-batch here, go on in one process
-                log.warning("update: %s; continuing in one process", err)
+                log.warning("update: a worker process died (%r); this process computes the %d parts from now on "
+                            "(the same result, slower)", err.__cause__, self.parts)
                 self.workers_wanted = 1
+                self.close()
                 for p in params:
                     p.grad = None
                 stats.clear()
+                return self._parts_backward(None, rows, inputs, params, stats)
         return super().backward(rows, inputs, params, stats, plan, epoch)
 
     def workers(self, params: list[torch.nn.Parameter]) -> UpdateWorkers | None:
@@ -127,8 +167,11 @@ class PartsEngine(SerialEngine):
             try:
                 self._workers = UpdateWorkers(model, params, functools.partial(_remote_part, self), self.workers_wanted)
             except (OSError, RuntimeError) as err:  # no fork, no shared memory (e.g. a tiny /dev/shm)
-                log.warning("update: no worker processes (%s); one process", err)
                 self.workers_wanted = 1
+                if not self._computed:  # none computed yet: this machine cannot run workers, one part (all threads)
+                    self.parts = 1
+                log.warning("update: no worker processes (%s); %s", err, "one process" if self.parts == 1 else
+                            f"this process computes the {self.parts} parts (the same result, slower)")
                 return None
         return self._workers
 
@@ -138,21 +181,24 @@ class PartsEngine(SerialEngine):
             self._workers = None
 
     def _parts_backward(self, workers: UpdateWorkers | None, rows: list[int], inputs: UpdateInputs,
-                        stats: dict[str, float]) -> bool:
-        """Each micro-batch split by prompt over this process and ``workers`` (None: one part, here), every part
-        weighted as a micro-batch of its own; the metrics are computed here from the per-token values the parts
-        send back, as the serial path computes them."""
+                        params: list[torch.nn.Parameter], stats: dict[str, float]) -> bool:
+        """Each micro-batch split by prompt into :attr:`parts`, computed over this process and ``workers`` (None:
+        all here, in turn), every part weighted as a micro-batch of its own and its gradients summed in a fixed
+        order (:class:`GradSlots`); the metrics are computed here from the per-token values the parts send back,
+        as the serial path computes them."""
         data, skip = inputs.data, self.skip_zero
         sizes = MiniBatchSizes.of(rows, data)
         keep = kept_row(rows, data) if skip else None
         prompt_of = [tuple(p) for p in data.prompt_ids]
         cost = [(len(p) // max(1, self.group_size) + len(r)) / (3 if skip and a == 0 else 1)
                 for p, r, a in zip(data.prompt_ids, data.response_ids, data.advantages.tolist(), strict=True)]
-        if workers is not None:
-            workers.begin()
+        slots = workers.slots if workers is not None else self._slots_here(params)
+        self._computed = True
+        if slots is not None:
+            slots.begin()
         for i in range(0, len(rows), self.forward.micro_batch_size):
             idx = rows[i : i + self.forward.micro_batch_size]
-            parts = split_rows(idx, prompt_of, cost, workers.size) if workers is not None else [idx]
+            parts = split_rows(idx, prompt_of, cost, self.parts) if self.parts > 1 else [idx]
             shards = [self._shard(part, inputs, sizes, keep) for part in parts[1:]]
 
             def local(here: list[int] = parts[0]) -> tuple[bool, list[TokenValues]]:
@@ -160,7 +206,7 @@ class PartsEngine(SerialEngine):
                                           [data.response_ids[j] for j in here], inputs, sizes,
                                           here.index(keep) if keep in here else -1)
 
-            results = workers.map(local, shards) if workers is not None else [local()]
+            results = workers.map(local, shards) if workers is not None else self._run_here(slots, local, shards)
             if not all(finite for finite, _ in results):
                 return False
             values = {j: v for part, (_, part_values) in zip(parts, results, strict=True)
@@ -169,9 +215,39 @@ class PartsEngine(SerialEngine):
                 continue
             for k, v in self._micro_stats(idx, inputs, values).items():
                 stats[k] += v * len(idx) / len(rows)
-        if workers is not None:
-            workers.collect()
+        if slots is not None:
+            slots.collect()
         return True
+
+    def _slots_here(self, params: list[torch.nn.Parameter]) -> GradSlots | None:
+        """The parts' buffers in this process (None with one part: its gradients go straight to ``.grad``)."""
+        if self.parts < 2:
+            return None
+        if self._here is None or len(self._here.params) != len(params) or any(
+                a is not b for a, b in zip(self._here.params, params, strict=True)):
+            self._here = GradSlots(params, self.parts - 1, shared=False)
+        return self._here
+
+    def _run_here(self, slots: GradSlots | None, local: Callable[[], tuple[bool, Any]],
+                  shards: list[Shard]) -> list[tuple[bool, Any]]:
+        """Every part of a micro-batch in this process, in turn: part 0 into ``.grad`` and the others into their
+        slots, each computed as a worker computes it (its :class:`Shard`, one torch thread), so that the result
+        is bitwise the workers'. With one part: ``local()`` as configured (all threads)."""
+        if slots is None:
+            return [local()]
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            results = [local()]
+            for k, shard in enumerate(shards):
+                finite, values = slots.run_here(k, functools.partial(_remote_part, self, shard))
+                results.append((finite, values))
+        except BaseException:
+            slots.spoil()
+            raise
+        finally:
+            torch.set_num_threads(saved)
+        return results
 
     def _shard(self, part: list[int], inputs: UpdateInputs, sizes: MiniBatchSizes, keep: int | None) -> Shard:
         data, old, ref = inputs.data, inputs.old_logps, inputs.ref_logps
@@ -256,10 +332,31 @@ def kept_row(rows: list[int], data: Any) -> int | None:
     return min(live, key=lambda j: (len(data.response_ids[j]), j))
 
 
+# Plug-in hooks that act on the update. The parts engine honours none of them for a plug-in: its workers were forked
+# once and do not see state the plug-in sets in this process afterwards (begin_update, after_sampling), their loss
+# hooks get a batch of advantages only (TokenTerms.batch), the metrics are recomputed here from per-token values
+# without extra_loss, and the zero-advantage skip assumes a gradient of A times a function of the ratio.
+UPDATE_HOOKS = ("begin_update", "shape_advantages", "loss_settings", "base_loss", "transform", "extra_loss",
+                "surrogate")
+
+
+def update_hooks(plugins: Any) -> list[str]:
+    """``<plug-in name>.<hook>`` for every update hook an enabled plug-in overrides."""
+    from meshrl.trainer.plugins import Plugin
+
+    return [f"{p.name}.{hook}" for p in plugins.active for hook in UPDATE_HOOKS
+            if getattr(type(p), hook) is not getattr(Plugin, hook)]
+
+
 def make_engine(cfg: Any, recipe: Any, objective: Objective, balance: Any, mei: Any) -> SerialEngine:
-    """The run's engine: :class:`PartsEngine` when it can make the update faster (more than one CPU process, or
-    rows whose zero gradient can be skipped: only when the loss is the policy term alone and every row reaches
-    every parameter, not so with routed experts), else :class:`SerialEngine`."""
+    """The run's engine (the module docstring's table): :class:`PartsEngine` when it can make the update faster
+    (more than one CPU process, or rows whose zero gradient can be skipped: only when the loss is the policy term
+    alone and every row reaches every parameter, not so with routed experts) and no plug-in acts on the update,
+    else :class:`SerialEngine`."""
+    hooks = update_hooks(objective.plugins)
+    if hooks:
+        log.info("update: one process, every row's backward (plug-in hooks on the update: %s)", ", ".join(hooks))
+        return SerialEngine(objective, balance, mei)
     model = objective.forward.model
     workers = update_worker_count(cfg.train.update_workers, model)
     skip_zero = (cfg.train.skip_zero_advantage and recipe.kl_coef == 0 and recipe.js_coef == 0
