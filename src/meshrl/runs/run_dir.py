@@ -61,9 +61,33 @@ def _remove_record_temporaries(run_dir: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
+MARKER = ".meshrl-run"  # written first into every run directory: what meshrl may clean, rewrite and delete
+
+
+def check_is_ours(run_dir: Path, option: str = "--out") -> None:
+    """Refuse a non-empty ``run_dir`` that meshrl did not create: the run would overwrite the user's
+    ``config.yaml`` and delete files named like its records. A directory without the marker that holds
+    ``checkpoints/`` or ``metrics.jsonl`` is a run of a meshrl from before the marker, and is taken as ours."""
+    if not run_dir.is_dir() or (run_dir / MARKER).is_file():
+        return
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if not entries or (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file():
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise ValueError(f"{option} {run_dir} is a non-empty directory that is not a meshrl run ({shown}); meshrl "
+                     f"would overwrite or delete files there: choose a new or empty directory")
+
+
+def mark_run_dir(run_dir: Path) -> None:
+    if not (run_dir / MARKER).is_file():
+        atomic_write_text(run_dir / MARKER, "written by meshrl: this directory holds a training run\n")
+
+
 def prepare_fresh(run_dir: Path) -> None:
     """Make ``run_dir`` ready for a run from step 0 (see the module docstring)."""
+    check_is_ours(run_dir)
     make_run_dir(run_dir)
+    mark_run_dir(run_dir)
     root = run_dir / "checkpoints"
     remove_temporaries(root)
     _remove_record_temporaries(run_dir)
@@ -90,6 +114,8 @@ def prepare_resume(run_dir: Path) -> None:
     """Before the checkpoint is read: delete temporaries of interrupted saves and rewrites."""
     if not run_dir.is_dir():
         raise ValueError(f"--resume {run_dir}: no such run directory")
+    check_is_ours(run_dir, "--resume")
+    mark_run_dir(run_dir)
     remove_temporaries(run_dir / "checkpoints")
     _remove_record_temporaries(run_dir)
 
