@@ -328,6 +328,22 @@ def check_architecture(path: Path, model: torch.nn.Module) -> None:
                                  f"{'; '.join(parts)}. Resume with the model the run was started with")
 
 
+def load_named_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """The weights of the checkpoint the user named (``RUN_DIR/checkpoints/step_N``), its files checked first:
+    a damaged one is refused in one line naming the file (never a fallback to another step they did not ask
+    for, never a loader's traceback)."""
+    problem = checkpoint_problem(path)
+    if problem is None:
+        try:
+            return load_checkpoint(path, model, restore_rng=False)
+        except CheckpointMismatch:
+            raise
+        except Exception as e:  # noqa: BLE001 - a file that checked out but does not load is corrupt too
+            problem = f"{path} does not load ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    raise CheckpointError(f"checkpoint {path} is damaged: {problem}; name another step_N, or the run directory "
+                          f"to use its newest intact checkpoint")
+
+
 def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True
 ) -> dict[str, Any]:
@@ -345,7 +361,8 @@ def load_checkpoint(
 
 
 def restore_checkpoint(
-    run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+    restore_rng: bool = True,
 ) -> tuple[Path, dict[str, Any]]:
     """Load the newest intact checkpoint of ``run_dir``: ``latest`` first, then ``step_*`` newest first.
 
@@ -361,14 +378,14 @@ def restore_checkpoint(
         problem = checkpoint_problem(path)
         if problem is None:
             try:
-                state = load_checkpoint(path, model, optimizer)
+                state = load_checkpoint(path, model, optimizer, restore_rng=restore_rng)
             except CheckpointMismatch:
                 raise
             except Exception as e:  # noqa: BLE001 - a file that checked out but does not load is corrupt too
                 problem = f"{path} does not load ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             else:
                 if problems:
-                    log.warning("resuming from %s, the newest intact checkpoint (passed over: %s)", path.name,
+                    log.warning("using %s, the newest intact checkpoint (passed over: %s)", path.name,
                                 "; ".join(problems))
                 return path, state
         log.warning("checkpoint %s is unusable: %s", path.name, problem)

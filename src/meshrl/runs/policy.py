@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from meshrl.runs.checkpoint import latest_checkpoint, load_checkpoint
+from meshrl.runs.checkpoint import latest_checkpoint, load_named_checkpoint, restore_checkpoint, step_dirs
 
 
 def read_run_config(run_dir: str | Path) -> Any:
@@ -42,8 +42,12 @@ def load_policy(spec: str, *, dtype: str = "float32", seed: int = 0):
     model, tok = load_model(cfg.model, dtype=dtype, seed=cfg.seed)
     if cfg.train.lora_r > 0:
         model = apply_lora(model, r=cfg.train.lora_r, alpha=cfg.train.lora_alpha)
-    ckpt = ckpt or latest_checkpoint(path)
-    if ckpt is None:
+    # Every file is checked against the sizes and SHA-256 its state.json recorded: a named step that fails is
+    # refused; otherwise the newest intact checkpoint is used, with a warning naming what was passed over.
+    if ckpt is not None:
+        state = load_named_checkpoint(ckpt, model)
+    elif latest_checkpoint(path) is None and not step_dirs(path / "checkpoints"):
         raise ValueError(f"run directory {path} has no checkpoint yet")
-    state = load_checkpoint(ckpt, model, optimizer=None, restore_rng=False)
+    else:
+        _, state = restore_checkpoint(path, model, optimizer=None, restore_rng=False)
     return model.eval(), tok, f"{path} @ step {state['step']}"
