@@ -266,9 +266,9 @@ def has_close_elements(numbers, threshold):
 def test_the_benchmark_file_with_the_solutions_is_hidden():
     task, (problem,) = _humaneval_problems({"HumanEval/0"})
     meta = problem.meta
-    # The file really is visible to the program unless hidden (it ships inside the interpreter's site-packages) ...
-    assert run_code(meta["code_prompt"] + ANSWER_KEY_HACK, tests=meta["test"], entry_point=meta["entry_point"]).passed
-    # ... and the task hides it.
+    # The file ships inside the interpreter's site-packages: every run masks it, the task's own path too.
+    assert run_code(meta["code_prompt"] + ANSWER_KEY_HACK, tests=meta["test"],
+                    entry_point=meta["entry_point"]).status == "failed"
     assert task.score("```python\n" + ANSWER_KEY_HACK + "```", problem) == 0.0
     assert run_code(ANSWER_KEY_HACK, tests=meta["test"], entry_point=meta["entry_point"],
                     hidden_paths=[str(task.path)]).status == "failed"
