@@ -47,7 +47,6 @@ import os
 import re
 import resource
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from meshrl.rewards.sandbox_cleanup import OWNED_PREFIX, orphans, remove_owned_dir
 from meshrl.rewards.sandbox_modes import Mode, child_env, limiter, program_switch, select_mode
 
 __all__ = ["SANDBOX_STATUSES", "SandboxResult", "extract_code", "grade_code", "run_code", "sandbox_isolation"]
@@ -131,7 +131,7 @@ def _make_cgroup(max_procs: int) -> str | None:
     if os.geteuid() != 0:
         return None
     for base in _CGROUP_BASES:
-        path = os.path.join(base, f"{_OWNED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = os.path.join(base, f"{OWNED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
             os.mkdir(path)
         except OSError:
@@ -161,56 +161,20 @@ def _remove_cgroup(path: str) -> None:
             time.sleep(0.005)
 
 
-_OWNED_PREFIX = "meshrl-sandbox-"  # + the creating process's pid + "-": who must clean it up
-_OWNED = re.compile(rf"^{_OWNED_PREFIX}(\d+)-")
 _CGROUP_BASES = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only, nothing is sent
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _orphans(base: str) -> list[str]:
-    """Working directories or cgroups in ``base`` whose creating process is gone without removing them."""
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        m = _OWNED.match(name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-            found.append(os.path.join(base, name))
-    return found
 
 
 def _sweep_orphans() -> None:
     """Remove what killed callers left: a scorer process SIGKILLed at the reward's time limit (shorter than the
     sandbox's own) never reaches :func:`run_code`'s clean-up, so its working directory (with whatever the program
     wrote) and its cgroup stayed. Its processes died with it (``PR_SET_PDEATHSIG``, ``--die-with-parent``)."""
-    for path in _orphans(tempfile.gettempdir()):
-        _rmtree(path)
+    for path in orphans(tempfile.gettempdir()):
+        remove_owned_dir(path)  # never through a planted link, never another user's
     if os.geteuid() == 0:
         for base in _CGROUP_BASES:
-            for path in _orphans(base):
+            for path in orphans(base):
                 if os.path.isfile(os.path.join(path, "pids.max")):
                     _remove_cgroup(path)
-
-
-def _rmtree(path: str) -> None:
-    """Remove the working directory even if the program made parts of it unreadable."""
-    shutil.rmtree(path, ignore_errors=True)
-    for root, dirs, _ in os.walk(path):
-        for d in dirs:
-            with contextlib.suppress(OSError):
-                os.chmod(os.path.join(root, d), 0o700)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _wait(proc: subprocess.Popen, deadline: float) -> bool:
@@ -455,12 +419,15 @@ def run_code(
               resource.RLIMIT_FSIZE: (max_file_mb << 20, max_file_mb << 20), resource.RLIMIT_CORE: (0, 0)}
     harness_limits = {**limits, resource.RLIMIT_AS: (max(memory_mb, 512) << 20,) * 2}
     _sweep_orphans()
-    workdir = tempfile.mkdtemp(prefix=f"{_OWNED_PREFIX}{os.getpid()}-")
+    owned = tempfile.mkdtemp(prefix=f"{OWNED_PREFIX}{os.getpid()}-")  # the caller's: what the sweep may remove
+    workdir = os.path.join(owned, "work")  # the program's, inside it
     cgroup = _make_cgroup(max_procs)
     start = time.monotonic()
     run = None
     try:
+        os.mkdir(workdir, 0o700)
         if mode.uid != os.geteuid():
+            os.chmod(owned, 0o711)  # the program's user may pass through, not list
             os.chown(workdir, mode.uid, mode.gid)
         tests_payload = {"tests": tests, "entry_point": entry_point, "trusted_code": trusted_code}
         run = _Run.open(workdir, mode, code, tests_payload, tuple(str(p) for p in hidden_paths))
@@ -473,7 +440,7 @@ def run_code(
             run.close()
         if cgroup is not None:
             _remove_cgroup(cgroup)
-        _rmtree(workdir)
+        remove_owned_dir(owned)
 
 
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
