@@ -61,10 +61,42 @@ from typing import IO
 from meshrl.rewards.sandbox_cleanup import OWNED_PREFIX, orphans, remove_owned_dir
 from meshrl.rewards.sandbox_modes import Mode, child_env, limiter, program_switch, select_mode
 
-__all__ = ["SANDBOX_STATUSES", "SandboxResult", "extract_code", "grade_code", "run_code", "sandbox_isolation"]
+__all__ = ["SANDBOX_STATUSES", "SandboxResult", "WeakSandboxError", "allow_weak_sandbox", "check_sandbox",
+           "extract_code", "grade_code", "run_code", "sandbox_isolation"]
 
 SANDBOX_STATUSES = ("passed", "failed", "timeout", "error", "memory")
 _EXIT_GRACE_S = 0.5  # how long the program gets to exit by itself once the harness has decided
+
+
+ALLOW_WEAK_ENV = "MESHRL_SANDBOX_ALLOW_WEAK"
+_weak_allowed = False  # set by allow_weak_sandbox() (``reward.sandbox_allow_weak``); forked scorers inherit it
+
+
+class WeakSandboxError(ValueError):
+    """Model-written code would run under a mechanism that cannot contain it, and nobody accepted the risk."""
+
+
+def allow_weak_sandbox(allowed: bool = True) -> None:
+    """Accept (for this process and the scorers it forks) running model-written code without bubblewrap."""
+    global _weak_allowed
+    _weak_allowed = bool(allowed)
+
+
+def check_sandbox(python: str = sys.executable, *, isolate: bool = True, user: str | int | None = "nobody",
+                  allow_weak: bool | None = None) -> str:
+    """The mechanism :func:`run_code` would use (its label), or :class:`WeakSandboxError` when it is a fallback
+    (``unshare``, no namespaces) and the risk was not accepted: ``allow_weak``, else :func:`allow_weak_sandbox`
+    or ``MESHRL_SANDBOX_ALLOW_WEAK=1`` (``reward.sandbox_allow_weak=true`` in a training config)."""
+    mode = select_mode(python, isolate, user)
+    if allow_weak is None:
+        allow_weak = _weak_allowed or os.environ.get(ALLOW_WEAK_ENV, "").strip().lower() in ("1", "true", "yes")
+    if not mode.bwrap_binds and not allow_weak:
+        raise WeakSandboxError(
+            f"refusing to run model-written code under the weak sandbox '{mode.label}' (bubblewrap is missing or "
+            "cannot run here): the program could forge its reward, read the tests, leave state or code for later "
+            "runs and kill its caller (docs/reliability.md, 'Sandbox for code rewards'); install bubblewrap "
+            f"(scripts/setup.sh), or accept the risk with reward.sandbox_allow_weak=true ({ALLOW_WEAK_ENV}=1)")
+    return mode.label
 
 
 @functools.cache
@@ -275,7 +307,7 @@ def _spawn_program(run: _Run, python: str, limits: dict[int, tuple[int, int]],
 def _spawn_harness(run: _Run, python: str, limits: dict[int, tuple[int, int]]) -> subprocess.Popen:
     """Start the trusted harness: the caller's user, no namespaces, the same rlimits."""
     p = run.pipes
-    argv = [python, "-I", "-B", "-c", _child_source("sandbox_harness.py"), str(p["request_w"]), str(p["reply_r"]),
+    argv = [python, "-I", "-S", "-B", "-c", _child_source("sandbox_harness.py"), str(p["request_w"]), str(p["reply_r"]),
             str(p["verdict_w"])]
     return subprocess.Popen(argv, cwd="/", env=child_env(run.workdir), stdin=run.files[3], stdout=run.files[4],
                             stderr=subprocess.STDOUT, start_new_session=True,
@@ -375,6 +407,7 @@ def run_code(
     isolate: bool = True,
     trusted_code: str | None = None,
     hidden_paths: Sequence[str | os.PathLike] = (),
+    allow_weak: bool | None = None,
 ) -> SandboxResult:
     """Run ``code`` in the sandbox, then ``tests`` and ``check(entry_point)`` in the trusted harness.
 
@@ -408,11 +441,14 @@ def run_code(
         hidden_paths: files or directories the program must not read although they lie inside a
             directory it sees (e.g. the benchmark file shipped inside the interpreter's site-packages,
             which holds the reference solutions); they appear empty. Under bubblewrap only.
+        allow_weak: run under a fallback mechanism (no bubblewrap) instead of raising
+            :class:`WeakSandboxError`; ``None``: as :func:`allow_weak_sandbox` / ``MESHRL_SANDBOX_ALLOW_WEAK`` say.
     """
     if trusted_code is not None and not isinstance(trusted_code, str):
         raise ValueError(f"trusted_code must be a string, got {type(trusted_code).__name__}")
     _check_args(code, tests, entry_point, timeout_s, memory_mb=memory_mb, max_procs=max_procs,
                 max_file_mb=max_file_mb, max_output_bytes=max_output_bytes)
+    check_sandbox(python, isolate=isolate, user=user, allow_weak=allow_weak)
     mode = select_mode(python, isolate, user)
     cpu = math.ceil(timeout_s) + 1
     limits = {resource.RLIMIT_CPU: (cpu, cpu + 1), resource.RLIMIT_AS: (memory_mb << 20, memory_mb << 20),
