@@ -31,8 +31,10 @@ Limits enforced on the program (Linux):
   code arrives on an anonymous file, never on the command line. At most ``max_output_bytes`` of stdout
   and of stderr are returned.
 
-Best-effort only: under the fallback mechanisms (no bubblewrap), everything the module docstring of
-:mod:`meshrl.rewards.sandbox_modes` lists as missing for them; total disk use inside the working
+Refused unless accepted (:func:`check_sandbox`, ``reward.sandbox_allow_weak``): the fallback mechanisms (no
+bubblewrap), which lack everything the module docstring of :mod:`meshrl.rewards.sandbox_modes` lists. The harness
+runs ``python -I -S`` (nothing from site-packages); the clean-up never follows a link
+(:mod:`meshrl.rewards.sandbox_cleanup`). Not enforced: total disk use inside the working
 directory (many ``max_file_mb`` files fit in the time limit). Values that are not plain literals
 (objects, generators, functions) cannot cross, so tests that need them fail with ``error``.
 """

@@ -4,8 +4,10 @@ In order of preference (the first that runs ``python -I -c 'import socket'`` her
 
 1. **bubblewrap** (``bwrap``, Debian package ``bubblewrap``): new mount, PID, network, IPC and UTS
    namespaces. The file system is a read-only empty root holding read-only binds of ``/usr``, ``/etc``,
-   the ``/bin``-style links and the interpreter's own directories (its prefix, base prefix and
-   ``sys.path``), a private ``/proc`` and minimal ``/dev`` (both read-only), and the working directory,
+   the ``/bin``-style links and only what the interpreter needs (its executables' directories, standard
+   library, site-packages, ``pyvenv.cfg``, ``libpython``; never a source tree a ``.pth`` adds), with the
+   unused base site-packages and every benchmark-style data file in site-packages masked (no task's answer
+   key is readable), a private ``/proc`` and minimal ``/dev`` (both read-only), and the working directory,
    the only writable place. Home directories, ``/tmp``, ``/dev/shm``, ``/run`` (host Unix sockets) and
    the rest are absent; the network namespace holds only a loopback that is down. A root caller runs
    bwrap without a user namespace (so the interpreter under a mode-700 home can be bound) with every
@@ -16,7 +18,9 @@ In order of preference (the first that runs ``python -I -c 'import socket'`` her
    user can execute the interpreter (one under ``/root`` cannot: then the program runs as root).
 3. **no namespaces**: rlimits, the optional user switch and the in-process ``socket`` guard only.
 
-The label of the mechanism used is recorded in every :class:`~meshrl.rewards.sandbox.SandboxResult`.
+The fallbacks (2 and 3) cannot contain a program: :func:`~meshrl.rewards.sandbox.run_code` refuses them unless
+the risk is accepted (:func:`~meshrl.rewards.sandbox.check_sandbox`). The label of the mechanism used is recorded
+in every :class:`~meshrl.rewards.sandbox.SandboxResult`.
 """
 
 from __future__ import annotations
