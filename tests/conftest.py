@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The sandbox tests run attacks under every mechanism on purpose (those of the weak fallbacks explicitly refuse it).
+os.environ.setdefault("MESHRL_SANDBOX_ALLOW_WEAK", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

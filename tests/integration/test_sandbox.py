@@ -207,8 +207,8 @@ def test_temp_dir_is_fresh_and_removed():
     code = "import os\nprint(os.getcwd())\nprint(os.listdir('.'))\nopen('junk.txt', 'w').write('x')\nos.mkdir('d')\n"
     res = run_code(code)
     cwd, listing = res.stdout.splitlines()
-    assert listing == "[]" and os.path.basename(cwd).startswith("meshrl-sandbox-")
-    assert not os.path.exists(cwd)
+    assert listing == "[]" and os.path.basename(os.path.dirname(cwd)).startswith("meshrl-sandbox-")
+    assert not os.path.exists(os.path.dirname(cwd))
     assert run_code("import os\nprint(os.environ['HOME'] == os.getcwd())").stdout.strip() == "True"
 
 

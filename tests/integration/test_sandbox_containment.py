@@ -175,3 +175,38 @@ def test_no_network_even_to_the_hosts_loopback():
 def test_only_the_sandbox_processes_are_visible():
     outcome = attempt("outcome = str(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
     assert len(eval(outcome)) <= 3  # bwrap's init, the program (and a helper): no host or harness process
+
+
+LEAVE_STATE = """
+import os, tempfile
+places = [os.getcwd(), os.environ.get("HOME", ""), tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm", "/run/lock",
+          "/var/lock", "/dev/mqueue"]
+left = []
+for place in places:
+    try:
+        with open(os.path.join(place, "meshrl-sandbox-state-{tag}"), "w") as fh:
+            fh.write("the tests were: ...")
+        left.append(place)
+    except OSError:
+        pass
+print("LEFT", left)
+"""
+FIND_STATE = """
+import os
+found = []
+for root in ("/", os.environ.get("HOME", "/")):
+    for top, dirs, files in os.walk(root):
+        if top == "/":
+            dirs[:] = [d for d in dirs if d not in ("proc", "sys", "usr")]
+        found += [os.path.join(top, f) for f in files if f == "meshrl-sandbox-state-{tag}"]
+print("FOUND", found)
+"""
+
+
+@needs_bwrap
+def test_no_state_is_carried_to_the_next_run():
+    tag = os.urandom(6).hex()
+    first = run_code(LEAVE_STATE.replace("{tag}", tag), timeout_s=10)
+    assert first.passed and "LEFT [" in first.stdout, first
+    second = run_code(FIND_STATE.replace("{tag}", tag), timeout_s=30)
+    assert second.passed and "FOUND []" in second.stdout, (first.stdout, second)

@@ -121,15 +121,17 @@ NEEDS_PID_NAMESPACE = {"kill every process it can see"}
 SEES_THE_HARNESS = {"look for the tests in /proc"}
 
 
+@pytest.mark.parametrize("isolate", [True, False], ids=["default mechanism", "no namespaces"])
 @pytest.mark.parametrize("name", list(ATTACKS))
-def test_attack_scores_zero(name):
-    if name in NEEDS_PID_NAMESPACE and "pidns" not in ISOLATION:
-        pytest.skip(f"only safe to run inside a PID namespace ({ISOLATION})")
-    if name in SEES_THE_HARNESS and "pidns" not in ISOLATION and "uid 0" in ISOLATION:
-        pytest.skip(f"a root program outside a PID namespace can read the harness' files ({ISOLATION})")
-    res = run_code(ATTACKS[name], tests=CHECK, entry_point="add", timeout_s=10)
+def test_attack_scores_zero(name, isolate):
+    isolation = ISOLATION if isolate else sandbox_isolation(isolate=False)
+    if name in NEEDS_PID_NAMESPACE and "pidns" not in isolation:
+        pytest.skip(f"only safe to run inside a PID namespace ({isolation})")
+    if name in SEES_THE_HARNESS and "pidns" not in isolation and "uid 0" in isolation:
+        pytest.skip(f"a root program outside a PID namespace can read the harness' files ({isolation})")
+    res = run_code(ATTACKS[name], tests=CHECK, entry_point="add", timeout_s=10, isolate=isolate, allow_weak=True)
     assert not res.passed and res.status != "passed", (name, res)
-    assert grade_code(ATTACKS[name], CHECK, "add", timeout_s=10) == 0.0
+    assert grade_code(ATTACKS[name], CHECK, "add", timeout_s=10, isolate=isolate, allow_weak=True) == 0.0
 
 
 def test_the_exact_marker_attack_fails_and_a_correct_solution_passes():
@@ -266,9 +268,9 @@ def has_close_elements(numbers, threshold):
 def test_the_benchmark_file_with_the_solutions_is_hidden():
     task, (problem,) = _humaneval_problems({"HumanEval/0"})
     meta = problem.meta
-    # The file really is visible to the program unless hidden (it ships inside the interpreter's site-packages) ...
-    assert run_code(meta["code_prompt"] + ANSWER_KEY_HACK, tests=meta["test"], entry_point=meta["entry_point"]).passed
-    # ... and the task hides it.
+    # The file ships inside the interpreter's site-packages: every run masks it, the task's own path too.
+    assert run_code(meta["code_prompt"] + ANSWER_KEY_HACK, tests=meta["test"],
+                    entry_point=meta["entry_point"]).status == "failed"
     assert task.score("```python\n" + ANSWER_KEY_HACK + "```", problem) == 0.0
     assert run_code(ANSWER_KEY_HACK, tests=meta["test"], entry_point=meta["entry_point"],
                     hidden_paths=[str(task.path)]).status == "failed"

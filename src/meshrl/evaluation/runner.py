@@ -96,6 +96,16 @@ def summarize(rows: list[dict[str, Any]], ks: list[int], by: str | None = None) 
     return summary
 
 
+def _check_code_sandbox(task: Any) -> None:
+    """A code task refuses, before loading the model, to run model-written code under a weak sandbox unless
+    ``MESHRL_SANDBOX_ALLOW_WEAK=1`` accepts the risk (one line, docs/reliability.md)."""
+    from meshrl.rewards.sandbox import check_sandbox
+    from meshrl.tasks import CodeTask
+
+    if isinstance(task, CodeTask):
+        log.info("code sandbox: %s", check_sandbox())
+
+
 def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     """Sample, grade and summarise; resumes from ``out_dir/eval_samples.jsonl`` when present."""
     from meshrl.models import encode_prompt
@@ -114,6 +124,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
 
         task = with_kind(task, cfg.kind)
     _warn_on_training_mismatch(cfg, task)
+    _check_code_sandbox(task)
     problems = task.problems(cfg.split)[: cfg.limit] if cfg.limit else task.problems(cfg.split)
     if not problems:
         raise ValueError(f"{cfg.data} split {cfg.split!r} has no problems")

@@ -31,8 +31,10 @@ Limits enforced on the program (Linux):
   code arrives on an anonymous file, never on the command line. At most ``max_output_bytes`` of stdout
   and of stderr are returned.
 
-Best-effort only: under the fallback mechanisms (no bubblewrap), everything the module docstring of
-:mod:`meshrl.rewards.sandbox_modes` lists as missing for them; total disk use inside the working
+Refused unless accepted (:func:`check_sandbox`, ``reward.sandbox_allow_weak``): the fallback mechanisms (no
+bubblewrap), which lack everything the module docstring of :mod:`meshrl.rewards.sandbox_modes` lists. The harness
+runs ``python -I -S`` (nothing from site-packages); the clean-up never follows a link
+(:mod:`meshrl.rewards.sandbox_cleanup`). Not enforced: total disk use inside the working
 directory (many ``max_file_mb`` files fit in the time limit). Values that are not plain literals
 (objects, generators, functions) cannot cross, so tests that need them fail with ``error``.
 """
@@ -47,7 +49,6 @@ import os
 import re
 import resource
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -59,12 +60,45 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from meshrl.rewards.sandbox_cleanup import OWNED_PREFIX, orphans, remove_owned_dir
 from meshrl.rewards.sandbox_modes import Mode, child_env, limiter, program_switch, select_mode
 
-__all__ = ["SANDBOX_STATUSES", "SandboxResult", "extract_code", "grade_code", "run_code", "sandbox_isolation"]
+__all__ = ["SANDBOX_STATUSES", "SandboxResult", "WeakSandboxError", "allow_weak_sandbox", "check_sandbox",
+           "extract_code", "grade_code", "run_code", "sandbox_isolation"]
 
 SANDBOX_STATUSES = ("passed", "failed", "timeout", "error", "memory")
 _EXIT_GRACE_S = 0.5  # how long the program gets to exit by itself once the harness has decided
+
+
+ALLOW_WEAK_ENV = "MESHRL_SANDBOX_ALLOW_WEAK"
+_weak_allowed = False  # set by allow_weak_sandbox() (``reward.sandbox_allow_weak``); forked scorers inherit it
+
+
+class WeakSandboxError(ValueError):
+    """Model-written code would run under a mechanism that cannot contain it, and nobody accepted the risk."""
+
+
+def allow_weak_sandbox(allowed: bool = True) -> None:
+    """Accept (for this process and the scorers it forks) running model-written code without bubblewrap."""
+    global _weak_allowed
+    _weak_allowed = bool(allowed)
+
+
+def check_sandbox(python: str = sys.executable, *, isolate: bool = True, user: str | int | None = "nobody",
+                  allow_weak: bool | None = None) -> str:
+    """The mechanism :func:`run_code` would use (its label), or :class:`WeakSandboxError` when it is a fallback
+    (``unshare``, no namespaces) and the risk was not accepted: ``allow_weak``, else :func:`allow_weak_sandbox`
+    or ``MESHRL_SANDBOX_ALLOW_WEAK=1`` (``reward.sandbox_allow_weak=true`` in a training config)."""
+    mode = select_mode(python, isolate, user)
+    if allow_weak is None:
+        allow_weak = _weak_allowed or os.environ.get(ALLOW_WEAK_ENV, "").strip().lower() in ("1", "true", "yes")
+    if not mode.bwrap_binds and not allow_weak:
+        raise WeakSandboxError(
+            f"refusing to run model-written code under the weak sandbox '{mode.label}' (bubblewrap is missing or "
+            "cannot run here): the program could forge its reward, read the tests, leave state or code for later "
+            "runs and kill its caller (docs/reliability.md, 'Sandbox for code rewards'); install bubblewrap "
+            f"(scripts/setup.sh), or accept the risk with reward.sandbox_allow_weak=true ({ALLOW_WEAK_ENV}=1)")
+    return mode.label
 
 
 @functools.cache
@@ -131,7 +165,7 @@ def _make_cgroup(max_procs: int) -> str | None:
     if os.geteuid() != 0:
         return None
     for base in _CGROUP_BASES:
-        path = os.path.join(base, f"{_OWNED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = os.path.join(base, f"{OWNED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
             os.mkdir(path)
         except OSError:
@@ -161,56 +195,20 @@ def _remove_cgroup(path: str) -> None:
             time.sleep(0.005)
 
 
-_OWNED_PREFIX = "meshrl-sandbox-"  # + the creating process's pid + "-": who must clean it up
-_OWNED = re.compile(rf"^{_OWNED_PREFIX}(\d+)-")
 _CGROUP_BASES = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only, nothing is sent
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _orphans(base: str) -> list[str]:
-    """Working directories or cgroups in ``base`` whose creating process is gone without removing them."""
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        m = _OWNED.match(name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-            found.append(os.path.join(base, name))
-    return found
 
 
 def _sweep_orphans() -> None:
     """Remove what killed callers left: a scorer process SIGKILLed at the reward's time limit (shorter than the
     sandbox's own) never reaches :func:`run_code`'s clean-up, so its working directory (with whatever the program
     wrote) and its cgroup stayed. Its processes died with it (``PR_SET_PDEATHSIG``, ``--die-with-parent``)."""
-    for path in _orphans(tempfile.gettempdir()):
-        _rmtree(path)
+    for path in orphans(tempfile.gettempdir()):
+        remove_owned_dir(path)  # never through a planted link, never another user's
     if os.geteuid() == 0:
         for base in _CGROUP_BASES:
-            for path in _orphans(base):
+            for path in orphans(base):
                 if os.path.isfile(os.path.join(path, "pids.max")):
                     _remove_cgroup(path)
-
-
-def _rmtree(path: str) -> None:
-    """Remove the working directory even if the program made parts of it unreadable."""
-    shutil.rmtree(path, ignore_errors=True)
-    for root, dirs, _ in os.walk(path):
-        for d in dirs:
-            with contextlib.suppress(OSError):
-                os.chmod(os.path.join(root, d), 0o700)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _wait(proc: subprocess.Popen, deadline: float) -> bool:
@@ -311,7 +309,7 @@ def _spawn_program(run: _Run, python: str, limits: dict[int, tuple[int, int]],
 def _spawn_harness(run: _Run, python: str, limits: dict[int, tuple[int, int]]) -> subprocess.Popen:
     """Start the trusted harness: the caller's user, no namespaces, the same rlimits."""
     p = run.pipes
-    argv = [python, "-I", "-B", "-c", _child_source("sandbox_harness.py"), str(p["request_w"]), str(p["reply_r"]),
+    argv = [python, "-I", "-S", "-B", "-c", _child_source("sandbox_harness.py"), str(p["request_w"]), str(p["reply_r"]),
             str(p["verdict_w"])]
     return subprocess.Popen(argv, cwd="/", env=child_env(run.workdir), stdin=run.files[3], stdout=run.files[4],
                             stderr=subprocess.STDOUT, start_new_session=True,
@@ -411,6 +409,7 @@ def run_code(
     isolate: bool = True,
     trusted_code: str | None = None,
     hidden_paths: Sequence[str | os.PathLike] = (),
+    allow_weak: bool | None = None,
 ) -> SandboxResult:
     """Run ``code`` in the sandbox, then ``tests`` and ``check(entry_point)`` in the trusted harness.
 
@@ -444,23 +443,29 @@ def run_code(
         hidden_paths: files or directories the program must not read although they lie inside a
             directory it sees (e.g. the benchmark file shipped inside the interpreter's site-packages,
             which holds the reference solutions); they appear empty. Under bubblewrap only.
+        allow_weak: run under a fallback mechanism (no bubblewrap) instead of raising
+            :class:`WeakSandboxError`; ``None``: as :func:`allow_weak_sandbox` / ``MESHRL_SANDBOX_ALLOW_WEAK`` say.
     """
     if trusted_code is not None and not isinstance(trusted_code, str):
         raise ValueError(f"trusted_code must be a string, got {type(trusted_code).__name__}")
     _check_args(code, tests, entry_point, timeout_s, memory_mb=memory_mb, max_procs=max_procs,
                 max_file_mb=max_file_mb, max_output_bytes=max_output_bytes)
+    check_sandbox(python, isolate=isolate, user=user, allow_weak=allow_weak)
     mode = select_mode(python, isolate, user)
     cpu = math.ceil(timeout_s) + 1
     limits = {resource.RLIMIT_CPU: (cpu, cpu + 1), resource.RLIMIT_AS: (memory_mb << 20, memory_mb << 20),
               resource.RLIMIT_FSIZE: (max_file_mb << 20, max_file_mb << 20), resource.RLIMIT_CORE: (0, 0)}
     harness_limits = {**limits, resource.RLIMIT_AS: (max(memory_mb, 512) << 20,) * 2}
     _sweep_orphans()
-    workdir = tempfile.mkdtemp(prefix=f"{_OWNED_PREFIX}{os.getpid()}-")
+    owned = tempfile.mkdtemp(prefix=f"{OWNED_PREFIX}{os.getpid()}-")  # the caller's: what the sweep may remove
+    workdir = os.path.join(owned, "work")  # the program's, inside it
     cgroup = _make_cgroup(max_procs)
     start = time.monotonic()
     run = None
     try:
+        os.mkdir(workdir, 0o700)
         if mode.uid != os.geteuid():
+            os.chmod(owned, 0o711)  # the program's user may pass through, not list
             os.chown(workdir, mode.uid, mode.gid)
         tests_payload = {"tests": tests, "entry_point": entry_point, "trusted_code": trusted_code}
         run = _Run.open(workdir, mode, code, tests_payload, tuple(str(p) for p in hidden_paths))
@@ -473,7 +478,7 @@ def run_code(
             run.close()
         if cgroup is not None:
             _remove_cgroup(cgroup)
-        _rmtree(workdir)
+        remove_owned_dir(owned)
 
 
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)

@@ -31,6 +31,7 @@ from meshrl.rewards.sandbox_codec import (  # sandbox: inline
     ProtocolError,  # sandbox: inline
     decode_value,  # sandbox: inline
     encode_value,  # sandbox: inline
+    lift_int_digit_limit,  # sandbox: inline
     recv_message,  # sandbox: inline
     send_message,  # sandbox: inline
 )  # sandbox: inline
@@ -48,11 +49,18 @@ class CandidateError(Exception):
     """An exception the program raised whose type is not a built-in exception."""
 
 
+# Exceptions Python's own machinery catches: ``StopIteration`` out of a candidate mapped over the inputs
+# (``zip(xs, map(candidate, xs))``, a generator expression, ``next``) silently ends the loop that holds the asserts.
+_CONTROL_FLOW = (StopIteration,)
+
+
 def _rebuild(raised: Any) -> BaseException:
     """A built-in exception for the program's ``{"type", "message"}``; its own classes never cross."""
     if type(raised) is not dict or type(raised.get("type")) is not str or type(raised.get("message")) is not str:
         return BrokenChannel("malformed exception report")
     cls = getattr(builtins, raised["type"], None)
+    if cls in _CONTROL_FLOW:  # would end the tests' own loops: a candidate raising it must fail, not stop a map()
+        return CandidateError(f"{raised['type']} raised by the program: {raised['message']}")
     if isinstance(cls, type) and issubclass(cls, Exception):
         return cls(raised["message"])
     if raised["type"] == "MemoryError":
@@ -166,6 +174,7 @@ def run_tests(payload: dict, remote: Remote) -> str:
 
 def main() -> None:
     request_fd, reply_fd, verdict_fd = (int(arg) for arg in sys.argv[1:4])
+    lift_int_digit_limit()
     payload = json.loads(sys.stdin.buffer.read())
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

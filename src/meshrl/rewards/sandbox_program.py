@@ -24,7 +24,13 @@ import sys
 import traceback
 import types
 
-from meshrl.rewards.sandbox_codec import decode_value, encode_value, recv_message, send_message  # sandbox: inline
+from meshrl.rewards.sandbox_codec import (  # sandbox: inline
+    decode_value,  # sandbox: inline
+    encode_value,  # sandbox: inline
+    lift_int_digit_limit,  # sandbox: inline
+    recv_message,  # sandbox: inline
+    send_message,  # sandbox: inline
+)  # sandbox: inline
 
 
 def _deny(*args: object, **kwargs: object) -> None:
@@ -89,6 +95,7 @@ def _serve(ns: dict, request_fd: int, reply_fd: int) -> None:
 
 def main() -> None:
     request_fd, reply_fd, uid, gid = (int(arg) for arg in sys.argv[1:5])
+    lift_int_digit_limit()
     if uid >= 0:
         os.setgroups([])
         os.setgid(gid)

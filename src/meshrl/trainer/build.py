@@ -58,6 +58,17 @@ def build_policy(cfg: Any, recipe: Any) -> Policy:
     return Policy(model, tokenizer, ref_model, optimizer, int(pad))
 
 
+def _check_code_sandbox(cfg: Any, task: Any) -> None:
+    """A code task refuses, before any rollout, to run model-written code under a weak sandbox unless
+    ``reward.sandbox_allow_weak`` accepts the risk (one line naming the setting)."""
+    from meshrl.rewards.sandbox import allow_weak_sandbox, check_sandbox
+    from meshrl.tasks import CodeTask
+
+    allow_weak_sandbox(cfg.reward.sandbox_allow_weak)
+    if isinstance(task, CodeTask):
+        log.info("code sandbox: %s", check_sandbox())
+
+
 def build_sampler(cfg: Any, recipe: Any, task: Any, problems: list[Any], policy: Policy, run_dir: Path
                   ) -> tuple[Any, RolloutStep, PeriodicEval | None]:
     """The rollout backend, the step's sampler (problems, rollouts, rewards, advantages) and the held-out
@@ -72,6 +83,7 @@ def build_sampler(cfg: Any, recipe: Any, task: Any, problems: list[Any], policy:
         extra["autocast"] = "bfloat16" if cfg.rollout.autocast_bf16 else None
     backend = make_backend(name, policy.model, policy.tokenizer, batch_size=cfg.rollout.batch_size, **extra)
     log.info("rollout backend: %s (rollout.backend=%s)", backend.name, cfg.rollout.backend)
+    _check_code_sandbox(cfg, task)
     runner = RewardRunner(task.score, timeout_s=scorer_time_limit(cfg.reward.timeout_s, task), strict=cfg.reward.strict)
     prefixes = prepare_prefixes(cfg, task, problems, run_dir) if cfg.mesh_enabled else None
     sampler = RolloutStep(task=task, problems=problems, backend=backend, tokenizer=policy.tokenizer,

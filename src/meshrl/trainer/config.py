@@ -91,6 +91,9 @@ class RewardConfig:
                                                "counted)")
     strict: bool = setting(False, help="an error or timeout in a reward function aborts the run instead of "
                                        "scoring 0")
+    sandbox_allow_weak: bool = setting(False, help="run model-written code (code tasks) even where bubblewrap cannot "
+                                                   "confine it: the program could then forge its reward, read the "
+                                                   "tests and harm the machine (docs/reliability.md)")
 
 
 @dataclass
