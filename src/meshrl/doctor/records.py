@@ -24,7 +24,10 @@ def number(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int | float):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond the float range: its float is +-inf, as a long float literal's is
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str) and value.strip().lower() in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
         return float(value.strip().lower().replace("infinity", "inf"))
     return None
