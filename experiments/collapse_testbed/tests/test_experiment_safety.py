@@ -1,0 +1,121 @@
+"""An experiment directory has one writer at a time, a summary says what is unfinished, and the workers die with
+the experiment and compute on one thread (README.md, "Running an experiment")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.collapse_testbed.cli import main
+from experiments.collapse_testbed.experiment import experiment_lock, worker_pool
+from experiments.collapse_testbed.regenerate import HERE
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _unpacked_audit(tmp_path: Path) -> Path:
+    out = tmp_path / "exp"
+    assert main(["--unpack", str(HERE / "data" / "testbed_audit.json.gz"), "--summarize-only", "--out", str(out),
+                 "--no-figures", "--no-progress"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("extra", [["--summarize-only"], ["--steps", "2", "--no-progress"]])
+def test_a_second_experiment_or_summary_is_one_line_naming_the_holder(tmp_path, capsys, extra):
+    out = tmp_path / "exp"
+    (out / "runs").mkdir(parents=True)
+    with experiment_lock(out):
+        assert main(["--out", str(out), "--no-figures", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"pid {os.getpid()}" in err and "another experiment" in err
+    assert not (out / "results.json").exists()  # nothing summarized while the lock was held
+
+
+def test_a_summary_of_an_unfinished_experiment_says_so(tmp_path, capsys, caplog):
+    out = _unpacked_audit(tmp_path)
+    assert "incomplete" not in json.loads((out / "results.json").read_text())
+    runs = sorted((out / "runs").glob("*/seed_*"))
+    (runs[0] / "done.json").unlink()  # killed after its evaluation
+    half = runs[1].parent / "seed_99"
+    half.mkdir()  # killed while training: no evaluation yet
+    (half / "metrics.jsonl").write_text('{"step": 1}\n')
+    lines = (out / "baseline_probes.jsonl").read_text().splitlines(keepends=True)
+    (out / "baseline_probes.jsonl").write_text("".join(lines[:2]))
+    capsys.readouterr()
+    assert main(["--out", str(out), "--summarize-only", "--no-figures", "--no-progress"]) == 0
+    incomplete = json.loads((out / "results.json").read_text())["incomplete"]
+    rel = f"runs/{runs[0].parent.name}/{runs[0].name}"
+    assert [i.split(" ")[0] for i in incomplete] == [rel, f"runs/{half.parent.name}/seed_99", "baseline_probes.jsonl"]
+    assert "partial" in incomplete[0] and "left out" in incomplete[1] and "2 of 5" in incomplete[2]
+    assert (out / "results.md").read_text().startswith("**Incomplete experiment**")
+    assert any("incomplete experiment" in r.getMessage() for r in caplog.records)
+
+
+def _thread_count() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_workers_compute_on_one_thread_whatever_the_environment(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # what a spawned worker would take by default
+    with worker_pool(1) as pool:
+        assert pool.submit(_thread_count).result() == 1
+
+
+PARENT = textwrap.dedent("""
+    import os, sys, time
+    sys.path[:0] = [{root!r}, {src!r}]
+    from experiments.collapse_testbed.experiment import worker_pool
+
+    def job(marks):  # in a worker, so after its set-up: say so, then work for long
+        open(os.path.join(marks, str(os.getpid())), "w").close()
+        time.sleep(300)
+
+    if __name__ == "__main__":  # the spawned workers import this file too
+        pool = worker_pool(2)
+        futures = [pool.submit(job, {marks!r}) for _ in range(2)]
+        while len(os.listdir({marks!r})) < 2:
+            time.sleep(0.05)
+        print(" ".join(os.listdir({marks!r})), flush=True)
+        time.sleep(300)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_killed_experiment(tmp_path):
+    script = tmp_path / "parent.py"
+    (tmp_path / "marks").mkdir()
+    script.write_text(PARENT.format(root=str(ROOT), src=str(ROOT / "src"), marks=str(tmp_path / "marks")))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in parent.stdout.readline().split()]
+        assert workers and all(_alive(p) for p in workers)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in workers if _alive(p)]
+    finally:
+        parent.kill()
+        for pid in workers if "workers" in locals() else []:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
