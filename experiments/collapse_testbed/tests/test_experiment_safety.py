@@ -119,3 +119,79 @@ def test_workers_die_with_a_killed_experiment(tmp_path):
         for pid in workers if "workers" in locals() else []:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+TOY = dict(steps=2, prompts_per_step=2, group_size=3, probe_every=1, probe_problems=3, probe_group=3, eval_problems=6,
+           eval_n=2, ks=(1, 2), seeds=(0,), arms=("grpo", "mesh_mu1e-1", "support_mu1"), warm_steps=2, workers=2)
+KILLED = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{root!r}, {src!r}]
+    from pathlib import Path
+    from experiments.collapse_testbed.experiment import ExperimentSettings, run_experiment
+    if __name__ == "__main__":
+        run_experiment(Path({out!r}), ExperimentSettings(**{toy!r}), progress=False)
+""")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _comparable(out: Path) -> dict:
+    from experiments.collapse_testbed.results import summarize_experiment
+
+    def timeless(x):  # wall-clock figures differ between any two runs
+        if isinstance(x, dict):
+            return {k: timeless(v) for k, v in x.items() if "seconds" not in str(k)}
+        return [timeless(v) for v in x] if isinstance(x, list) else x
+
+    res = summarize_experiment(out)
+    return {k: json.dumps(timeless(res[k]), default=str).replace(str(out), "OUT")
+            for k in ("arms", "warning", "warning_training", "mei_vs_truth", "paired_vs_grpo", "curves")}
+
+
+@pytest.mark.slow  # three toy experiments: about a minute on 2 cores
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_an_experiment_killed_mid_way_leaves_no_worker_and_reruns_exactly(tmp_path, monkeypatch):
+    """SIGKILL of the parent while the warm-start probes run: the workers are gone at once, and the rerun, on
+    another default thread count, gives the uninterrupted experiment's tables exactly."""
+    from experiments.collapse_testbed.experiment import ExperimentSettings, run_experiment
+
+    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    whole = run_experiment(tmp_path / "whole", ExperimentSettings(**TOY), progress=False)
+    killed = tmp_path / "killed"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED.format(root=str(ROOT), src=str(ROOT / "src"), out=str(killed), toy=TOY))
+    parent = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        base = killed / "baseline_probes.jsonl"
+        while not (base.is_file() and base.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+            workers = sorted(set(workers) | set(_children(parent.pid)))
+            time.sleep(0.05)
+        assert parent.poll() is None, "the experiment ended before the kill"
+        workers = sorted(set(workers) | set(_children(parent.pid)))
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers and not [p for p in workers if _alive(p)]
+    finally:
+        parent.kill()
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    run_experiment(killed, ExperimentSettings(**TOY), progress=False)
+    assert _comparable(killed) == _comparable(whole)
