@@ -77,3 +77,21 @@ def test_a_verl_or_meshrl_log_line_over_the_int_limit_is_a_skipped_line(tmp_path
     notes: list[str] = []
     assert [r["step"] for r in read_jsonl(log, notes)] == [1]
     assert notes == ["m.jsonl: skipped 1 unreadable line(s)"]
+
+
+def test_a_verl_log_with_a_damaged_first_line_is_still_recognised(tmp_path):
+    log = tmp_path / "verl.jsonl"
+    rows = [{"step": s, "data": {"critic/score/mean": 0.5, "actor/entropy": 1.0}} for s in range(1, 6)]
+    log.write_text("garbage\n" + json.dumps({"step": 0, "data": [1, 2]}) + "\n"
+                   + "".join(json.dumps(r) + "\n" for r in rows))
+    diag = diagnose(log)
+    assert diag.engine == "verl" and diag.steps_logged == 5
+    assert any("skipped 1 unreadable line" in n for n in diag.notes)
+
+
+def test_a_meshrl_config_that_is_not_utf8_is_a_note(tmp_path):
+    (tmp_path / "config.yaml").write_bytes(b"\xff\xfe\x00steps: 3\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n"
+                                                    for s in range(1, 4)))
+    diag = diagnose(tmp_path)
+    assert diag.steps_logged == 3 and "config.yaml unreadable (UnicodeDecodeError)" in diag.notes

@@ -229,19 +229,27 @@ def _read_trl_args(root: Path, config: dict[str, Any], notes: list[str]) -> None
 
 
 # ---------------------------------------------------------------------- verl
+#: lines of a JSONL file read to recognise a verl log (a damaged first line does not hide it)
+VERL_PROBE_LINES = 20
+
+
+def _is_verl_line(line: str) -> bool:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, an integer over the int string limit, nested too deep
+        return False
+    body = obj.get("data", obj) if isinstance(obj, dict) else {}
+    return isinstance(body, dict) and any(str(k).split("/")[0] in ("critic", "actor", "response_length", "val-core")
+                                          for k in body)
+
+
 def _verl_jsonl(root: Path) -> list[Path]:
     files = [root] if root.is_file() else sorted(root.glob("*.jsonl"))
     out = []
     for path in files:
         with path.open(errors="replace") as fh:
-            first = next((ln for ln in fh if ln.strip()), "")
-        try:
-            obj = json.loads(first)
-        except (ValueError, RecursionError):  # not JSON, an integer over the int string limit, nested too deep
-            continue
-        body = obj.get("data", obj) if isinstance(obj, dict) else {}
-        if isinstance(body, dict) and any(k.split("/")[0] in ("critic", "actor", "response_length", "val-core")
-                                          for k in body):
+            lines = [ln for _, ln in zip(range(VERL_PROBE_LINES), (ln for ln in fh if ln.strip()), strict=False)]
+        if any(_is_verl_line(ln) for ln in lines):
             out.append(path)
     return out
 

@@ -154,7 +154,7 @@ def load_meshrl(path: Path) -> RunRecords:
     notes: list[str] = []
     try:
         cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: bytes that are not UTF-8
         notes.append(f"config.yaml unreadable ({type(e).__name__})")
         cfg = {}
     steps = by_step(read_jsonl(path / "metrics.jsonl", notes))
