@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from experiments.collapse_testbed.pack import pack_experiment, unpack_experiment
     from experiments.collapse_testbed.results import summarize_experiment
 
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a directory")
     if args.tables_from is not None:
         return write_tables(load_results(args.tables_from), args)
     if args.unpack is not None:

@@ -313,7 +313,11 @@ def experiment_lock(out: Path, *, doing: str = "run") -> Iterator[None]:
     import fcntl
     import os
 
-    fh = (out / ".lock").open("a+")
+    try:
+        fh = (out / ".lock").open("a+")
+    except OSError as e:  # --out is a file, or a directory this user cannot write
+        raise ValueError(f"{out / '.lock'}: cannot create the experiment's lock ({e.strerror or e}); use another "
+                         "--out") from None
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -40,6 +40,15 @@ def test_a_second_experiment_or_summary_is_one_line_naming_the_holder(tmp_path, 
     assert not (out / "results.json").exists()  # nothing summarized while the lock was held
 
 
+@pytest.mark.parametrize("extra", [["--summarize-only"], ["--summarize-only", "--unpack", "x.json.gz"], []])
+def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys, extra):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine\n")
+    assert main(["--out", str(out), "--no-figures", "--no-progress", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--out {out} is a file" in err and out.read_text() == "mine\n"
+
+
 def test_a_summary_of_an_unfinished_experiment_says_so(tmp_path, capsys, caplog):
     out = _unpacked_audit(tmp_path)
     assert "incomplete" not in json.loads((out / "results.json").read_text())
