@@ -83,6 +83,16 @@ def test_training_runs_on_the_rows_that_fit_and_logs_the_count(world):
     assert logged and logged[0]["skipped/long_prompts"] == 2.0
 
 
+def test_rows_without_a_prompt_are_named(world, tmp_path):
+    rows = [{k: v for k, v in r.items() if k != "prompt"} for r in world["rows"]]
+    with pytest.raises(ValueError, match=f"train_dataset row {world['ids'][0]} has no 'prompt' column"):
+        MeshGRPOTrainer(world["model"], even_length, args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True,
+                                                                     per_device_train_batch_size=8,
+                                                                     num_generations=8, report_to=[]),
+                        train_dataset=Dataset.from_list(rows), processing_class=world["tok"],
+                        prefixes=world["root"] / "prefixes.jsonl", mesh=MeshOptions(m=4, template="plain"))
+
+
 def test_task_reward_func_names_mismatched_lengths():
     reward = task_reward_func("tiny:add")
     problem = load_task("tiny:add").problems("train")[0]

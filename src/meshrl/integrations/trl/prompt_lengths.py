@@ -49,6 +49,8 @@ def fitting_rows(trainer, dataset) -> tuple[list[int], dict[str, int]]:
     keep = []
     for i, row in enumerate(dataset):
         qid = str(row.get("query_id", i))
+        if "prompt" not in row:
+            raise ValueError(f"train_dataset row {qid} has no 'prompt' column (TRL's GRPOTrainer reads it)")
         prefixes = trainer.mesh_table[query_key(row[mesh.problem_column])][:mesh.m]
         prompts = [row["prompt"], *(mesh.conditioned_prompt(row["prompt"], p) for p in prefixes)]
         if all(budget.fits(qid, prompt_tokens(trainer, p, limit)) for p in prompts):
