@@ -95,3 +95,10 @@ def test_a_meshrl_config_that_is_not_utf8_is_a_note(tmp_path):
                                                     for s in range(1, 4)))
     diag = diagnose(tmp_path)
     assert diag.steps_logged == 3 and "config.yaml unreadable (UnicodeDecodeError)" in diag.notes
+
+
+def test_a_state_with_only_bad_entries_says_why_nothing_is_left(tmp_path, capsys):
+    run = _trl_dir(tmp_path, json.dumps({"log_history": [1, 2, "x"]}))
+    assert main(["doctor", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no per-step metrics found (trl run; trainer_state.json: skipped 3 log_history" in err

@@ -327,5 +327,6 @@ def load_run(root: str | Path, engine: str = "auto") -> RunRecords:
         raise ValueError(f"unknown engine {engine!r}; known: auto, {', '.join(loaders)}")
     rec = loaders[kind](path)
     if not rec.steps:
-        raise ValueError(f"{path}: no per-step metrics found ({kind} run)")
+        skipped = "; ".join(n for n in rec.notes if "skipped" in n)  # why nothing was left, when lines were bad
+        raise ValueError(f"{path}: no per-step metrics found ({kind} run{'; ' + skipped if skipped else ''})")
     return rec
