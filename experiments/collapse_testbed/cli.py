@@ -64,22 +64,28 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from experiments.collapse_testbed.experiment import run_experiment
+    from experiments.collapse_testbed.experiment import experiment_lock, run_experiment
     from experiments.collapse_testbed.pack import pack_experiment, unpack_experiment
     from experiments.collapse_testbed.results import summarize_experiment
 
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a directory")
     if args.tables_from is not None:
         return write_tables(load_results(args.tables_from), args)
     if args.unpack is not None:
-        unpack_experiment(args.unpack, args.out)
+        args.out.mkdir(parents=True, exist_ok=True)
+        with experiment_lock(args.out, doing="unpack into it"):
+            unpack_experiment(args.unpack, args.out)
     if not args.summarize_only:
         run_experiment(args.out, settings_from_args(args), progress=not args.no_progress)
     if not (args.out / "runs").is_dir():
         raise ValueError(f"no runs in {args.out}")
-    res = summarize_experiment(args.out)
-    write_tables(res, args)
-    if args.pack is not None:
-        pack_experiment(args.out, args.pack)
+    # under the lock: a summary taken while an experiment writes would mix finished and half-written runs
+    with experiment_lock(args.out, doing="summarize"):
+        res = summarize_experiment(args.out)
+        write_tables(res, args)
+        if args.pack is not None:
+            pack_experiment(args.out, args.pack)
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from experiments.collapse_testbed.results import BASELINE_PROBES
 from meshrl.testbed.runconfig import base_overrides, eval_config
 
 log = logging.getLogger("meshrl")
@@ -219,7 +220,7 @@ def probe_run(run_dir: Path, s: ExperimentSettings, seed: int, model_path: Path)
     return path
 
 
-def baseline_probes(out: Path, s: ExperimentSettings, model_path: Path, n: int = 5) -> dict[str, Any]:
+def baseline_probes(out: Path, s: ExperimentSettings, model_path: Path, n: int = BASELINE_PROBES) -> dict[str, Any]:
     """Probe the warm start ``n`` times with different sampling seeds: the spread that calibrates each
     signal's threshold (mean +- 3 sd)."""
     from meshrl.jsonl import read_jsonl
@@ -243,8 +244,6 @@ def baseline_probes(out: Path, s: ExperimentSettings, model_path: Path, n: int =
 
 def run_experiment(out: Path, s: ExperimentSettings | None = None, *, progress: bool = True) -> Path:
     """Run every (arm, seed) of ``s`` into ``out/runs/ARM/seed_S``; return ``out``."""
-    import multiprocessing as mp
-
     from meshrl.progress import progress_bar
     from meshrl.testbed.warm import warm_start
 
@@ -260,9 +259,7 @@ def run_experiment(out: Path, s: ExperimentSettings | None = None, *, progress: 
         write_settings(out, s, model_path)
         jobs = [(a, seed, out / "runs" / a / f"seed_{seed}") for seed in s.seeds for a in s.arms]
         jobs.sort(key=lambda j: j[0] not in s.probe_arms)  # probed baselines first: the signal data comes early
-        ctx = mp.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=s.workers, mp_context=ctx) as pool, \
-                progress_bar("experiment", total=len(jobs) + 1, enabled=progress) as bar:
+        with worker_pool(s.workers) as pool, progress_bar("experiment", total=len(jobs) + 1, enabled=progress) as bar:
             futures = [pool.submit(_job, a, seed, d, s, model_path) for a, seed, d in jobs]
             futures.append(pool.submit(baseline_probes, out, s, model_path))
             for fut in as_completed(futures):
@@ -272,24 +269,63 @@ def run_experiment(out: Path, s: ExperimentSettings | None = None, *, progress: 
     return out
 
 
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """The experiment's worker processes (spawned: a fresh interpreter each), set up by :func:`_worker_init`."""
+    import multiprocessing as mp
+    import os
+
+    return ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                               initargs=(os.getpid(),))
+
+
+def _worker_init(parent: int) -> None:
+    """In each worker, before any job: die with the parent, and compute on exactly one thread.
+
+    A worker that outlived a killed experiment would keep writing into its run directory while a rerun (the
+    lock released with the parent) resumes the same runs. ``PR_SET_PDEATHSIG`` (Linux) makes the kernel send
+    SIGKILL when the parent ends; the worker's own update workers and scorers end with it (they watch their
+    pipes or arm the same signal). The one thread is set here, not left to torch's default, which follows the
+    machine's cores, ``OMP_NUM_THREADS`` and the CPU affinity: a rerun on another thread count changes the
+    reductions' order and so the probes' last bits (the baseline probes, which set no thread count of their
+    own, differed at 1e-13 between a run and its rerun)."""
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    import torch
+
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+    torch.set_num_threads(1)
+
+
 @contextmanager
-def experiment_lock(out: Path) -> Iterator[None]:
-    """Hold ``out/.lock`` exclusively for the whole experiment: two experiments training into one directory
-    would resume each other's half-written runs. A second one fails at once, naming the holder's pid; the
-    lock is the kernel's (``flock``), so a killed experiment never leaves a stale lock behind. Workers that
-    outlive a killed parent are not covered: kill them too (README.md, "Running an experiment")."""
+def experiment_lock(out: Path, *, doing: str = "run") -> Iterator[None]:
+    """Hold ``out/.lock`` exclusively while an experiment runs or is summarized: two experiments training into
+    one directory would resume each other's half-written runs, and a summary taken during a run mixes finished
+    and half-written ones. A second holder is refused at once (``ValueError``, one line naming the holder's
+    pid); the lock is the kernel's (``flock``), so a killed experiment never leaves a stale lock behind, and
+    its workers die with it (:func:`_worker_init`). ``doing`` names the refused action in the message."""
     import fcntl
     import os
 
-    fh = (out / ".lock").open("a+")
+    try:
+        fh = (out / ".lock").open("a+")
+    except OSError as e:  # --out is a file, or a directory this user cannot write
+        raise ValueError(f"{out / '.lock'}: cannot create the experiment's lock ({e.strerror or e}); use another "
+                         "--out") from None
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         fh.seek(0)
         holder = fh.read().strip() or "unknown"
         fh.close()
-        raise RuntimeError(f"{out}: another experiment (pid {holder}) is running in this directory; wait "
-                           "for it or use another --out") from None
+        raise ValueError(f"{out}: cannot {doing}: another experiment (pid {holder}, lock {out / '.lock'}) is "
+                         "running in this directory; wait for it or use another --out") from None
     try:
         fh.seek(0)
         fh.truncate()

@@ -254,7 +254,10 @@ def results_markdown(res: dict[str, Any]) -> str:
         ("Kernel partition vs parser labels (ARI)", partition_markdown(res)),
         ("MEI and effective directions vs the true number of procedures", mei_truth_markdown(res)),
     ]
-    return "\n\n".join(f"### {title}\n\n{body}" for title, body in sections)
+    text = "\n\n".join(f"### {title}\n\n{body}" for title, body in sections)
+    if res.get("incomplete"):  # a summary taken from an unfinished experiment says so first
+        text = "**Incomplete experiment** (rerun it to finish): " + "; ".join(res["incomplete"]) + "\n\n" + text
+    return text
 
 
 def plot_results(res: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -54,6 +54,8 @@ def experiment_task(out: Path, **options: Any):
     return load_task(name, **options)
 
 
+#: warm-start probes that calibrate each signal's threshold (``experiment.baseline_probes``)
+BASELINE_PROBES = 5
 NICHE_FALL_AT = 0.1  # the warm start is at about 0.4 on the decade niche; lost seeds end at 0.002-0.025
 
 
@@ -442,11 +444,34 @@ def outcome_tables(out: Path, res: dict[str, Any], k: int) -> dict[str, Any]:
                            "training": signal_separation(res["warning_training"], outcomes)}}
 
 
+def incomplete_parts(out: Path) -> list[str]:
+    """What of ``out`` is not finished: each run directory without ``done.json`` (killed, or still running:
+    its evaluation may be missing, so it is left out of the tables, or its checkpoint evaluations and probes
+    may be partial), and warm-start probes short of ``BASELINE_PROBES`` (the thresholds would rest on fewer)."""
+    parts = []
+    for d in sorted((out / "runs").glob("*/seed_*")):
+        if d.is_dir() and not (d / "done.json").is_file():
+            state = ("evaluated; checkpoint evaluations or probes may be partial"
+                     if (d / "eval" / "eval.json").is_file() else "not evaluated: left out of the tables")
+            parts.append(f"runs/{d.parent.name}/{d.name} (no done.json, {state})")
+    base = out / "baseline_probes.jsonl"
+    have = len(_read_jsonl(base))
+    if base.is_file() and have < BASELINE_PROBES:
+        parts.append(f"baseline_probes.jsonl ({have} of {BASELINE_PROBES} warm-start probes: thresholds rest on "
+                     "fewer)")
+    return parts
+
+
 def summarize_experiment(out: Path) -> dict[str, Any]:
-    """Everything above into ``out/results.json``; returns it."""
+    """Everything above into ``out/results.json``; returns it. An unfinished part (``incomplete_parts``) is
+    summarized as it stands, listed under ``incomplete`` and logged as a warning."""
     settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
     k = max(settings.get("ks") or [1])
-    res = {"settings": settings, "k_max": k,
+    incomplete = incomplete_parts(out)
+    if incomplete:
+        log.warning("%s: summarizing an incomplete experiment (rerun it to finish; the tables say so): %s", out,
+                    "; ".join(incomplete))
+    res = {"settings": settings, "k_max": k, **({"incomplete": incomplete} if incomplete else {}),
            "arms": arm_table(out), "paired_vs_grpo": paired_vs(out, metrics=("mean", f"pass@{k}")),
            "warning": warning_table(out), "warning_training": training_warning_table(out),
            "partition": partition_agreement(out), "mei_vs_truth": mei_vs_truth(out),

@@ -68,6 +68,8 @@ def iter_jsonl(path: str | Path, *, on_bad: str = "raise", partial_last: str = "
                             len(raw))
                 break
             problem = f"not valid JSON ({e.msg})"
+        except ValueError as e:  # an integer literal over Python's int string limit
+            problem = f"not valid JSON ({str(e).split(';')[0]})"
         except RecursionError:
             problem = "JSON nested too deeply"
         if problem is None:

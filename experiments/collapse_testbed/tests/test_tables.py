@@ -202,7 +202,7 @@ def test_experiment_settings_keep_earlier_arms_and_the_directory_is_locked(tmp_p
     assert saved["probe_arms"] == ["grpo"] and saved["warm_start"] == "/warm"
     with experiment_lock(tmp_path):
         assert (tmp_path / ".lock").read_text() == str(os.getpid())
-        with pytest.raises(RuntimeError, match=f"pid {os.getpid()}.*another --out"), experiment_lock(tmp_path):
+        with pytest.raises(ValueError, match=f"pid {os.getpid()}.*another --out"), experiment_lock(tmp_path):
             pass
     with experiment_lock(tmp_path):  # released on exit: the next experiment may run
         pass

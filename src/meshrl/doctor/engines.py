@@ -17,11 +17,12 @@ is not in the map is kept under its own name (so it shows in ``--json``) and nev
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
-from meshrl.doctor.records import RunRecords, by_step, read_jsonl
+from meshrl.doctor.records import RunRecords, by_step, number, read_jsonl
 from meshrl.doctor.tfevents import event_files, read_scalars
 
 TRL_NAMES: dict[str, str] = {
@@ -133,13 +134,12 @@ def load_trl(root: Path) -> RunRecords:
     train_rows, held_rows, config = [], [], {}
     state_path = _trl_state(root)
     if state_path is not None:
-        state = json.loads(state_path.read_text())
-        for row in state.get("log_history", []):
+        history, config["steps"] = _trl_history(state_path, notes)
+        for row in history:
             t, h = _trl_row(row, used)
             train_rows.append(t)
             if len(h) > 1:
                 held_rows.append(h)
-        config["steps"] = state.get("max_steps")
     tb = _tensorboard_rows(root, notes)
     if state_path is None and not tb:
         raise ValueError(f"{root}: no trainer_state.json and no TensorBoard event files (not a TRL run?)")
@@ -161,35 +161,95 @@ def load_trl(root: Path) -> RunRecords:
                       config=config, notes=notes, mapping=used)
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(number(value) or 0.0)
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON value in ``path``; ``ValueError`` naming the file when it is unreadable or not JSON."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8-sig"))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:  # an integer over the int string limit; nesting too deep
+        raise ValueError(f"{path}: not valid JSON ({str(e).split(';')[0]})") from None
+
+
+def _trl_history(path: Path, notes: list[str]) -> tuple[list[dict[str, Any]], int | None]:
+    """(the ``log_history`` entries that are objects, ``max_steps``) of a ``trainer_state.json``. A state
+    that is not an object or whose ``log_history`` is not a list is refused naming the file and field; an
+    entry that is not an object is skipped and counted in ``notes``."""
+    state = _read_json(path)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected a JSON object (a TRL trainer_state.json), got {type(state).__name__}")
+    history = state.get("log_history")
+    if not isinstance(history, list):
+        raise ValueError(f"{path}: field 'log_history' must be a list of log entries, got "
+                         f"{type(history).__name__}")
+    rows = [row for row in history if isinstance(row, dict)]
+    if len(rows) < len(history):
+        first = next(i for i, row in enumerate(history) if not isinstance(row, dict))
+        notes.append(f"{path.name}: skipped {len(history) - len(rows)} log_history entr(y/ies) that are not "
+                     f"objects (first: entry {first}, a {type(history[first]).__name__})")
+    max_steps = state.get("max_steps")
+    return rows, max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) else None
+
+
 def _read_trl_args(root: Path, config: dict[str, Any], notes: list[str]) -> None:
     """Settings from a ``training_args.json`` / ``config.json`` if the user saved one (TRL keeps
     ``training_args.bin``, a pickle, which is not read)."""
     for name in ("training_args.json", "grpo_config.json"):
         path = root / name
         if path.is_file():
-            args = json.loads(path.read_text())
-            config.update({"max_new_tokens": args.get("max_completion_length"),
-                           "group_size": args.get("num_generations"), "lr": args.get("learning_rate"),
-                           "warmup_steps": args.get("warmup_steps"),
-                           "steps": args.get("max_steps") or config.get("steps")})
+            try:
+                args = _read_json(path)
+            except ValueError as e:
+                notes.append(f"{e}: settings not read")
+                continue
+            if not isinstance(args, dict):
+                notes.append(f"{path}: expected a JSON object of training arguments, got {type(args).__name__}; "
+                             "settings not read")
+                continue
+            settings = {"max_new_tokens": "max_completion_length", "group_size": "num_generations",
+                        "lr": "learning_rate", "warmup_steps": "warmup_steps", "steps": "max_steps"}
+            for ours, theirs in settings.items():
+                value = args.get(theirs)
+                if value is not None and not _finite_number(value):
+                    notes.append(f"{path.name}: field {theirs!r} is not a finite number ({str(value)[:40]!r}); "
+                                 "not used")
+                    value = None
+                if value is not None or ours != "steps":
+                    config[ours] = value
             return
     notes.append("no training_args.json: max_completion_length, num_generations and the learning rate are unknown")
 
 
 # ---------------------------------------------------------------------- verl
+#: lines of a JSONL file read to recognise a verl log (a damaged first line does not hide it)
+VERL_PROBE_LINES = 20
+
+
+def _is_verl_line(line: str) -> bool:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, an integer over the int string limit, nested too deep
+        return False
+    body = obj.get("data", obj) if isinstance(obj, dict) else {}
+    return isinstance(body, dict) and any(str(k).split("/")[0] in ("critic", "actor", "response_length", "val-core")
+                                          for k in body)
+
+
 def _verl_jsonl(root: Path) -> list[Path]:
     files = [root] if root.is_file() else sorted(root.glob("*.jsonl"))
     out = []
     for path in files:
         with path.open(errors="replace") as fh:
-            first = next((ln for ln in fh if ln.strip()), "")
-        try:
-            obj = json.loads(first)
-        except json.JSONDecodeError:
-            continue
-        body = obj.get("data", obj) if isinstance(obj, dict) else {}
-        if isinstance(body, dict) and any(k.split("/")[0] in ("critic", "actor", "response_length", "val-core")
-                                          for k in body):
+            lines = [ln for _, ln in zip(range(VERL_PROBE_LINES), (ln for ln in fh if ln.strip()), strict=False)]
+        if any(_is_verl_line(ln) for ln in lines):
             out.append(path)
     return out
 
@@ -267,5 +327,6 @@ def load_run(root: str | Path, engine: str = "auto") -> RunRecords:
         raise ValueError(f"unknown engine {engine!r}; known: auto, {', '.join(loaders)}")
     rec = loaders[kind](path)
     if not rec.steps:
-        raise ValueError(f"{path}: no per-step metrics found ({kind} run)")
+        skipped = "; ".join(n for n in rec.notes if "skipped" in n)  # why nothing was left, when lines were bad
+        raise ValueError(f"{path}: no per-step metrics found ({kind} run{'; ' + skipped if skipped else ''})")
     return rec

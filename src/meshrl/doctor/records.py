@@ -24,7 +24,10 @@ def number(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int | float):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond the float range: its float is +-inf, as a long float literal's is
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str) and value.strip().lower() in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
         return float(value.strip().lower().replace("infinity", "inf"))
     return None
@@ -151,7 +154,7 @@ def load_meshrl(path: Path) -> RunRecords:
     notes: list[str] = []
     try:
         cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: bytes that are not UTF-8
         notes.append(f"config.yaml unreadable ({type(e).__name__})")
         cfg = {}
     steps = by_step(read_jsonl(path / "metrics.jsonl", notes))

@@ -116,6 +116,9 @@ def task_reward_func(task_spec: str, *, split: str = "train", seed: int = 0):
     by_id = {str(p.id): p for p in task.problems(split)}
 
     def correct(completions, query_id, **kwargs) -> list[float]:
+        if len(completions) != len(query_id):
+            raise ValueError(f"reward: {len(completions)} completions but {len(query_id)} query ids; the dataset's "
+                             "'query_id' column (from `meshrl export trl`) must give one id per completion")
         scores = []
         for completion, qid in zip(completions, query_id, strict=True):
             text = completion if isinstance(completion, str) else completion[0]["content"]

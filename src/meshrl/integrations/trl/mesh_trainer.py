@@ -31,6 +31,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 
 from meshrl.integrations.trl.options import MeshOptions, check_trl_version, trl_group_advantages
+from meshrl.integrations.trl.prompt_lengths import fitting_rows, subset
 from meshrl.mesh import load_prefixes, query_key, strategy_balance_row_weights, support_balance_row_weights
 
 log = logging.getLogger("meshrl")
@@ -64,7 +65,9 @@ class MeshGRPOTrainer(GRPOTrainer):
         mesh: :class:`MeshOptions` (m, placement, template, budget, adv_unit, mu, balance, subtract_ref, ...).
 
     Every problem of ``train_dataset`` must have ``m`` prefixes in the file, and ``args.num_generations``
-    must divide into the prefix groups; both are checked here, before any step. Metrics (``mesh/*``,
+    must divide into the prefix groups; both are checked here, before any step. Rows whose prompt with a
+    prefix does not fit the model's positions with ``max_completion_length`` are dropped here with a warning
+    and counted (``skipped/long_prompts``), as meshrl's trainer skips them (``prompt_lengths``). Metrics (``mesh/*``,
     ``rollouts/count``) carry the names of meshrl's trainer; ``mesh/grad_ratio`` is not logged (the
     balancing gradient shares TRL's backward).
     """
@@ -90,6 +93,8 @@ class MeshGRPOTrainer(GRPOTrainer):
         self.mesh_prefix_file = path
         prefixes_for_dataset(train_dataset, self.mesh_table, self.mesh.m, self.mesh.problem_column, path)
         super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
+        keep, self.mesh_too_long = fitting_rows(self, train_dataset)  # needs the tokenizer TRL resolved
+        self.train_dataset = subset(train_dataset, keep)
         self._mesh_correct_index = self._correct_reward_index()
         self._mesh_capture: list[torch.Tensor] | None = None
         self._mesh_rewards: torch.Tensor | None = None
@@ -202,7 +207,8 @@ class MeshGRPOTrainer(GRPOTrainer):
         all_strategies = gather(out["strategy_ids"])
         correct = (torch.nan_to_num(rewards[:, self._mesh_correct_index], nan=0.0) >= self.mesh.correct_threshold)
         correct = correct.to(all_strategies.device) & (all_strategies >= 0)  # the bare group is no strategy cell
-        metrics = {"rollouts/count": float(all_strategies.numel())}
+        metrics = {"rollouts/count": float(all_strategies.numel()),
+                   "skipped/long_prompts": float(len(self.mesh_too_long))}  # dataset rows too long for the model
         if self.mesh.mu > 0:
             metrics |= self._balance_weights(out, inputs, correct, gather(out["query_ids"]), all_strategies, local)
         for key, value in metrics.items():

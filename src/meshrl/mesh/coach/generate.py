@@ -74,13 +74,34 @@ def _read_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
         return []
     out = []
     for n, rec in iter_jsonl(path, what=what):
-        if "key" not in rec:
-            raise ValueError(f"{what} {path}, line {n}: not a record with a 'key'")
+        if not isinstance(rec.get("key"), str) or not rec["key"]:
+            raise ValueError(f"{what} {path}, line {n}: not a record with a 'key' string (the problem's hash), "
+                             f"got {_kind(rec.get('key'))}")
+        if what == "prefix file":
+            _check_prefix_record(rec, f"{what} {path}, line {n}")
         out.append(rec)
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):  # the partial last line of an interrupted append: write what is intact
         _rewrite(path, out)
     return out
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else type(value).__name__
+
+
+def _check_prefix_record(rec: dict[str, Any], where: str) -> None:
+    """``ValueError`` naming ``where`` (file and line) unless ``prefixes`` is a list of strings and ``names``,
+    when given, a list of strings (the record ``generate_prefixes`` writes)."""
+    for field, required in (("prefixes", True), ("names", False)):
+        value = rec.get(field)
+        if value is None and not required:
+            continue
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: '{field}' must be a list of strings, got {_kind(value)}")
+        bad = next((i for i, item in enumerate(value) if not isinstance(item, str)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: '{field}' item {bad} must be a string, got {_kind(value[bad])}")
 
 
 def _rewrite(path: Path, records: Sequence[dict[str, Any]]) -> None:
