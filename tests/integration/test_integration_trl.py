@@ -319,3 +319,13 @@ def test_two_processes_balance_gradient(world, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert "TWO-PROCESS OK" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_vllm_server_mode_on_a_cpu_is_refused_before_connecting(tmp_path):
+    """TRL's server mode syncs weights through vLLM's NCCL transfer, which needs CUDA (VLLMClient.init_communicator
+    refuses another device, after waiting for the server): MeshGRPOTrainer says so at once."""
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_mode="server",
+                      per_device_train_batch_size=8, num_generations=8, report_to=[])
+    with pytest.raises(ValueError, match=r"vllm_mode='server'\) needs CUDA.*use vllm_mode='colocate'"):
+        MeshGRPOTrainer("unused", lambda **_: [], args=args, train_dataset=Dataset.from_list([{"prompt": "x"}]),
+                        prefixes=tmp_path / "none.jsonl")

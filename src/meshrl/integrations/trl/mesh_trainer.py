@@ -80,6 +80,12 @@ class MeshGRPOTrainer(GRPOTrainer):
             raise ValueError(f"mesh must be a MeshOptions, got {type(self.mesh).__name__}")
         if args is None:
             raise ValueError("MeshGRPOTrainer needs args=GRPOConfig(...): num_generations sets the rollouts per query")
+        if getattr(args, "use_vllm", False) and args.vllm_mode == "server" and (args.use_cpu
+                                                                             or not torch.cuda.is_available()):
+            # TRL connects to the server first and fails only then, in VLLMClient.init_communicator.
+            raise ValueError("GRPOConfig(use_vllm=True, vllm_mode='server') needs CUDA: TRL syncs the weights into "
+                             "the server through vLLM's NCCL weight transfer; on a CPU use vllm_mode='colocate' "
+                             "(docs/scale-out.md)")
         self.mesh_group_size, self.mesh_strategies = self.mesh.layout(args.num_generations)
         if self.mesh.adv_unit == "prefix_group" and args.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError("mesh.adv_unit='prefix_group' recomputes TRL's 'sum_then_normalize' advantage; "
