@@ -65,3 +65,52 @@ def test_with_every_checkpoint_damaged_the_error_lists_them(run):
         _tamper(run / "checkpoints" / step, "flip")
     with pytest.raises(CheckpointError, match=r"no intact checkpoint.*step_000002.*step_000001"):
         load_policy(str(run))
+
+
+# ---------------------------------------------------------------------- nothing outside the run is followed
+@pytest.fixture()
+def other(tmp_path):
+    path = tmp_path / "other"
+    train(tiny_config("checkpoint.every=1", "seed=1", steps=2), path)
+    return path
+
+
+def _tree(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_step_linked_to_another_runs_checkpoint_is_never_used_or_deleted_through(tmp_path, other, caplog):
+    run = tmp_path / "mine"
+    train(tiny_config("checkpoint.every=1", steps=1), run)
+    theirs = _tree(other)
+    (run / "checkpoints" / "step_000002").symlink_to(other / "checkpoints" / "step_000002")
+    (run / "checkpoints" / "latest").write_text("step_000002")
+    with pytest.raises(CheckpointError, match=r"step_000002 is a symbolic link"):
+        load_policy(str(run / "checkpoints" / "step_000002"))
+    with caplog.at_level(logging.WARNING, logger="meshrl"):
+        assert load_policy(str(run))[2].endswith("@ step 1")  # the run's own checkpoint, not the linked one
+        history = train(tiny_config("checkpoint.every=1", steps=3), run, resume=True)
+    assert [m["step"] for m in history] == [2, 3]
+    assert "symbolic link" in caplog.text
+    assert not (run / "checkpoints" / "step_000002").is_symlink()  # replaced by this run's own step 2
+    assert _tree(other) == theirs  # nothing of the other run was read into this one, moved or deleted
+
+
+def test_a_stale_step_link_does_not_crash_a_fresh_run(tmp_path, other):
+    run = tmp_path / "fresh"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step_000001").symlink_to(tmp_path / "gone")  # dangling
+    (run / "checkpoints" / "step_000002").symlink_to(other / "checkpoints" / "step_000001")
+    theirs = _tree(other)
+    train(tiny_config(steps=1), run)
+    assert (run / "checkpoints" / "step_000001" / "state.json").is_file()
+    assert not (run / "checkpoints" / "step_000002").exists()
+    assert _tree(other) == theirs
+
+
+def test_a_checkpoint_file_linked_elsewhere_is_damaged(run, other):
+    weights = run / "checkpoints" / "step_000002" / "model.safetensors"
+    weights.unlink()
+    weights.symlink_to(other / "checkpoints" / "step_000002" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is a symbolic link"):
+        load_policy(str(run / "checkpoints" / "step_000002"))

@@ -106,11 +106,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------- directory listing
 def step_dirs(root: Path) -> list[Path]:
-    """Complete-looking checkpoint directories under ``root``, oldest first (by step number)."""
+    """Complete-looking checkpoint directories under ``root``, oldest first (by step number). Only real
+    directories: a ``step_N`` that is a symbolic link leads outside the run (:func:`remove_linked_steps`)."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)]
+    found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+
+
+def remove_entry(path: Path) -> None:
+    """Delete ``path``; a symbolic link is unlinked, never followed (what it names belongs to someone else)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_linked_steps(root: Path) -> list[str]:
+    """Unlink ``step_N`` entries of ``root`` that are symbolic links (to another run's checkpoint, or dangling):
+    a resume must not load them, nor a later save or prune write through them. What they point to is untouched."""
+    if not root.is_dir():
+        return []
+    links = sorted(p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_symlink())
+    for p in links:
+        log.warning("%s is a symbolic link (to %s), not a checkpoint of this run: removed the link, not what it "
+                    "names", p, os.readlink(p))
+        p.unlink()
+    return [p.name for p in links]
 
 
 def step_of(path: Path) -> int:
@@ -124,10 +146,7 @@ def remove_temporaries(root: Path) -> list[str]:
         return removed
     for p in root.iterdir():
         if p.name.startswith(TEMP_PREFIX):
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+            remove_entry(p)
             removed.append(p.name)
     if removed:
         log.warning("removed %d temporary file(s) left by an interrupted checkpoint save in %s: %s",
@@ -156,7 +175,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint to continue from: what ``latest`` names, else (with a warning) the newest ``step_*``
     with a ``state.json``; None when the run has none. Files are checked when loading, not here."""
     target = read_pointer(run_dir)
-    if target is not None and (target / "state.json").is_file():
+    if target is not None and not target.is_symlink() and (target / "state.json").is_file():
         return target
     candidates = [p for p in step_dirs(run_dir / "checkpoints") if (p / "state.json").is_file()]
     if target is not None:
@@ -261,21 +280,25 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
         return
     for p in step_dirs(root)[:-keep_last]:
         if p.name != keep:
-            shutil.rmtree(p, ignore_errors=True)
+            remove_entry(p)
 
 
 def remove_after(run_dir: Path, step: int) -> list[str]:
     """Delete checkpoints later than ``step`` (a resume from an earlier one abandons them with their records)."""
     gone = [p for p in step_dirs(run_dir / "checkpoints") if step_of(p) > step]
     for p in gone:
-        shutil.rmtree(p, ignore_errors=True)
+        remove_entry(p)
     return [p.name for p in gone]
 
 
 # ---------------------------------------------------------------------- checking and reading
 def checkpoint_problem(path: Path) -> str | None:
     """What is wrong with checkpoint ``path`` (naming the file), or None when every file checks out."""
+    if path.is_symlink():
+        return f"{path} is a symbolic link (to {os.readlink(path)}), not a checkpoint of this run"
     state_file = path / "state.json"
+    if state_file.is_symlink():
+        return f"{state_file} is a symbolic link; a checkpoint's files must be its own"
     if not state_file.is_file():
         return f"{state_file} is missing"
     try:
@@ -290,6 +313,8 @@ def checkpoint_problem(path: Path) -> str | None:
     recorded = state.get("files") or {}
     for name in DATA_FILES:
         f = path / name
+        if f.is_symlink():
+            return f"{f} is a symbolic link (to {os.readlink(f)}); a checkpoint's files must be its own"
         if not f.is_file():
             return f"{f} is missing"
         want = recorded.get(name)

@@ -10,7 +10,6 @@ its checkpoint (and a partial last line) and the checkpoints of the abandoned st
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import yaml
@@ -20,6 +19,8 @@ from meshrl.runs.checkpoint import (
     atomic_write_text,
     latest_checkpoint,
     remove_after,
+    remove_entry,
+    remove_linked_steps,
     remove_temporaries,
     step_dirs,
 )
@@ -90,6 +91,7 @@ def prepare_fresh(run_dir: Path) -> None:
     mark_run_dir(run_dir)
     root = run_dir / "checkpoints"
     remove_temporaries(root)
+    remove_linked_steps(root)
     _remove_record_temporaries(run_dir)
     last = latest_checkpoint(run_dir)  # refuses a pointer that leads outside the run directory
     if last is not None:
@@ -103,11 +105,7 @@ def prepare_fresh(run_dir: Path) -> None:
                     "nothing to resume, so the run starts again from step 0 and replaces them", run_dir,
                     ", ".join(stale))
         for name in stale:
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            remove_entry(run_dir / name)
 
 
 def prepare_resume(run_dir: Path) -> None:
@@ -117,6 +115,7 @@ def prepare_resume(run_dir: Path) -> None:
     check_is_ours(run_dir, "--resume")
     mark_run_dir(run_dir)
     remove_temporaries(run_dir / "checkpoints")
+    remove_linked_steps(run_dir / "checkpoints")
     _remove_record_temporaries(run_dir)
 
 
