@@ -114,3 +114,36 @@ def test_a_checkpoint_file_linked_elsewhere_is_damaged(run, other):
     weights.symlink_to(other / "checkpoints" / "step_000002" / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.safetensors is a symbolic link"):
         load_policy(str(run / "checkpoints" / "step_000002"))
+
+
+# ---------------------------------------------------------------------- state.json is validated, not trusted
+def _edit_state(step_dir, **fields):
+    import json
+
+    path = step_dir / "state.json"
+    state = json.loads(path.read_text())
+    state.update(fields)
+    path.write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"step": 1}, "field 'step' is 1 but the directory is step_000002"),
+    ({"step": True}, "field 'step' must be a non-negative integer, got True"),
+    ({"step": 10**30}, "field 'step' is"),
+    ({"files": ["model.safetensors"]}, "field 'files' must map file names"),
+    ({"files": "model.safetensors"}, "field 'files' must map file names"),
+    ({"files": {"model.safetensors": {"bytes": "12", "sha256": "x"}}}, "field 'files.model.safetensors'"),
+    ({"cursor": -3}, "field 'cursor' must be a non-negative integer, got -3"),
+])
+def test_a_bad_state_falls_back_to_the_previous_intact_checkpoint(run, fields, named, caplog):
+    _edit_state(run / "checkpoints" / "step_000002", **fields)
+    with caplog.at_level(logging.WARNING, logger="meshrl"):
+        history = train(tiny_config("checkpoint.every=1", steps=3), run, resume=True)
+    assert [m["step"] for m in history] == [2, 3]  # resumed from step 1, the newest intact checkpoint
+    assert "step_000002/state.json" in caplog.text and named in caplog.text
+
+
+def test_a_named_step_with_a_bad_state_is_refused_naming_file_and_field(run):
+    _edit_state(run / "checkpoints" / "step_000002", step=5)
+    with pytest.raises(CheckpointError, match=r"step_000002/state.json: field 'step' is 5 but the directory"):
+        load_policy(str(run / "checkpoints" / "step_000002"))

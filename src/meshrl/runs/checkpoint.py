@@ -307,9 +307,9 @@ def checkpoint_problem(path: Path) -> str | None:
         return f"{state_file} is not valid JSON ({e})"
     if not isinstance(state, dict):
         return f"{state_file} does not hold an object"
-    for key in ("step", "cursor"):
-        if not isinstance(state.get(key), int):
-            return f"{state_file} has no integer {key!r}"
+    problem = state_problem(state, path)
+    if problem is not None:
+        return f"{state_file}: {problem}"
     recorded = state.get("files") or {}
     for name in DATA_FILES:
         f = path / name
@@ -325,6 +325,37 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"{f} has {size} bytes, {want.get('bytes')} were written (truncated or replaced)"
         if _sha256(f) != want.get("sha256"):
             return f"{f} does not match the SHA-256 recorded when it was written (corrupt)"
+    return None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def state_problem(state: dict[str, Any], path: Path) -> str | None:
+    """What is wrong with the fields of checkpoint ``path``'s ``state.json`` (naming the field), or None.
+
+    Nothing in it is trusted unchecked: a resume continues at its ``step`` and deletes the checkpoints after it,
+    so ``step`` must be the directory's own number (a hand-edited 5 in ``step_000008`` would resume step-8 weights
+    as step 5 and delete intact checkpoints as abandoned); counters are non-negative integers (``true`` is a bool
+    in JSON, not 1); ``files`` maps each data file to its ``bytes`` and hex ``sha256``.
+    """
+    if not _is_count(state.get("step")):
+        return f"field 'step' must be a non-negative integer, got {state.get('step')!r}"
+    if STEP_DIR.fullmatch(path.name) and state["step"] != step_of(path):
+        return f"field 'step' is {state['step']} but the directory is {path.name}"
+    for key in ("cursor", "bad_in_row", "stalled_in_row"):
+        if (key in state or key == "cursor") and not _is_count(state.get(key)):
+            return f"field {key!r} must be a non-negative integer, got {state.get(key)!r}"
+    files = state.get("files")
+    if files is None:
+        return None  # written before checkpoints recorded their files: the loaders check them
+    if not isinstance(files, dict):
+        return f"field 'files' must map file names to their size and hash, got {type(files).__name__}"
+    for name, want in files.items():
+        if not (isinstance(want, dict) and _is_count(want.get("bytes")) and isinstance(want.get("sha256"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", want["sha256"])):
+            return f"field 'files.{name}' must be {{bytes: integer, sha256: 64 hex digits}}, got {want!r}"
     return None
 
 

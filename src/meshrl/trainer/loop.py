@@ -31,12 +31,13 @@ log = logging.getLogger("meshrl")
 
 
 # ---------------------------------------------------------------------- entry point
-def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> StepHistory:
+def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepHistory:
     """Run (or resume) training into ``run_dir``; return the metrics of the steps run now (a read-only sequence of
     dicts read back from ``metrics.jsonl``: :class:`meshrl.trainer.history.StepHistory`, constant memory).
 
     SIGTERM / Ctrl-C finish the step, save it and raise :class:`RunInterrupted`; see ``docs/reliability.md``.
     """
+    run_dir = Path(run_dir)
     (prepare_resume if resume else prepare_fresh)(run_dir)
     trainer = Trainer(cfg, run_dir)
     if resume:
