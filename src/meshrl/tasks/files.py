@@ -103,6 +103,11 @@ def _field_text(value: Any, where: str, field: str, *, required: bool = True) ->
     text = value if isinstance(value, str) else str(value)
     if not text.strip():
         raise ValueError(f"{where}: field {field!r} is empty")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON allows "\ud800"; no tokenizer (nor a UTF-8 record) takes it
+        raise ValueError(f"{where}: field {field!r} holds a lone surrogate {text[e.start]!r} at character {e.start} "
+                         "(an unpaired \\uD800-\\uDFFF escape), which is not text") from None
     return text
 
 
