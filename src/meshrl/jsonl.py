@@ -17,6 +17,7 @@ directory's record format.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -94,6 +95,19 @@ def _clean(v: Any) -> Any:
     return v
 
 
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(ValueError):
+    """A record or a small file could not be written because the disk (or quota) is full: one line for the CLI."""
+
+
+def disk_full(path: Path, err: OSError) -> DiskFullError:
+    return DiskFullError(f"cannot write {path}: {err.strerror or err} (disk full). Free some space, then continue "
+                         "the run with --resume (it continues from the last checkpoint; a run without one starts "
+                         "again)")
+
+
 class JsonlWriter:
     """Append-only JSONL file, flushed after every record so a crash loses nothing written."""
 
@@ -103,8 +117,13 @@ class JsonlWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         # One write call per record: a kill leaves at most one partial last line, which readers drop.
-        self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            self._f.flush()
+        except OSError as e:  # a partial last line may remain: readers drop it
+            if e.errno in DISK_FULL_ERRNOS:
+                raise disk_full(self.path, e) from e
+            raise
 
     def close(self) -> None:
         self._f.close()
@@ -112,15 +131,22 @@ class JsonlWriter:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to a temporary sibling, fsync it, rename it over ``path`` and fsync the directory."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.")
+    except OSError as e:
+        if e.errno in DISK_FULL_ERRNOS:
+            raise disk_full(path, e) from e
+        raise
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            raise disk_full(path, e) from e
         raise
     fsync_dir(path.parent)
 

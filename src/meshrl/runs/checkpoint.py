@@ -205,10 +205,13 @@ def _is_space_error(err: BaseException) -> bool:
 def _space_error(root: Path, step: int, needed: int, err: BaseException | None) -> CheckpointSpaceError:
     free = shutil.disk_usage(root).free
     why = f" ({err})" if err is not None else ""
+    earlier = [p.name for p in step_dirs(root) if step_of(p) < step]
+    then = (f"the last checkpoint ({earlier[-1]}) is intact. Free some space and continue with --resume"
+            if earlier else "this was the run's first checkpoint, so there is nothing to resume: free some space "
+            "and start the run again")
     return CheckpointSpaceError(
         f"checkpoint step {step}: not enough disk space in {root}: it needs about {needed / 2**20:.1f} MiB, "
-        f"{free / 2**20:.1f} MiB are free{why}; the partial files were removed and the last checkpoint is "
-        f"intact. Free some space and continue with --resume")
+        f"{free / 2**20:.1f} MiB are free{why}; the partial files were removed and {then}")
 
 
 def _write_files(tmp: Path, step: int, model, optimizer, state: dict[str, Any], rng: dict[str, Any]) -> None:
