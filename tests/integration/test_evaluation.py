@@ -58,6 +58,7 @@ def test_resume_gives_the_same_samples(tmp_path, monkeypatch):
     part = tmp_path / "part"
     part.mkdir()
     (part / "eval_samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:9]))
+    (part / "eval_provenance.json").write_text((tmp_path / "full" / "eval_provenance.json").read_text())
     resumed = run_eval(cfg, part, progress=False)
     assert resumed["overall"] == full["overall"]
     key = lambda r: (r["problem_id"], r["sample"])  # noqa: E731

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshrl.jsonl import JsonlWriter, read_jsonl
+import torch
+
+from meshrl.jsonl import JsonlWriter, atomic_write_text, read_jsonl
 from meshrl.progress import progress_bar
 from meshrl.runs.correct import is_correct
 from meshrl.trainer import PromptBudget, context_limit
@@ -132,9 +134,12 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
         fields = sorted({k for p in problems for k in p.meta})
         raise ValueError(f"--by {cfg.by}: no problem of {cfg.data} has this field; fields: {', '.join(fields)}")
     samples_path = out_dir / "eval_samples.jsonl"
+    model, tok, desc = load_policy(cfg.model, seed=cfg.seed)
+    provenance = eval_provenance(cfg, model)
+    check_provenance(out_dir, provenance)
     done_rows = _valid_rows(samples_path, cfg)
     done_ids = {r["problem_id"] for r in done_rows}
-    model, tok, desc = load_policy(cfg.model, seed=cfg.seed)
+    atomic_write_text(out_dir / PROVENANCE, json.dumps(provenance, indent=1) + "\n")
     budget = PromptBudget(context_limit(model, tok), cfg.max_new_tokens, "--max-new-tokens")
     backend = make_backend(cfg.backend, model, tok, batch_size=cfg.chunk_size * cfg.n)
     runner = RewardRunner(task.score, timeout_s=scorer_time_limit(10.0, task))
@@ -178,7 +183,8 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                          f"with --max-new-tokens {cfg.max_new_tokens}); nothing was evaluated")
     wanted = {p.id for p in problems} - set(budget.too_long)
     summary = summarize([r for r in done_rows if r["problem_id"] in wanted], cfg.ks, cfg.by)
-    summary.update({"config": asdict(cfg), "model_loaded": desc, "reward_stats": runner.pop_stats(),
+    summary.update({"config": asdict(cfg), "model_loaded": desc, "provenance": provenance,
+                    "reward_stats": runner.pop_stats(),
                     "reward_kind": task.reward_kind, "instruction": task.instruction,
                     "skipped_long_prompts": dict(budget.too_long), "seconds": time.perf_counter() - t0})
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=1))
@@ -238,5 +244,55 @@ def _valid_rows(path: Path, cfg: EvalConfig) -> list[dict[str, Any]]:
     for r in rows:
         count[r["problem_id"]] += 1
     keep = [r for r in rows if count[r["problem_id"]] == cfg.n]
-    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    if len(keep) != len(rows):  # atomic: a kill inside the rewrite leaves the old file, never a short one
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
     return keep
+
+
+PROVENANCE = "eval_provenance.json"
+# What decides the samples (chunk_size too: a chunk's sampling seed is its index); not --limit, --k or --by.
+SAMPLING_FIELDS = ("data", "split", "n", "max_new_tokens", "temperature", "top_p", "seed", "chunk_size", "backend",
+                   "kind")
+
+
+def weights_sha256(model: Any) -> str:
+    """SHA-256 over the model's tensors (names, dtypes, shapes and bytes, in name order): which weights these are,
+    whatever file or spec they came from (about 1 s per 500 MB)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def eval_provenance(cfg: EvalConfig, model: Any) -> dict[str, Any]:
+    """What produced an OUT's samples: the weights' hash and the settings that decide the samples."""
+    return {"weights_sha256": weights_sha256(model), "model": cfg.model,
+            **{k: getattr(cfg, k) for k in SAMPLING_FIELDS}}
+
+
+def check_provenance(out_dir: Path, provenance: dict[str, Any]) -> None:
+    """Refuse to reuse samples in ``out_dir`` that another evaluation (other weights or settings) produced, or
+    that carry no record of what produced them; a one-line error that says how to start fresh."""
+    samples = out_dir / "eval_samples.jsonl"
+    if not samples.is_file() or not samples.read_bytes().strip():
+        return
+    fresh = f"choose another --out, or delete {samples} to start this evaluation afresh"
+    path = out_dir / PROVENANCE
+    try:
+        recorded = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--out {out_dir} holds samples without a record of what produced them ({path} is "
+                         f"missing: an older meshrl, or not an evaluation of this one); {fresh}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is unreadable ({e}); {fresh}") from None
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{path} does not hold an object; {fresh}")
+    differ = [k for k in provenance if k != "model" and recorded.get(k) != provenance[k]]
+    if differ:
+        shown = "; ".join(f"{k} {recorded.get(k)!r} there, {provenance[k]!r} now" for k in differ[:4])
+        what = "another model's weights" if "weights_sha256" in differ else "other settings"
+        raise ValueError(f"--out {out_dir} holds samples of {what} ({shown}); {fresh}")
