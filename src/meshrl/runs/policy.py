@@ -10,7 +10,7 @@ from meshrl.runs.checkpoint import latest_checkpoint, load_named_checkpoint, res
 
 def read_run_config(run_dir: str | Path) -> Any:
     """The validated :class:`meshrl.trainer.RunConfig` a run recorded in ``RUN_DIR/config.yaml``."""
-    from meshrl.trainer import load_config
+    from meshrl.trainer import load_config  # at call time: the trainer imports meshrl.runs (a cycle at import)
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
