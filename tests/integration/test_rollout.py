@@ -304,7 +304,17 @@ class _FakeVLLM:
         return SimpleNamespace(outputs=outs)
 
 
-def test_vllm_glue_with_fake_engine(tmp_path, monkeypatch):
+@pytest.fixture()
+def fork_flag(monkeypatch):
+    """Building even a stand-in engine turns forking off for the process (forkpool.forbid_fork): keep that to
+    the test, so that later tests in this process still get their worker processes."""
+    from meshrl import forkpool
+
+    monkeypatch.setattr(forkpool, "_FORK_UNSAFE", [])
+    return forkpool
+
+
+def test_vllm_glue_with_fake_engine(tmp_path, monkeypatch, fork_flag):
     model, tok = load_model("tiny", seed=0)
     fake = _FakeVLLM(tok.eos_token_id)
     monkeypatch.setitem(sys.modules, "vllm", fake)
@@ -312,6 +322,7 @@ def test_vllm_glue_with_fake_engine(tmp_path, monkeypatch):
         is_cpu=lambda: False)))
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     backend = make_backend("vllm", model, tok, work_dir=tmp_path, max_model_len=256)
+    assert not fork_flag.fork_available()  # nothing is forked beside an engine's threads
     engine = fake.engines[0]
     assert engine.kw == {"dtype": "bfloat16", "logprobs_mode": "processed_logprobs", "max_model_len": 256,
                          "gpu_memory_utilization": 0.3}
@@ -332,7 +343,7 @@ def test_vllm_glue_with_fake_engine(tmp_path, monkeypatch):
     backend.close()
 
 
-def test_vllm_without_worker_reload_falls_back_to_rebuilding(tmp_path, monkeypatch):
+def test_vllm_without_worker_reload_falls_back_to_rebuilding(tmp_path, monkeypatch, fork_flag):
     model, tok = load_model("tiny", seed=0)
     fake = _FakeVLLM(tok.eos_token_id, reloads=False)
     monkeypatch.setitem(sys.modules, "vllm", fake)
