@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,21 +109,26 @@ def disk_full(path: Path, err: OSError) -> DiskFullError:
 
 
 class JsonlWriter:
-    """Append-only JSONL file, flushed after every record so a crash loses nothing written."""
+    """Append-only JSONL file, flushed after every record so a crash loses nothing written. ``listeners`` are
+    called with each record as it reads back from its line (e.g. the live run-health monitor)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._f = path.open("a")
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def write(self, record: dict[str, Any]) -> None:
         # One write call per record: a kill leaves at most one partial last line, which readers drop.
+        line = json.dumps({k: _clean(v) for k, v in record.items()})
         try:
-            self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+            self._f.write(line + "\n")
             self._f.flush()
         except OSError as e:  # a partial last line may remain: readers drop it
             if e.errno in DISK_FULL_ERRNOS:
                 raise disk_full(self.path, e) from e
             raise
+        for listener in self.listeners:
+            listener(json.loads(line))
 
     def close(self) -> None:
         self._f.close()

@@ -136,6 +136,18 @@ class FailureConfig:
 
 
 @dataclass
+class HealthConfig:
+    every: int = setting(0, ge=0, help="run meshrl doctor's checks on the run's records every this many steps (0 = "
+                                       "off); findings go to events.jsonl (docs/doctor.md, 'During training')")
+    on: dict[str, str] = setting(factory=dict, help="action per finding id or severity (alarm, warning, info): "
+                                                    "ignore, warn, checkpoint, stop; e.g. health.on.alarm=stop. "
+                                                    "Unnamed: alarm and warning warn, info is ignored")
+    thresholds: dict[str, Any] = setting(factory=dict, help="the doctor's thresholds overridden by name "
+                                                            "(meshrl.doctor.Thresholds), e.g. "
+                                                            "health.thresholds.kl_max=0.5")
+
+
+@dataclass
 class MeshConfig:
     """Coach Prompting + Strategy-Balancing (recipes ``mesh`` and ``cp_only``; docs/method.md §1.3)."""
 
@@ -236,6 +248,7 @@ class RunConfig:
     mesh: MeshConfig = section(MeshConfig, "Mesh Learning (recipes mesh and cp_only; docs/mesh.md)")
     eval: EvalDuringTrainConfig = section(EvalDuringTrainConfig, "held-out evaluation during training")
     diag: DiagConfig = section(DiagConfig, "diagnostics during training")
+    health: HealthConfig = section(HealthConfig, "meshrl doctor's checks during training (docs/doctor.md)")
     plugins: PluginsConfig = section(PluginsConfig, "the reading list's techniques (docs/plugins.md)")
 
     @property
@@ -293,8 +306,19 @@ class RunConfig:
             raise ValueError(f"invalid config value(s): {', '.join(f'{k}={v!r}' for k, v, _ in bad)}"
                              f" (allowed: {'; '.join(f'{k} {a}' for k, _, a in bad)})")
         self._validate_mesh()
+        self._validate_health()
         validate_plugins(self.plugins, self.resolved_recipe().policy_loss, self)
         return self
+
+    def _validate_health(self) -> None:
+        from meshrl.doctor import DEFAULT
+        from meshrl.doctor.live import check_actions
+
+        check_actions(self.health.on)
+        try:
+            DEFAULT.with_overrides(self.health.thresholds)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"health.thresholds: {e}") from None
 
     def _validate_mesh(self) -> None:
         m = self.mesh

@@ -11,7 +11,7 @@ Two ways a run goes on computing without learning anything:
   scored alike) have a zero gradient by construction and neither count nor reset the tally.
 
 Whatever stops a run, :func:`record_stop` writes an ``events.jsonl`` record and, when the trainer holds the
-state of a step boundary, a checkpoint of it.
+state of a step boundary, a checkpoint of it (not after :class:`HealthStop`: that state is the unhealthy one).
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ class NonFiniteAbort(RuntimeError):
 
 class StalledRun(RuntimeError):
     """Raised after ``failure.max_stalled`` consecutive steps with a zero gradient and non-zero advantages."""
+
+
+class HealthStop(RuntimeError):
+    """Raised when a finding of the live run-health checks asks for ``stop`` (``health.on``): the run ends at the
+    last healthy checkpoint, the state of the unhealthy step is not saved."""
 
 
 class RunHealth:
@@ -83,6 +88,8 @@ def event_kind(err: BaseException) -> str:
         return "nonfinite_abort"
     if isinstance(err, StalledRun):
         return "stalled"
+    if isinstance(err, HealthStop):
+        return "health_stop"
     return "error"
 
 
@@ -93,6 +100,8 @@ def record_stop(trainer, events, err: BaseException, stops) -> Path | None:
     path = None
     if isinstance(err, CheckpointError):  # the save itself failed; the last checkpoint stands
         log.error("%s", err)
+    elif isinstance(err, HealthStop):  # the step's state is the unhealthy one: the last healthy checkpoint stands
+        path = trainer.saved_path()
     elif trainer.dirty:
         log.warning("stopped in the middle of step %d: that state is no step boundary, so it is not saved; "
                     "a resume continues from the last checkpoint (step %s)", trainer.step_idx + 1,

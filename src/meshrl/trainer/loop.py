@@ -2,8 +2,8 @@
 
 The step itself is :class:`meshrl.trainer.step.Trainer` (read it first); this module is what turns steps into a
 run directory: ``metrics.jsonl``, ``samples.jsonl``, ``events.jsonl``, ``evals.jsonl``, checkpoints every
-``checkpoint.every`` steps, and on SIGTERM / Ctrl-C a finished step saved before the run stops
-(``docs/reliability.md``).
+``checkpoint.every`` steps, the doctor's checks every ``health.every`` steps (:mod:`meshrl.trainer.live_health`),
+and on SIGTERM / Ctrl-C a finished step saved before the run stops (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from meshrl.runs.run_dir import prepare_fresh, prepare_resume, rewind_records, w
 from meshrl.trainer.config import RunConfig, config_record
 from meshrl.trainer.failure import NonFiniteAbort, StalledRun, record_stop
 from meshrl.trainer.history import StepHistory
+from meshrl.trainer.live_health import LiveHealth
 from meshrl.trainer.periodic_eval import write_summary
 from meshrl.trainer.signals import RunInterrupted, StopRequests
 from meshrl.trainer.step import Trainer
@@ -43,8 +44,10 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
     if resume:
         trainer.restore()
         rewind_records(run_dir, trainer.step_idx)
-    write_config(config_record(cfg, trainer.task), run_dir)
+    record = config_record(cfg, trainer.task)
+    write_config(record, run_dir)
     writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events", "evals")}
+    health = LiveHealth(cfg, run_dir, record, writers) if cfg.health.every else None
     trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
     history = StepHistory(run_dir / "metrics.jsonl", trainer.step_idx)
     with StopRequests() as stops:
@@ -56,6 +59,9 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
                     failure = trainer.health.verdict(metrics, trainer.bad_in_row, run_dir)
                     if failure is not None:
                         raise failure
+                    if health is not None:
+                        with stops.critical():
+                            health.after_step(trainer, writers["events"])
                     if trainer.step_idx % cfg.checkpoint.every == 0 or trainer.step_idx == cfg.steps:
                         with stops.critical():
                             trainer.save()

@@ -211,6 +211,13 @@ class Trainer:
         self.saved_step = self.step_idx
         return path
 
+    def saved_path(self) -> Path | None:
+        """The checkpoint this run last wrote or resumed from (None if it has none)."""
+        if self.saved_step is None:
+            return None
+        path = self.run_dir / "checkpoints" / f"step_{self.saved_step:06d}"
+        return path if path.is_dir() else None
+
     def restore(self) -> None:
         from meshrl.runs.checkpoint import restore_checkpoint
 
