@@ -11,7 +11,8 @@ import pytest
 
 from meshrl.cli import main as cli_main
 from meshrl.doctor import diagnose_records
-from meshrl.doctor.live import FINDING_EVENT, json_ready, truncate_records
+from meshrl.doctor.diagnose import json_safe
+from meshrl.doctor.live import FINDING_EVENT, truncate_records
 from meshrl.doctor.records import load_meshrl
 from meshrl.jsonl import read_jsonl
 from meshrl.trainer import HealthStop, load_config, train
@@ -48,7 +49,7 @@ def test_the_live_verdict_at_each_step_is_the_doctors_on_the_records_cut_there(t
             if (t, f.id) in raised:  # the record of a newly raised finding is the doctor's finding
                 e = raised[(t, f.id)]
                 assert (e["what"], e["knob"], e["severity"], e["steps"]) == (f.what, f.knob, f.severity, f.steps)
-                assert e["evidence"] == json.loads(json.dumps(json_ready(f.evidence)))
+                assert e["evidence"] == json.loads(json.dumps(json_safe(f.evidence)))
         seen_ids |= set(check["findings"])
     assert "update_blowup" in seen_ids  # the run does go wrong, and the check says so
     # the verdict needs the future to be left out: the finished run's verdict differs from an early one

@@ -67,19 +67,19 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite floats become the strings "nan" / "inf" (JSON has neither)."""
-        return _json_safe({"path": str(self.path), "engine": self.engine, "steps_logged": self.steps_logged,
+        return json_safe({"path": str(self.path), "engine": self.engine, "steps_logged": self.steps_logged,
                            "findings": [f.to_dict() for f in self.findings],
                            "unchecked": [u.to_dict() for u in self.unchecked], "passed": self.passed,
                            "notes": self.notes, "metric_mapping": self.mapping})
 
 
-def _json_safe(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 

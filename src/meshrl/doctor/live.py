@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshrl.doctor.diagnose import CHECKS, Diagnosis, diagnose_records
+from meshrl.doctor.diagnose import CHECKS, Diagnosis, diagnose_records, json_safe
 from meshrl.doctor.findings import SEVERITIES, Finding
 from meshrl.doctor.records import RunRecords, by_step
 from meshrl.doctor.thresholds import DEFAULT, Thresholds
@@ -119,20 +119,9 @@ class HealthReport:
         """Records for events.jsonl: one per raised finding (its whole evidence), one per cleared id."""
         out = [{"step": self.step, "event": FINDING_EVENT, "finding": f.id, "severity": f.severity,
                 "action": a, "what": f.what, "knob": f.knob, "steps": f.steps, "confidence": f.confidence,
-                "evidence": json_ready(f.evidence)} for f, a in self.raised]
+                "evidence": json_safe(f.evidence)} for f, a in self.raised]
         out += [{"step": self.step, "event": CLEARED_EVENT, "finding": fid} for fid in self.cleared]
         return out
-
-
-def json_ready(x: Any) -> Any:
-    """JSON-ready evidence: non-finite floats as strings (as the writers keep them)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {str(k): json_ready(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [json_ready(v) for v in x]
-    return x
 
 
 def open_findings(events: list[dict[str, Any]]) -> set[str]:
