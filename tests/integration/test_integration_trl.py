@@ -299,7 +299,10 @@ def test_mei_callback_matches_diagnostics_and_stops(world, tmp_path):
     by_query = [phi[i:i + 8] for i in (0, 8)]
     mei = [float(f.sum(0).square().sum() / f.square().sum()) for f in by_query]
     assert cb.last["mei/query"] == pytest.approx(sum(mei) / 2, rel=1e-5)
-    assert cb.last["mei/effective_dirs"] == pytest.approx(sum(8 / x for x in mei) / 2, rel=1e-5)
+    assert cb.last["mei/g_over_mei"] == pytest.approx(sum(8 / x for x in mei) / 2, rel=1e-5)
+    grams = [f @ f.T for f in by_query]  # effective directions: tr^2 / ||Gram||_F^2 per query, at most G
+    pr = [float(g.trace() ** 2 / g.square().sum()) for g in grams]
+    assert cb.last["mei/directions"] == pytest.approx(sum(pr) / 2, rel=1e-5) and 1 <= cb.last["mei/directions"] <= 8
     assert cb.above == 1 and not cb.warned and "mei/prefix_group" not in cb.last
 
     cb.above, cb.checks, cb.first_cross = 0, 0, None

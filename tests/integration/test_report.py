@@ -237,10 +237,10 @@ def test_a_failing_doctor_costs_the_diagnosis_not_the_report(inputs: dict[str, P
 
 def test_effective_directions_plot_says_which_reading_it_shows(inputs: dict[str, Path], tmp_path: Path) -> None:
     (run,), _ = load_inputs([inputs["grpo"]])
-    assert run.has("mei/effective_dirs_median") and run.has("mei/effective_dirs_of_mean")
+    assert run.has("mei/directions") and run.has("mei/g_over_mei")
     text = build_report([inputs["grpo"]], tmp_path / "rep").read_text()
-    assert "median over queries of G / MEI (mei/effective_dirs_median)" in text
-    assert "G / mean MEI (mei/effective_dirs_of_mean)" in text
+    assert "mean over queries of the effective directions (mei/directions" in text
+    assert "G / MEI" not in text.split("Effective directions", 1)[1].split("</figure>", 1)[0]
 
 
 CHROMIUM = Path("/usr/bin/chromium")

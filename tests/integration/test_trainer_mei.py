@@ -22,9 +22,11 @@ def test_grpo_run_logs_mei_every_step(tmp_path):
     for m in hist:
         assert m["mei/feature"] == "bias"
         assert 0.0 <= m["mei/query"] <= 8.0
-        assert m["mei/effective_dirs"] == pytest.approx(m["mei/bias/query_effective_dirs"])
+        assert m["mei/g_over_mei"] == pytest.approx(m["mei/bias/query_g_over_mei"])
+        assert m["mei/directions"] == pytest.approx(m["mei/bias/query_directions"])
+        assert 1.0 <= m["mei/directions"] <= 8.0  # a count of directions among G = 8 rollouts
     rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")
-    assert all("mei/query" in r and "mei/effective_dirs" in r for r in rows)
+    assert all("mei/query" in r and "mei/directions" in r for r in rows)
 
 
 def test_in_loop_mei_equals_an_independent_forward(tmp_path):

@@ -43,7 +43,8 @@ def test_mei_orthogonal_identical_and_clusters(gen):
         feats = orthonormal(c, 32, gen).repeat_interleave(G // c, dim=0)
         r = group_mei(feats, [0] * G)
         assert r["mei"][0].item() == pytest.approx(G / c)
-        assert r["effective_dirs"][0].item() == pytest.approx(c)
+        assert r["g_over_mei"][0].item() == pytest.approx(c)
+        assert r["directions"][0].item() == pytest.approx(c)
         assert r["mean_cos"][0].item() == pytest.approx((G // c - 1) / (G - 1), abs=1e-12)
         # equal norms: the approximation (MEI-1)/(G-1) is the exact mean cosine
         assert r["approx_cos"][0].item() == pytest.approx(r["mean_cos"][0].item(), abs=1e-12)
@@ -102,10 +103,12 @@ def test_mei_metrics_scales_mesh_layout(gen):
     out = mei_metrics(feats, q, p, feature="bias")
     assert out[mei_key("bias", "query")] == pytest.approx((16 + 4) / 2)
     assert out["mei/bias/query_max"] == pytest.approx(16)
-    assert out["mei/bias/query_effective_dirs"] == pytest.approx((1 + 4) / 2)
+    assert out["mei/bias/query_g_over_mei"] == pytest.approx((1 + 4) / 2)
+    assert out["mei/bias/query_directions"] == pytest.approx((1 + 4) / 2)
     assert out["mei/bias/query_group_size"] == 16 and out["mei/bias/query_n_groups"] == 2
     assert out["mei/bias/prefix_group"] == pytest.approx(4) and out["mei/bias/prefix_group_n_groups"] == 8
-    assert out["mei/bias/prefix_group_effective_dirs"] == pytest.approx(1)
+    assert out["mei/bias/prefix_group_g_over_mei"] == pytest.approx(1)
+    assert out["mei/bias/prefix_group_directions"] == pytest.approx(1)
     assert all(k.startswith("mei/bias/") for k in out) and all(isinstance(v, float) for v in out.values())
     gram_out = mei_metrics(gram_matrix(feats), q.tolist(), p.tolist(), feature="head", is_gram=True)
     assert gram_out["mei/head/query"] == pytest.approx(out["mei/bias/query"])

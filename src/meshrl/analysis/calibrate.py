@@ -94,10 +94,11 @@ def calibrate_mei(
     Returns:
         dict ``{mean, std, n, threshold, sigmas, std_ddof, group_size, feature, temperature, top_p,
         max_new_tokens, model, model_description, task, split, seed, n_queries, n_nan, proj_dim,
-        effective_dirs_mean, per_query: [{problem_id, mei, effective_dirs, mean_cos, mean_len,
-        truncated_frac}]}``; ``n`` counts queries with a finite MEI.
+        directions_mean, g_over_mei_mean, per_query: [{problem_id, mei, directions, g_over_mei, mean_cos,
+        mean_len, truncated_frac}]}``; ``n`` counts queries with a finite MEI; ``directions`` is the effective
+        number of directions (participation ratio, at most G), ``g_over_mei`` the paper's G/MEI.
     """
-    from meshrl.diagnostics import mean_pairwise_cosine, mei_from_gram
+    from meshrl.diagnostics import mean_pairwise_cosine, mei_from_gram, participation_ratio
     from meshrl.models import encode_prompt
     from meshrl.rollout import SamplingParams, eos_ids, make_backend
     from meshrl.tasks import load_task
@@ -127,7 +128,8 @@ def calibrate_mei(
                 per_query.append({
                     "problem_id": problem.id,
                     "mei": mei,
-                    "effective_dirs": group_size / mei if mei > 0 else math.nan,
+                    "directions": participation_ratio(gram),
+                    "g_over_mei": group_size / mei if mei > 0 else math.nan,
                     "mean_cos": mean_pairwise_cosine(gram),
                     "mean_len": sum(len(r) for r in responses) / len(responses),
                     "truncated_frac": sum(ro.truncated[i] for i in rows) / len(rows),
@@ -136,7 +138,8 @@ def calibrate_mei(
     mean, std, n = finite_stats([q["mei"] for q in per_query], ddof=STD_DDOF)
     if n < 2:
         raise ValueError(f"only {n} of {n_queries} queries gave a finite MEI; cannot calibrate")
-    eff_mean, _, _ = finite_stats([q["effective_dirs"] for q in per_query])
+    dirs_mean, _, _ = finite_stats([q["directions"] for q in per_query])
+    g_over_mean, _, _ = finite_stats([q["g_over_mei"] for q in per_query])
     return {
         "mean": mean,
         "std": std,
@@ -157,6 +160,7 @@ def calibrate_mei(
         "seed": seed,
         "n_queries": n_queries,
         "n_nan": n_queries - n,
-        "effective_dirs_mean": eff_mean,
+        "directions_mean": dirs_mean,
+        "g_over_mei_mean": g_over_mean,
         "per_query": per_query,
     }

@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
                            proj_dim=args.proj_dim, device=args.device, progress=not args.no_progress)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(nan_to_none(result), indent=1) + "\n")
-    keys = ("threshold", "mean", "std", "n", "group_size", "feature", "temperature", "effective_dirs_mean")
+    keys = ("threshold", "mean", "std", "n", "group_size", "feature", "temperature", "directions_mean",
+            "g_over_mei_mean")
     print(json.dumps(nan_to_none({**{k: result[k] for k in keys}, "out": str(args.out)}), indent=1))
     return 0

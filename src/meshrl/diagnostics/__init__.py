@@ -33,6 +33,7 @@ from meshrl.diagnostics.mei import (
     mei_from_gram,
     mei_key,
     mei_metrics,
+    participation_ratio,
 )
 
 __all__ = [
@@ -53,5 +54,6 @@ __all__ = [
     "mei_from_gram",
     "mei_key",
     "mei_metrics",
+    "participation_ratio",
     "strategy_masses",
 ]

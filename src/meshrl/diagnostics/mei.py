@@ -6,8 +6,14 @@ Formula (docs/method.md §1.2; the Mesh Learning paper, §2.3)::
 
 over the G rollouts of one group. Range [0, G] (Cauchy-Schwarz): G mutually orthogonal features give 1,
 G identical ones give G, c equal-sized mutually orthogonal clusters of identical features give G / c,
-hence **effective directions = G / MEI** (a reading of the cluster model, meaningful for MEI in
-[1, G]; it exceeds G when the features are anti-correlated, MEI < 1, and is NaN at MEI = 0).
+hence the paper's reading **G / MEI** as a count of directions (logged as ``g_over_mei``: meaningful for MEI in
+[1, G] only; it exceeds G when the features are anti-correlated, MEI < 1, and is NaN at MEI = 0).
+
+**Effective directions** (``directions``) is a count that is always one: the participation ratio of the Gram
+matrix's spectrum, ``(sum_k lambda_k)^2 / sum_k lambda_k^2 = tr(Phi)^2 / ||Phi||_F^2`` (Phi is symmetric, so the
+squared eigenvalues sum to its squared Frobenius norm). It lies in [1, rank Phi] <= G, equals c for c equal-sized
+orthogonal clusters (as G / MEI does), 1 for G copies of one direction whatever their signs (phi and -phi span
+one direction; G / MEI is NaN there), and G only for G orthogonal features of equal norms.
 Since ``MEI = 1 + sum_{i != j} Phi_ij / tr(Phi)``, ``(MEI - 1) / (G - 1)`` is the mean pairwise cosine
 when all norms are equal (and a norm-weighted mean of the pairwise inner products otherwise); the
 exact mean pairwise cosine comes from the Gram matrix.
@@ -39,8 +45,8 @@ FEATURE_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 #: Groupings reported by :func:`mei_metrics`.
 SCOPES = ("query", "prefix_group")
 #: Statistic suffixes of the metric keys (``""`` is the mean MEI itself).
-STATS = ("", "effective_dirs", "effective_dirs_median", "dirs_of_mean", "mean_cos", "approx_cos", "max",
-         "group_size", "n_groups")
+STATS = ("", "directions", "directions_median", "g_over_mei", "g_over_mei_median", "g_over_mei_of_mean",
+         "mean_cos", "approx_cos", "max", "group_size", "n_groups")
 
 GroupIds = Sequence[Hashable] | torch.Tensor
 
@@ -94,13 +100,20 @@ def mean_pairwise_cosine(gram: torch.Tensor) -> float:
     return float(off) / (n * (n - 1))
 
 
-def _group_stats(gram: torch.Tensor) -> tuple[float, float, float, float]:
-    """(MEI, effective directions G/MEI, exact mean cosine, approximate cosine (MEI-1)/(G-1))."""
+def participation_ratio(gram: torch.Tensor) -> float:
+    """Effective directions of one group: ``tr(Phi)^2 / ||Phi||_F^2``, in [1, rank Phi] (NaN if the trace is 0)."""
+    g = _check_gram(gram)
+    tr = float(torch.diagonal(g).sum())
+    return tr * tr / float((g * g).sum()) if tr > 0 else math.nan
+
+
+def _group_stats(gram: torch.Tensor) -> tuple[float, float, float, float, float]:
+    """(MEI, G/MEI, exact mean cosine, approximate cosine (MEI-1)/(G-1), effective directions)."""
     G = gram.shape[0]
     mei = mei_from_gram(gram)
-    eff = G / mei if mei > 0 else math.nan
+    g_over = G / mei if mei > 0 else math.nan
     approx = (mei - 1.0) / (G - 1) if G >= 2 else math.nan
-    return mei, eff, mean_pairwise_cosine(gram), approx
+    return mei, g_over, mean_pairwise_cosine(gram), approx, participation_ratio(gram)
 
 
 def _nanmean(x: torch.Tensor) -> float:
@@ -128,9 +141,9 @@ def group_mei(features_or_gram: torch.Tensor, group_ids: GroupIds, *, is_gram: b
     Returns:
         dict with per-group entries (index ``g`` follows first appearance in ``group_ids``)
         ``labels`` (list), ``size`` (LongTensor ``[n]``) and float64 tensors ``[n]``
-        ``mei``, ``effective_dirs``, ``mean_cos``, ``approx_cos``; and batch means (floats, NaN groups
-        ignored) ``mei_mean``, ``effective_dirs_mean``, ``mean_cos_mean``, ``approx_cos_mean``,
-        plus ``mei_max``.
+        ``mei``, ``g_over_mei``, ``mean_cos``, ``approx_cos``, ``directions``; and batch means (floats, NaN
+        groups ignored) ``mei_mean``, ``g_over_mei_mean``, ``mean_cos_mean``, ``approx_cos_mean``,
+        ``directions_mean``, plus ``mei_max``.
     """
     gram = _as_gram(features_or_gram, "features_or_gram", is_gram)
     idx = _dense_ids("group_ids", group_ids, gram.shape[0])
@@ -139,16 +152,17 @@ def group_mei(features_or_gram: torch.Tensor, group_ids: GroupIds, *, is_gram: b
     for g in range(len(labels)):
         sel = (idx == g).nonzero(as_tuple=True)[0].to(gram.device)
         stats.append(_group_stats(gram[sel][:, sel]))
-    cols = torch.tensor(stats, dtype=torch.float64).reshape(len(labels), 4)
+    cols = torch.tensor(stats, dtype=torch.float64).reshape(len(labels), 5)
     out: dict = {
         "labels": labels,
         "size": torch.bincount(idx, minlength=len(labels)),
         "mei": cols[:, 0],
-        "effective_dirs": cols[:, 1],
+        "g_over_mei": cols[:, 1],
         "mean_cos": cols[:, 2],
         "approx_cos": cols[:, 3],
+        "directions": cols[:, 4],
     }
-    for key in ("mei", "effective_dirs", "mean_cos", "approx_cos"):
+    for key in ("mei", "g_over_mei", "mean_cos", "approx_cos", "directions"):
         out[f"{key}_mean"] = _nanmean(out[key])
     finite = cols[:, 0][~torch.isnan(cols[:, 0])]
     out["mei_max"] = float(finite.max()) if finite.numel() else math.nan
@@ -164,7 +178,7 @@ def _labels_in_order(group_ids: GroupIds, idx: torch.Tensor) -> list:
 
 
 def mei_key(feature: str, scope: str, stat: str = "") -> str:
-    """Metric key ``mei/<feature>/<scope>[_<stat>]``, e.g. ``mei/bias/query_effective_dirs``."""
+    """Metric key ``mei/<feature>/<scope>[_<stat>]``, e.g. ``mei/bias/query_directions``."""
     if not (isinstance(feature, str) and FEATURE_NAME_RE.match(feature)):
         raise ValueError(f"feature must be a non-empty name of letters, digits, '_', '.', '-', got {feature!r}")
     if scope not in SCOPES:
@@ -179,9 +193,11 @@ def _scope_metrics(gram: torch.Tensor, ids: GroupIds, feature: str, scope: str) 
     size = float(r["size"].double().mean()) if r["size"].numel() else math.nan
     vals = {
         "": r["mei_mean"],
-        "effective_dirs": r["effective_dirs_mean"],
-        "effective_dirs_median": _nanmedian(r["effective_dirs"]),
-        "dirs_of_mean": size / r["mei_mean"] if r["mei_mean"] > 0 else math.nan,
+        "directions": r["directions_mean"],
+        "directions_median": _nanmedian(r["directions"]),
+        "g_over_mei": r["g_over_mei_mean"],
+        "g_over_mei_median": _nanmedian(r["g_over_mei"]),
+        "g_over_mei_of_mean": size / r["mei_mean"] if r["mei_mean"] > 0 else math.nan,
         "mean_cos": r["mean_cos_mean"],
         "approx_cos": r["approx_cos_mean"],
         "max": r["mei_max"],
@@ -208,13 +224,14 @@ def mei_metrics(
     - scope ``prefix_group``: one group per (query id, prefix id) pair, the paper release's scale
       (only when ``prefix_ids`` is given; prefix ids may repeat across queries).
 
-    Stats per scope: ``""`` batch-mean MEI (range [0, group size]), ``effective_dirs`` mean of G/MEI (a
-    mean of ratios: one near-orthogonal group, MEI near 0, dominates it, so it is not a usable count),
-    ``effective_dirs_median`` the median over groups of G/MEI, ``dirs_of_mean`` mean G / mean MEI (the
-    count of the batch's average group; ``meshrl report`` plots these two),
+    Stats per scope: ``""`` batch-mean MEI (range [0, group size]), ``directions`` the mean over groups of the
+    effective directions (participation ratio, in [1, G]; ``meshrl report`` and the doctor use it) and
+    ``directions_median``; the paper's reading ``g_over_mei`` the mean of G/MEI (a mean of ratios: one
+    near-orthogonal group, MEI near 0, dominates it, and it exceeds G for anti-aligned rollouts, so it is not a
+    count), ``g_over_mei_median`` its median over groups, ``g_over_mei_of_mean`` mean G / mean MEI,
     ``mean_cos`` mean exact pairwise cosine, ``approx_cos`` mean (MEI-1)/(G-1) (scale-free in [-1/(G-1), 1]),
     ``max`` largest group MEI, ``group_size`` mean G, ``n_groups``. Example:
-    ``mei/bias/query``, ``mei/bias/query_effective_dirs``, ``mei/bias/prefix_group``.
+    ``mei/bias/query``, ``mei/bias/query_directions``, ``mei/bias/prefix_group``.
 
     Args:
         phi: ``[B, F]`` features (``bias_features``, ``fisher_scores``) or ``[B, B]`` Gram with ``is_gram``.

@@ -279,7 +279,8 @@ def check_strategy(rec: RunRecords, th: Thresholds) -> Result:
         hit = logged if logged is not None else next((x for x, y in zip(xs, ys, strict=True) if y > mei_threshold),
                                                      None)
         evidence["mei/query"] = {"threshold": mei_threshold, "max": fmt(max(ys)) if ys else None}
-        for k in ("mei/effective_dirs_median", "mei/effective_dirs_of_mean"):
+        # effective directions (at most G); runs from before it was logged have only G/MEI's median and of-mean
+        for k in ("mei/directions", "mei/directions_median", "mei/effective_dirs_median", "mei/effective_dirs_of_mean"):
             if rec.first_of(k):  # a finite value somewhere (a logged NaN is not one)
                 evidence[k] = {"last": fmt(rec.series(k)[1][-1])}
         if hit is not None:

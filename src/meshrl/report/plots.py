@@ -185,47 +185,48 @@ def plot_mei(runs: Sequence[RunData], out_dir: Path) -> Plot | None:
     return Plot(_save(fig, out_dir, "mei.png"), "MEI", caption, mei_scale=scale, missing=missing)
 
 
-#: The effective-directions series the report plots: the median over queries of G/MEI (solid) and G / mean MEI
-#: (dotted). The logged mean over queries of G/MEI (``mei/effective_dirs``) is dominated by near-orthogonal groups
-#: (MEI near 0 gives a huge ratio); it is drawn only for runs logged before the other two existed, as the
-#: caption then says.
-EFFECTIVE_DIRS_KEYS = ("mei/effective_dirs_median", "mei/effective_dirs_of_mean")
-LEGACY_EFFECTIVE_DIRS = "mei/effective_dirs"
+#: The effective-directions series the report plots: the mean over queries of the participation ratio of each
+#: query's Gram spectrum (solid, ``mei/directions``: a count in [1, G]). Runs logged before it existed have only
+#: the paper's G/MEI (its median over queries, else its mean), drawn dotted and named so in the caption: G/MEI is
+#: no count (it exceeds G for anti-aligned rollouts, and one near-orthogonal group dominates its mean).
+DIRECTIONS_KEY = "mei/directions"
+LEGACY_G_OVER_MEI = ("mei/effective_dirs_median", "mei/effective_dirs")
 
 
 def plot_effective_dirs(runs: Sequence[RunData], out_dir: Path) -> Plot | None:
-    if not any(run.has(k) for run in runs for k in (*EFFECTIVE_DIRS_KEYS, LEGACY_EFFECTIVE_DIRS)):
+    if not any(run.has(k) for run in runs for k in (DIRECTIONS_KEY, *LEGACY_G_OVER_MEI)):
         return None
     fig, (ax,) = _figure()
-    have = set(_overlay(ax, runs, EFFECTIVE_DIRS_KEYS[0], suffix=" median over queries"))
+    have = set(_overlay(ax, runs, DIRECTIONS_KEY, suffix=" mean over queries"))
+    legacy = []
     for i, run in enumerate(runs):
-        xs, ys = run.series(EFFECTIVE_DIRS_KEYS[1])
-        if xs:
-            ax.plot(xs, ys, ":", color=colour(i), label=f"{run.label} G / mean MEI")
-            have.add(run.label)
-    legacy = [run for run in runs if run.label not in have and run.has(LEGACY_EFFECTIVE_DIRS)]
-    have |= set(_overlay(ax, legacy, LEGACY_EFFECTIVE_DIRS, suffix=" mean of G/MEI (older run)"))
+        key = next((k for k in LEGACY_G_OVER_MEI if run.has(k)), None)
+        if run.label in have or key is None:
+            continue
+        xs, ys = run.series(key)
+        ax.plot(xs, ys, ":", color=colour(i), label=f"{run.label} G/MEI (older run, not a count)")
+        have.add(run.label)
+        legacy.append(key)
     have_prefix = []
     for i, run in enumerate(runs):
         keys = run.keys_with_prefix("mei/")
-        key = next((k for k in keys if k.endswith("/prefix_group_effective_dirs_median")), None) or next(
-            (k for k in keys if k.endswith("/prefix_group_effective_dirs")), None)
+        key = next((k for k in keys if k.endswith("/prefix_group_directions")), None)
         xs, ys = run.series(key) if key else ([], [])
         if xs:
             ax.plot(xs, ys, "--", color=colour(i), label=f"{run.label} prefix group")
             have_prefix.append(run.label)
-    _finish(ax, "effective directions (G / MEI)", title="Effective update directions")
-    scale = ("query scale: solid = median over queries of G / MEI (mei/effective_dirs_median), dotted = "
-             "G / mean MEI (mei/effective_dirs_of_mean); both at most G (the rollouts per query)")
+    _finish(ax, "effective directions", title="Effective update directions")
+    scale = ("query scale: solid = mean over queries of the effective directions (mei/directions: the "
+             "participation ratio of the query's Gram spectrum, between 1 and G, the rollouts per query)")
     if legacy:
-        scale += "; runs without them show the mean over queries of G/MEI (mei/effective_dirs), which "
-        scale += "near-orthogonal groups dominate"
+        scale += (f"; dotted: runs logged before it, the paper's G / MEI ({', '.join(sorted(set(legacy)))}), "
+                  "which is no count: it exceeds G when rollouts are anti-aligned")
     if have_prefix:
-        scale += "; dashed: prefix-group scale, median of g / MEI per prefix group, at most g"
+        scale += "; dashed: prefix-group scale, effective directions per prefix group, at most g"
     return Plot(_save(fig, out_dir, "effective_dirs.png"), "Effective directions",
-                "Number of effectively distinct update directions among a query's rollouts: the median over "
-                "queries (solid) and G over the batch-mean MEI (dotted). The mean over queries of G/MEI is not "
-                "plotted: one near-orthogonal group (MEI near 0) makes it arbitrarily large.",
+                "Number of effectively distinct update directions among a query's rollouts: the participation "
+                "ratio (sum of the Gram matrix's eigenvalues squared over the sum of their squares), 1 when every "
+                "rollout pushes along one direction, G when all G are orthogonal and equally strong.",
                 mei_scale=scale, missing=sorted({r.label for r in runs} - have))
 
 

@@ -84,11 +84,14 @@ class MeiMonitor:
         q = raw[mei_key(self.feature, "query")]
         # Short aliases for plots and the acceptance contract; the feature map is named in the record.
         metrics.update({"mei/feature": self.feature, "mei/query": q,
-                        "mei/effective_dirs": raw[mei_key(self.feature, "query", "effective_dirs")],
-                        # The mean of G/MEI above is dominated by near-orthogonal groups (MEI ~ 0); the median
-                        # and G / mean(MEI) are the usable counts (the report plots both, docs/doctor.md).
-                        "mei/effective_dirs_median": raw[mei_key(self.feature, "query", "effective_dirs_median")],
-                        "mei/effective_dirs_of_mean": raw[mei_key(self.feature, "query", "dirs_of_mean")]})
+                        # Effective directions: the participation ratio, a count in [1, G] (the report and the
+                        # doctor use it); the paper's G/MEI exceeds G for anti-aligned rollouts and its mean is
+                        # dominated by near-orthogonal groups (MEI ~ 0), so it is kept under its own name.
+                        "mei/directions": raw[mei_key(self.feature, "query", "directions")],
+                        "mei/directions_median": raw[mei_key(self.feature, "query", "directions_median")],
+                        "mei/g_over_mei": raw[mei_key(self.feature, "query", "g_over_mei")],
+                        "mei/g_over_mei_median": raw[mei_key(self.feature, "query", "g_over_mei_median")],
+                        "mei/g_over_mei_of_mean": raw[mei_key(self.feature, "query", "g_over_mei_of_mean")]})
         if self.mesh:
             metrics["mei/prefix_group"] = raw[mei_key(self.feature, "prefix_group")]
         return metrics, self._warn(q, step)

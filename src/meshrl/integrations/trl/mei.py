@@ -12,8 +12,9 @@ It needs the batch, so it is attached to the trainer, which adds it as a callbac
 
     MEICallback(threshold="threshold.json", on_warning="stop").attach(trainer)
 
-Metric keys are those of meshrl's trainer: ``mei/bias/query``, ``mei/bias/query_effective_dirs``, ...,
-the aliases ``mei/query``, ``mei/effective_dirs``, ``mei/prefix_group``, plus ``mei/threshold``,
+Metric keys are those of meshrl's trainer: ``mei/bias/query``, ``mei/bias/query_directions``, ...,
+the aliases ``mei/query``, ``mei/directions`` (effective directions, at most G), ``mei/g_over_mei`` (the paper's
+G/MEI), ``mei/prefix_group``, plus ``mei/threshold``,
 ``mei/checks_above``. Events (first crossing, warning) go to ``OUTPUT_DIR/mei_events.jsonl``.
 """
 
@@ -129,7 +130,8 @@ class MEICallback(TrainerCallback):
         raw = mei_metrics(phi, query_ids, prefix_ids, feature=self.feature)
         out = dict(raw)
         out["mei/query"] = raw[mei_key(self.feature, "query")]
-        out["mei/effective_dirs"] = raw[mei_key(self.feature, "query", "effective_dirs")]
+        out["mei/directions"] = raw[mei_key(self.feature, "query", "directions")]
+        out["mei/g_over_mei"] = raw[mei_key(self.feature, "query", "g_over_mei")]
         if prefix_ids is not None:
             out["mei/prefix_group"] = raw[mei_key(self.feature, "prefix_group")]
         return out
