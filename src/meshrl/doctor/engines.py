@@ -130,31 +130,44 @@ def load_trl(root: Path) -> RunRecords:
     """A TRL output directory: ``trainer_state.json`` (or the latest checkpoint's) and/or TensorBoard events
     (tags ``train/<name>``, ``eval/<name>``). ``ValueError`` when neither exists."""
     notes: list[str] = []
-    used: dict[str, str] = {}
-    train_rows, held_rows, config = [], [], {}
+    config: dict[str, Any] = {}
     state_path = _trl_state(root)
+    history: list[dict[str, Any]] = []
     if state_path is not None:
         history, config["steps"] = _trl_history(state_path, notes)
-        for row in history:
-            t, h = _trl_row(row, used)
-            train_rows.append(t)
-            if len(h) > 1:
-                held_rows.append(h)
     tb = _tensorboard_rows(root, notes)
     if state_path is None and not tb:
         raise ValueError(f"{root}: no trainer_state.json and no TensorBoard event files (not a TRL run?)")
     if state_path is None:
-        for row in tb:
-            tags = {k: v for k, v in row.items() if k != "step"}
-            for tag, v in tags.items():
-                if tag.startswith("eval/"):
-                    held_rows.append({"step": row["step"], tag: v})
-                else:
-                    t, _ = _trl_row({"step": row["step"], tag.removeprefix("train/"): v}, used)
-                    train_rows.append(t)
+        history = _tensorboard_history(tb)
     elif tb:
         notes.append("TensorBoard events present too: trainer_state.json was read (the same values)")
     _read_trl_args(root, config, notes)
+    return trl_records(root, history, config, notes)
+
+
+def _tensorboard_history(tb: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TensorBoard rows (``train/<name>``, ``eval/<name>`` tags) as ``log_history`` entries."""
+    rows = []
+    for row in tb:
+        for tag, v in row.items():
+            if tag != "step":
+                name = f"eval_{tag.removeprefix('eval/')}" if tag.startswith("eval/") else tag.removeprefix("train/")
+                rows.append({"step": row["step"], name: v})
+    return rows
+
+
+def trl_records(root: Path, history: list[dict[str, Any]], config: dict[str, Any],
+                notes: list[str]) -> RunRecords:
+    """:class:`RunRecords` of TRL ``log_history`` entries (meshrl's names; ``eval_*`` keys become held-out
+    records). Used by the post-hoc reader and by the live callback on ``TrainerState.log_history``."""
+    used: dict[str, str] = {}
+    train_rows, held_rows = [], []
+    for row in history:
+        t, h = _trl_row(row, used)
+        train_rows.append(t)
+        if len(h) > 1:
+            held_rows.append(h)
     steps = [r for r in by_step(train_rows) if len(r) > 1]
     _clip_total(steps)
     return RunRecords(path=root, engine="trl", steps=steps, evals=[r for r in by_step(held_rows) if len(r) > 1],

@@ -5,6 +5,7 @@
   (:class:`MeshOptions`).
 - :class:`MEICallback`: MEI (bias feature map) per query and per prefix group, effective directions and the
   calibrated-threshold warning for any TRL GRPO run, optionally stopping or checkpointing at the warning.
+- :class:`HealthCallback`: meshrl doctor's checks during the run, on TRL's log so far (warn, checkpoint or stop).
 - :mod:`meshrl.integrations.trl.export`: ``meshrl export trl``, the dataset these trainers read.
 
 Names are resolved lazily: ``import meshrl.integrations.trl.export`` (used by the meshrl CLI) does not
@@ -19,6 +20,7 @@ from typing import Any
 _LAZY = {
     "MeshGRPOTrainer": "meshrl.integrations.trl.mesh_trainer",
     "MEICallback": "meshrl.integrations.trl.mei",
+    "HealthCallback": "meshrl.integrations.trl.health",
     "MeshOptions": "meshrl.integrations.trl.options",
     "check_trl_version": "meshrl.integrations.trl.options",
 }

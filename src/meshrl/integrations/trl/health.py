@@ -1,0 +1,112 @@
+"""``HealthCallback``: meshrl doctor's checks during a TRL run, on the log entries it has so far.
+
+Every ``every`` logged optimiser steps (``on_log``), the callback reads ``TrainerState.log_history`` the way
+``meshrl doctor OUTPUT_DIR`` reads ``trainer_state.json`` (the same mapping to meshrl's names,
+:func:`meshrl.doctor.engines.trl_records`) and runs the same checks and thresholds on the entries up to the
+current step; so the verdict at step t is the post-hoc doctor's on the log cut at t. The settings the checks use
+(``max_completion_length``, ``num_generations``, the learning rate, warm-up, ``max_steps``) are written once to
+``OUTPUT_DIR/training_args.json``, where the post-hoc doctor reads them too.
+
+Each check appends ``{"event": "health_check", ...}`` and, per finding raised for the first time,
+``health_finding`` (what, evidence, the knob) to ``OUTPUT_DIR/health_events.jsonl``, and acts as ``on`` says
+(per finding id or severity; default: alarms and warnings ``warn``): ``warn`` logs a line, ``checkpoint`` sets
+``control.should_save``, ``stop`` sets ``control.should_training_stop`` without saving that step; with any
+``stop`` action, every check that raises no stop saves a checkpoint, so the last healthy step is on disk.
+TRL logs no completions to its state, so the checks on samples (garbled output, parser failures, truncation
+per sample) report "not checked" here, as the post-hoc doctor does on a TRL directory::
+
+    trainer.add_callback(HealthCallback(every=5, on={"alarm": "stop"}))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from meshrl.doctor.engines import trl_records
+from meshrl.doctor.live import HealthMonitor, LiveRecords, check_actions, stop_reason
+from meshrl.doctor.thresholds import DEFAULT
+from meshrl.jsonl import JsonlWriter
+
+log = logging.getLogger("meshrl")
+
+#: training_args.json field -> TrainingArguments / GRPOConfig attribute (the post-hoc reader's names)
+ARGS = ("max_completion_length", "num_generations", "learning_rate", "warmup_steps", "max_steps")
+
+
+class HealthCallback(TrainerCallback):
+    """The doctor's checks every ``every`` logged steps of a TRL trainer (module docstring).
+
+    Args:
+        every: check on every ``every``-th logged step (>= 1).
+        on: action per finding id or severity: ``ignore``, ``warn``, ``checkpoint``, ``stop``.
+        thresholds: :class:`meshrl.doctor.Thresholds` fields to override, by name.
+    """
+
+    def __init__(self, every: int = 1, *, on: dict[str, str] | None = None,
+                 thresholds: dict[str, Any] | None = None) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"HealthCallback every must be an integer >= 1, got {every!r}")
+        self.every, self.on = every, check_actions(on or {}, where="HealthCallback on")
+        self.thresholds = DEFAULT.with_overrides(thresholds or {})
+        self.monitor: HealthMonitor | None = None
+        self.out: Path | None = None
+        self.last_report = None
+        self.checked_step: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.out = Path(args.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        config = {name: _plain_number(getattr(args, name, None)) for name in ARGS}
+        (self.out / "training_args.json").write_text(json.dumps(config, indent=1) + "\n")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        step = int(state.global_step)
+        # one check per step: the Trainer logs its end-of-training summary (train_runtime, ...) at the last step
+        # again, and no check reads those keys
+        if self.out is None or step % self.every or step == self.checked_step:
+            return
+        self.checked_step = step
+        rec = self._records(args, state)
+        if self.monitor is None:
+            self.monitor = HealthMonitor(rec, every=self.every, on=self.on, thresholds=self.thresholds)
+        self.monitor.records = rec
+        start = time.perf_counter()
+        report = self.monitor.check(step)
+        seconds = time.perf_counter() - start
+        writer = JsonlWriter(self.out / "health_events.jsonl")
+        try:
+            writer.write({"step": step, "event": "health_check", "seconds": round(seconds, 6),
+                          "findings": [f.id for f in report.diagnosis.findings]})
+            for record in report.events():
+                writer.write(record)
+        finally:
+            writer.close()
+        for finding, action in report.raised:
+            if action != "ignore":
+                log.warning("run health, step %d: %s %s: %s (what helps: %s)", step, finding.severity,
+                            finding.id, finding.what, finding.knob)
+        self.last_report = report
+        action = report.action()
+        if action == "stop":
+            log.warning("%s; the last healthy checkpoint is in %s", stop_reason(report), self.out)
+            control.should_training_stop, control.should_save = True, False
+        elif action == "checkpoint" or "stop" in self.on.values():
+            control.should_save = True
+
+    def _records(self, args, state) -> LiveRecords:
+        notes: list[str] = []
+        config: dict[str, Any] = {"steps": getattr(state, "max_steps", None)}
+        config.update({"max_new_tokens": getattr(args, "max_completion_length", None),
+                       "group_size": getattr(args, "num_generations", None),
+                       "lr": getattr(args, "learning_rate", None), "warmup_steps": getattr(args, "warmup_steps", None)})
+        return LiveRecords(trl_records(self.out, list(state.log_history), config, notes))
+
+
+def _plain_number(value: Any) -> Any:
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
