@@ -284,7 +284,6 @@ def load_verl(root: Path) -> RunRecords:
     """A verl run: the file logger's JSONL (a file, or a directory holding it) and/or TensorBoard events.
     ``ValueError`` when neither is found."""
     notes: list[str] = []
-    used: dict[str, str] = {}
     rows: list[dict[str, Any]] = []
     for path in _verl_jsonl(root):
         rows += read_jsonl(path, notes)
@@ -292,6 +291,13 @@ def load_verl(root: Path) -> RunRecords:
         rows = _tensorboard_rows(root, notes)
     if not rows:
         raise ValueError(f"{root}: no verl file-logger JSONL and no TensorBoard event files (not a verl run?)")
+    return verl_records(root, rows, notes)
+
+
+def verl_records(root: Path, rows: list[dict[str, Any]], notes: list[str]) -> RunRecords:
+    """:class:`RunRecords` of verl metric rows (``{"step": N, "data": {...}}`` or flat), in meshrl's names. Used by
+    the post-hoc reader and by the live hook of meshrl's verl trainer."""
+    used: dict[str, str] = {}
     train_rows, held_rows = [], []
     for obj in rows:
         t, h = _verl_row(obj, used)
@@ -300,7 +306,7 @@ def load_verl(root: Path) -> RunRecords:
             held_rows.append(h)
     steps = [r for r in by_step(train_rows) if len(r) > 1]
     _clip_total(steps)
-    notes.append("verl logs no per-group figures: grouping is checked only through the advantage statistics")
+    notes = [*notes, "verl logs no per-group figures: grouping is checked only through the advantage statistics"]
     return RunRecords(path=root, engine="verl", steps=steps, evals=[r for r in by_step(held_rows) if len(r) > 1],
                       config={}, notes=notes, mapping=used)
 

@@ -63,15 +63,23 @@ class RunRecords:
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     mapping: dict[str, str] = field(default_factory=dict)
+    # series already extracted (the checks ask for the same keys many times); records are not changed once read
+    _series: dict[tuple[str, bool], tuple[list[int], list[float]]] = field(default_factory=dict, init=False,
+                                                                           repr=False, compare=False)
 
     def series(self, key: str, *, finite: bool = True) -> tuple[list[int], list[float]]:
-        """(steps, values) of ``key`` (only finite values unless ``finite=False``)."""
+        """(steps, values) of ``key`` (only finite values unless ``finite=False``); the caller must not change
+        the lists."""
+        hit = self._series.get((key, finite))
+        if hit is not None:
+            return hit
         xs, ys = [], []
         for r in self.steps:
             v = r.get(key)
             if v is not None and (not finite or math.isfinite(v)):
                 xs.append(int(r["step"]))
                 ys.append(v)
+        self._series[(key, finite)] = (xs, ys)
         return xs, ys
 
     def has(self, key: str) -> bool:

@@ -143,3 +143,29 @@ def test_queries_split_across_steps_are_counted():
     extra[2]["strategy_id"] = 2
     _, metrics = balance_fields(extra, mask, mask, lp, None, MeshSettings(mu=1e-3, subtract_ref=False))
     assert metrics["mesh/split_queries"] == 0.0
+
+
+def test_metrics_stage_runs_the_health_checks_and_stops_the_loop(monkeypatch, tmp_path):
+    """``+meshrl.health_every``: after verl's own metrics, the checks add ``health/*`` and a ``stop`` finding
+    lowers ``total_training_steps`` to this step, which ends verl's ``fit`` loop after it."""
+    import math
+    from types import SimpleNamespace
+
+    def verl_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        metrics.update({"critic/score/mean": 0.5, "actor/entropy": 2.0 * math.exp(-0.8 * global_steps),
+                        "actor/grad_norm": 1.0, "response_length/mean": 30.0})
+
+    monkeypatch.setattr(PPOTrainerSync, "_compute_metrics", verl_metrics)
+    trainer = object.__new__(trainer_module.MeshPPOTrainer)
+    trainer.mesh = MeshSettings(mu=0.0, health_every=1, health_on={"alarm": "stop", "warning": "stop"},
+                                health_dir=str(tmp_path))
+    trainer.config = SimpleNamespace(trainer=SimpleNamespace(default_local_dir=str(tmp_path / "ckpt")))
+    trainer.total_training_steps = 100
+    for step in range(1, 30):
+        metrics: dict = {}
+        trainer._compute_metrics(None, metrics, {}, global_steps=step, epoch=0)
+        assert metrics["health/check_s"] >= 0 and "critic/score/mean" in metrics
+        if trainer.total_training_steps != 100:
+            break
+    assert trainer.total_training_steps == step < 29
+    assert (tmp_path / "health_events.jsonl").is_file()

@@ -37,16 +37,26 @@ class MeshSettings:
     js_coef: float = 0.0  # beta of the sampled JS(pi, pi_ref) penalty (needs verl's reference log-probs)
     mei_sketch: int = 0  # MEI from count-sketched bias features of this many buckets (0 = off; e.g. 64)
     mei_seed: int = 0  # seed of the sketch's hashes and signs
+    health_every: int = 0  # meshrl doctor's checks every this many steps (0 = off; docs/doctor.md)
+    health_on: Mapping = dataclasses.field(default_factory=dict)  # action per finding id / severity
+    health_dir: str = ""  # where health_events.jsonl goes ("" = trainer.default_local_dir)
 
     def __post_init__(self) -> None:
         for name in ("mu", "js_coef"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"meshrl.{name} must be a finite number >= 0, got {v!r}")
-        for name in ("mei_sketch", "mei_seed"):
+        for name in ("mei_sketch", "mei_seed", "health_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"meshrl.{name} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.health_on, Mapping):
+            raise ValueError(f"meshrl.health_on must be a mapping of finding id or severity to an action, got "
+                             f"{self.health_on!r}")
+        from meshrl.doctor.live import check_actions
+
+        object.__setattr__(self, "health_on", check_actions({str(k): v for k, v in self.health_on.items()},
+                                                            where="meshrl.health_on"))
         if not isinstance(self.subtract_ref, bool):
             raise ValueError(f"meshrl.subtract_ref must be true or false, got {self.subtract_ref!r}")
         if self.reduction not in REDUCTIONS:

@@ -13,6 +13,9 @@ training, weight sync after each step) and changes two stages:
   over each rollout's response tokens and logs MEI per query and per prefix group
   (:mod:`meshrl.integrations.verl.mei`); a pass that returns no sketch is logged and counted
   (``mei/skipped_steps``), not fatal.
+- ``_compute_metrics`` (with ``meshrl.health_every > 0``): after verl's own metrics, meshrl doctor's checks on the
+  run's metrics so far (:mod:`meshrl.integrations.verl.health`): findings to ``health_events.jsonl`` and
+  ``health/*`` figures into the step's metrics; ``stop`` ends the loop after the step.
 - ``_compute_advantage``: after verl's own advantages, reads each row's ``extra_info`` ids, scores and log-probs
   from TransferQueue, computes the balancing weights once for the step
   (:func:`meshrl.integrations.verl.balance_step.balance_fields`) and writes them back as per-row fields that the
@@ -37,6 +40,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.padding import response_from_nested
 
 from meshrl.integrations.verl.balance_step import as_row_list, balance_fields, row_ids
+from meshrl.integrations.verl.health import VerlHealth
 from meshrl.integrations.verl.loss_fn import mesh_loss
 from meshrl.integrations.verl.mei import sketch_fields, step_mei
 from meshrl.integrations.verl.settings import MeshSettings, settings_from_config
@@ -134,6 +138,21 @@ class MeshPPOTrainer(PPOTrainerSync):
             tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=small)
         except Exception as e:  # a storage that refuses a new shape keeps the per-token fields: slower, not wrong
             log.warning("meshrl: could not shrink the MEI sketch fields (%s)", e)
+
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)
+        if not self.mesh.health_every:
+            return
+        if getattr(self, "_health", None) is None:
+            out = self.mesh.health_dir or self.config.trainer.default_local_dir
+            self._health = VerlHealth(self.mesh.health_every, dict(self.mesh.health_on), out)
+        figures, action, reason = self._health.after_step(int(global_steps), metrics)
+        metrics.update(figures)
+        if action == "checkpoint":
+            self._save_checkpoint()
+        elif action == "stop":  # the loop ends after this step: global_steps + 1 > total_training_steps
+            log.warning("meshrl: %s", reason)
+            self.total_training_steps = int(global_steps)
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
         batch = super()._compute_advantage(batch, metrics)
