@@ -17,6 +17,7 @@ Which action: ``on[finding id]``, else ``on[severity]``, else :data:`DEFAULT_ACT
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,13 +29,15 @@ from meshrl.doctor.findings import SEVERITIES, Finding
 from meshrl.doctor.records import RunRecords, by_step
 from meshrl.doctor.thresholds import DEFAULT, Thresholds
 
+log = logging.getLogger("meshrl")
+
 ACTIONS = ("ignore", "warn", "checkpoint", "stop")
 #: What a finding does when neither its id nor its severity is named in ``on``.
 DEFAULT_ACTIONS = {"alarm": "warn", "warning": "warn", "info": "ignore"}
 #: Every finding id a check can raise.
 FINDING_IDS = tuple(fid for ids, _ in CHECKS for fid in ids)
 #: The ``event`` names a monitor writes to events.jsonl.
-FINDING_EVENT, CLEARED_EVENT, STOP_EVENT = "health_finding", "health_cleared", "health_stop"
+CHECK_EVENT, FINDING_EVENT, CLEARED_EVENT = "health_check", "health_finding", "health_cleared"
 
 
 def _step_of(record: Mapping[str, Any]) -> float | None:
@@ -160,6 +163,36 @@ class HealthMonitor:
                               cleared=sorted(self.active - set(found)))
         self.active = set(found)
         return report
+
+
+def check_records(report: HealthReport, seconds: float) -> list[dict[str, Any]]:
+    """The records of one check: ``health_check`` (its time and every open finding's id), then one per raised
+    or cleared finding (:meth:`HealthReport.events`)."""
+    check = {"step": report.step, "event": CHECK_EVENT, "seconds": round(seconds, 6),
+             "findings": [f.id for f in report.diagnosis.findings]}
+    return [check, *report.events()]
+
+
+def log_raised(report: HealthReport) -> None:
+    """One warning line per newly raised finding whose action is not ``ignore``."""
+    for finding, action in report.raised:
+        if action != "ignore":
+            log.warning("run health, step %d: %s %s: %s (what helps: %s)", report.step, finding.severity,
+                        finding.id, finding.what, finding.knob)
+
+
+def write_check(path: Path, report: HealthReport, seconds: float) -> None:
+    """Append one check's records to a JSONL file and log its newly raised findings (the TRL and verl hooks)."""
+    from meshrl.jsonl import JsonlWriter
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = JsonlWriter(path)
+    try:
+        for record in check_records(report, seconds):
+            writer.write(record)
+    finally:
+        writer.close()
+    log_raised(report)
 
 
 def stop_reason(report: HealthReport) -> str:

@@ -16,20 +16,15 @@ finding raised for the first time writes ``health_finding`` (what, evidence, the
 
 from __future__ import annotations
 
-import logging
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from meshrl.doctor.live import HealthMonitor, HealthReport, records_of_run, stop_reason
+from meshrl.doctor.live import HealthMonitor, HealthReport, check_records, log_raised, records_of_run, stop_reason
 from meshrl.doctor.thresholds import DEFAULT
 from meshrl.jsonl import JsonlWriter
 from meshrl.trainer.failure import HealthStop
-
-log = logging.getLogger("meshrl")
-
-CHECK_EVENT = "health_check"
 
 
 class LiveHealth:
@@ -53,14 +48,9 @@ class LiveHealth:
         start = time.perf_counter()
         report = self.monitor.check(step)
         seconds = time.perf_counter() - start
-        events.write({"step": step, "event": CHECK_EVENT, "seconds": round(seconds, 6),
-                      "findings": [f.id for f in report.diagnosis.findings]})
-        for record in report.events():
+        for record in check_records(report, seconds):
             events.write(record)
-        for finding, action in report.raised:
-            if action != "ignore":
-                log.warning("run health, step %d: %s %s: %s (what helps: %s)", step, finding.severity, finding.id,
-                            finding.what, finding.knob)
+        log_raised(report)
         action = report.action()
         if action == "stop":
             raise HealthStop(stop_reason(report))

@@ -29,9 +29,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from meshrl.doctor.engines import trl_records
-from meshrl.doctor.live import HealthMonitor, LiveRecords, check_actions, stop_reason
+from meshrl.doctor.live import HealthMonitor, LiveRecords, check_actions, stop_reason, write_check
 from meshrl.doctor.thresholds import DEFAULT
-from meshrl.jsonl import JsonlWriter
 
 log = logging.getLogger("meshrl")
 
@@ -79,18 +78,7 @@ class HealthCallback(TrainerCallback):
         start = time.perf_counter()
         report = self.monitor.check(step)
         seconds = time.perf_counter() - start
-        writer = JsonlWriter(self.out / "health_events.jsonl")
-        try:
-            writer.write({"step": step, "event": "health_check", "seconds": round(seconds, 6),
-                          "findings": [f.id for f in report.diagnosis.findings]})
-            for record in report.events():
-                writer.write(record)
-        finally:
-            writer.close()
-        for finding, action in report.raised:
-            if action != "ignore":
-                log.warning("run health, step %d: %s %s: %s (what helps: %s)", step, finding.severity,
-                            finding.id, finding.what, finding.knob)
+        write_check(self.out / "health_events.jsonl", report, seconds)
         self.last_report = report
         action = report.action()
         if action == "stop":

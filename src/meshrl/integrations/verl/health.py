@@ -20,16 +20,12 @@ when ``save_freq`` divides it. verl logs no completions to its metrics, so the c
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from meshrl.doctor.engines import verl_records
-from meshrl.doctor.live import HealthMonitor, LiveRecords, stop_reason
-from meshrl.jsonl import JsonlWriter
-
-log = logging.getLogger("meshrl")
+from meshrl.doctor.live import HealthMonitor, LiveRecords, stop_reason, write_check
 
 
 class VerlHealth:
@@ -50,19 +46,7 @@ class VerlHealth:
         self.monitor.records = LiveRecords(verl_records(self.out, self.rows, []))
         report = self.monitor.check(step)
         seconds = time.perf_counter() - start
-        self.out.mkdir(parents=True, exist_ok=True)
-        writer = JsonlWriter(self.out / "health_events.jsonl")
-        try:
-            writer.write({"step": step, "event": "health_check", "seconds": round(seconds, 6),
-                          "findings": [f.id for f in report.diagnosis.findings]})
-            for record in report.events():
-                writer.write(record)
-        finally:
-            writer.close()
-        for finding, action in report.raised:
-            if action != "ignore":
-                log.warning("run health, step %d: %s %s: %s (what helps: %s)", step, finding.severity,
-                            finding.id, finding.what, finding.knob)
+        write_check(self.out / "health_events.jsonl", report, seconds)
         action = report.action()
         figures = {"health/findings": float(len(report.diagnosis.findings)),
                    "health/alarms": float(len(report.diagnosis.alarming())),
