@@ -7,6 +7,7 @@ Unchecked``.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import unicodedata
@@ -40,6 +41,7 @@ def repetition(text: str) -> tuple[int, float]:
     return longest, (len(set(grams)) / len(grams) if grams else 1.0)
 
 
+@functools.lru_cache(maxsize=8192)  # the live checks judge the same logged samples at every check
 def is_garbled(text: str, th: Thresholds) -> bool:
     if nontext_share(text) >= th.nontext_share:
         return True

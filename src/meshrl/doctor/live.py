@@ -82,7 +82,10 @@ class LiveRecords:
         self.notes = list(base.notes)
         self._steps = {int(r["step"]): dict(r) for r in base.steps}
         self.samples, self.events = list(base.samples), list(base.events)
-        self.evals = [r for r in base.evals if r not in base.steps]  # evals.jsonl rows, not metric rows
+        in_steps = {id(r) for r in base.steps}
+        self.evals = [r for r in base.evals if id(r) not in in_steps]  # evals.jsonl rows, not metric rows
+        # metric rows with held-out figures: the held-out records when evals.jsonl has none (as the reader does)
+        self._eval_steps = {s for s, r in self._steps.items() if any(k.startswith("eval/") for k in r)}
 
     def add(self, kind: str, record: dict[str, Any]) -> None:
         """One record as it reads back from its line of ``<kind>.jsonl`` (metrics, samples, events, evals)."""
@@ -90,6 +93,8 @@ class LiveRecords:
             for row in by_step([record]) if "step" in record else []:
                 merged = self._steps.setdefault(int(row["step"]), {})
                 merged.update(row)
+                if any(k.startswith("eval/") for k in row):
+                    self._eval_steps.add(int(row["step"]))
                 if "clip/frac" not in row and ("clip/frac_low" in merged or "clip/frac_high" in merged):
                     merged["clip/frac"] = merged.get("clip/frac_low", 0.0) + merged.get("clip/frac_high", 0.0)
         elif kind in ("samples", "events", "evals"):
@@ -99,7 +104,7 @@ class LiveRecords:
 
     def records(self) -> RunRecords:
         steps = [self._steps[s] for s in sorted(self._steps)]
-        evals = self.evals or [r for r in steps if any(k.startswith("eval/") for k in r)]
+        evals = self.evals or [self._steps[s] for s in sorted(self._eval_steps)]
         return RunRecords(path=self.path, engine=self.engine, steps=steps, samples=self.samples,
                           events=self.events, evals=evals, config=self.config, notes=list(self.notes),
                           mapping=self.mapping)
