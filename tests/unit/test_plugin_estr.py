@@ -123,3 +123,18 @@ def test_replay_uses_the_samplers_entropies(tmp_path):
     # one batch, one behaviour policy: the same entropies at every reuse, while the policy's own entropy moves
     assert hist[0]["estr/entropy_mean"] == hist[1]["estr/entropy_mean"] == hist[2]["estr/entropy_mean"]
     assert hist[2]["entropy/mean"] != hist[0]["entropy/mean"]
+
+
+def test_a_resume_mid_cycle_reproduces_the_uninterrupted_run(tmp_path):
+    over = ["plugins.replay.reuse_steps=2", "plugins.estr.enabled=true", "plugins.estr.tau=0.05", "optim.lr=1e-2",
+            "checkpoint.every=1", "checkpoint.keep_last=10", "train.update_workers=1"]
+    full = train(tiny_config(*over, steps=4), tmp_path / "full")
+    part = tmp_path / "part"
+    train(tiny_config(*over, steps=2), part)
+    state = json.loads((part / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["plugins"]["estr"]["entropy"]  # the sampler's entropies of the batch being reused
+    resumed = train(tiny_config(*over, steps=4), part, resume=True)
+    drop = ("time/", "throughput/")
+    assert ([{k: v for k, v in m.items() if not k.startswith(drop)} for m in resumed]
+            == [{k: v for k, v in m.items() if not k.startswith(drop)} for m in full[2:]])
+    assert "estr/entropy_recomputed" not in resumed[0]

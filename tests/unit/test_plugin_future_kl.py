@@ -137,3 +137,20 @@ def test_two_steps_on_tiny(tmp_path):
         for key in ("fipo/weight_mean", "fipo/future_kl_mean", "fipo/clip_frac", "loss/total", "grad/norm"):
             assert math.isfinite(m[key]), key
         assert 1.0 <= m["fipo/weight_mean"] <= 1.2  # clip_high_only: the weights only amplify
+
+
+def test_on_policy_it_is_plain_grpo(tmp_path):
+    # one optimiser step per batch: every ratio is 1, FutureKL 0, every weight 1
+    plain = train(tiny_config("train.update_workers=1", "train.skip_zero_advantage=false"), tmp_path / "plain")
+    fipo = train(tiny_config("plugins.future_kl.enabled=true", "plugins.future_kl.clip_high_only=false"),
+                 tmp_path / "fipo")
+    for a, b in zip(plain, fipo, strict=True):
+        assert b["fipo/weight_mean"] == 1.0 and b["fipo/future_kl_mean"] == 0.0
+        assert b["loss/policy"] == a["loss/policy"] and b["grad/norm"] == a["grad/norm"]
+
+
+def test_it_acts_on_a_reused_batch(tmp_path):
+    hist = train(tiny_config("plugins.replay.reuse_steps=1", "plugins.future_kl.enabled=true",
+                             "plugins.future_kl.clip_high_only=false", "optim.lr=1e-2", steps=2), tmp_path / "r")
+    assert hist[0]["fipo/future_kl_mean"] == 0.0 and hist[1]["fipo/future_kl_mean"] != 0.0
+    assert hist[1]["fipo/weight_mean"] != 1.0
