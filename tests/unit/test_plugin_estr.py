@@ -138,3 +138,18 @@ def test_a_resume_mid_cycle_reproduces_the_uninterrupted_run(tmp_path):
     assert ([{k: v for k, v in m.items() if not k.startswith(drop)} for m in resumed]
             == [{k: v for k, v in m.items() if not k.startswith(drop)} for m in full[2:]])
     assert "estr/entropy_recomputed" not in resumed[0]
+
+
+def test_a_checkpoint_without_its_entropies_warns_and_counts(tmp_path, caplog):
+    over = ["plugins.replay.reuse_steps=2", "plugins.estr.enabled=true", "plugins.estr.tau=0.05",
+            "checkpoint.every=1", "train.update_workers=1"]
+    run = tmp_path / "r"
+    train(tiny_config(*over, steps=1), run)
+    path = run / "checkpoints" / "step_000001" / "state.json"
+    state = json.loads(path.read_text())
+    del state["plugins"]["estr"]  # written before the entropies were kept
+    path.write_text(json.dumps(state))
+    with caplog.at_level("WARNING", logger="meshrl"):
+        hist = train(tiny_config(*over, steps=2), run, resume=True)
+    assert "no state of plugins.estr" in caplog.text and "estr/entropy_recomputed" in caplog.text
+    assert hist[-1]["replay/age"] == 1.0 and hist[-1]["estr/entropy_recomputed"] == 1.0
