@@ -153,3 +153,14 @@ def test_a_checkpoint_without_its_entropies_warns_and_counts(tmp_path, caplog):
         hist = train(tiny_config(*over, steps=2), run, resume=True)
     assert "no state of plugins.estr" in caplog.text and "estr/entropy_recomputed" in caplog.text
     assert hist[-1]["replay/age"] == 1.0 and hist[-1]["estr/entropy_recomputed"] == 1.0
+
+
+@pytest.mark.parametrize("extra", [
+    ["recipe=dapo", "algo.dynamic_sampling=false"],
+    ["recipe=mesh", "rollout.prompts_per_step=2", "mesh.m=2", "mesh.mu=0.1", "plugins.m2po.enabled=true"],
+])
+def test_it_composes_with_other_recipes_and_plugins(tmp_path, extra):
+    hist = train(tiny_config(*extra, "plugins.replay.reuse_steps=1", "plugins.estr.enabled=true",
+                             "plugins.estr.tau=0.5"), tmp_path / "c")
+    assert [m["replay/age"] for m in hist] == [0.0, 1.0]
+    assert all(math.isfinite(m["estr/masked_frac"]) and math.isfinite(m["grad/norm"]) for m in hist)

@@ -154,3 +154,12 @@ def test_it_acts_on_a_reused_batch(tmp_path):
                              "plugins.future_kl.clip_high_only=false", "optim.lr=1e-2", steps=2), tmp_path / "r")
     assert hist[0]["fipo/future_kl_mean"] == 0.0 and hist[1]["fipo/future_kl_mean"] != 0.0
     assert hist[1]["fipo/weight_mean"] != 1.0
+
+
+@pytest.mark.parametrize("extra", [
+    ["recipe=mesh", "rollout.prompts_per_step=2", "mesh.m=2", "mesh.mu=0.1"],
+    ["recipe=dapo", "algo.dynamic_sampling=false", "plugins.estr.enabled=true", "plugins.estr.tau=0.5"],
+])
+def test_it_composes_with_other_recipes_and_plugins(tmp_path, extra):
+    hist = train(tiny_config(*extra, "plugins.future_kl.enabled=true", "train.mini_batches=2"), tmp_path / "c")
+    assert all(math.isfinite(m["fipo/weight_mean"]) and math.isfinite(m["grad/norm"]) for m in hist)
