@@ -131,3 +131,16 @@ def test_trains_two_steps_on_tiny(tmp_path):
     for m in hist:
         assert m["calib/groups_without_trace"] == 0 and 0 < m["calib/covered_frac"] <= 1
         assert math.isfinite(m["calib/term"]) and math.isfinite(m["loss/total"]) and math.isfinite(m["grad/norm"])
+
+
+@pytest.mark.parametrize("extra", [
+    ["recipe=mesh", "rollout.prompts_per_step=2", "mesh.m=2", "mesh.mu=0.1"],  # groups with several prefixes
+    ["recipe=dapo", "algo.dynamic_sampling=false", "train.ppo_epochs=2", "train.mini_batches=2"],
+])
+def test_composes_with_mesh_and_several_optimiser_steps(tmp_path, extra):
+    from meshrl.tasks import load_task
+
+    path = _traces(tmp_path, load_task("tiny:repeat", seed=0).problems("train"))
+    hist = train(_cfg(*extra, "plugins.calib.enabled=true", f"plugins.calib.traces={path}"), tmp_path / "run")
+    assert [m["step"] for m in hist] == [1, 2]
+    assert all(math.isfinite(m["calib/term"]) and math.isfinite(m["grad/norm"]) for m in hist)

@@ -126,3 +126,13 @@ def test_trains_two_steps_on_tiny(tmp_path):
                     "loss/total", "grad/norm"):
             assert key in m and math.isfinite(m[key]), key
         assert m["implicit_value/kl_mean"] >= -1e-6  # step 1: the policy is the reference, KL 0 up to rounding
+
+
+@pytest.mark.parametrize("extra", [
+    ["recipe=mesh", "rollout.prompts_per_step=2", "mesh.m=2", "mesh.mu=0.1"],
+    ["recipe=dapo", "algo.dynamic_sampling=false", "train.ppo_epochs=2", "train.mini_batches=2"],
+])
+def test_composes_with_mesh_and_several_optimiser_steps(tmp_path, extra):
+    hist = train(_cfg(*extra, "plugins.implicit_value.enabled=true"), tmp_path / "run")
+    assert [m["step"] for m in hist] == [1, 2]
+    assert all(math.isfinite(m["implicit_value/value_loss"]) and math.isfinite(m["grad/norm"]) for m in hist)
