@@ -13,7 +13,7 @@ from meshrl.models import encode_prompt
 from meshrl.testing import TINY_RUN
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.loss import UpdateInputs
-from meshrl.trainer.plugins import PluginContext
+from meshrl.trainer.plugins import PluginContext, plugins_need_reference
 from meshrl.trainer.plugins.opsd import Opsd, OpsdConfig
 
 
@@ -114,6 +114,7 @@ def test_initial_teacher_is_the_frozen_start_policy(tmp_path):
         for p in t.model.parameters():
             p.add_(0.05)
     torch.testing.assert_close(plugin.teacher_logits(mb, prompts, rows, data), before, rtol=0, atol=0)
+    assert t.ref_model is not None  # a frozen copy: the tiny run trains every weight
     plugin.cfg.teacher = "current"
     assert not torch.allclose(plugin.teacher_logits(mb, prompts, rows, data), before)
     want = _teacher_row_logits(t.model, prompts[0], data.response_ids[0]).float()
@@ -160,3 +161,11 @@ def test_two_step_run_logs_its_metrics(tmp_path, extra):
         for key in ("opsd/loss", "opsd/teacher_logp", "opsd/student_logp", "opsd/context_tokens", "loss/total"):
             assert math.isfinite(m[key]), key
         assert m["opsd/loss"] > 0 and m["opsd/rows_without_context"] == 0
+
+
+def test_only_the_initial_teacher_keeps_a_reference():
+    assert plugins_need_reference(load_config(overrides=["plugins.opsd.enabled=true"]).plugins)
+    assert not plugins_need_reference(load_config(overrides=["plugins.opsd.enabled=true",
+                                                             "plugins.opsd.teacher=current"]).plugins)
+    assert not plugins_need_reference(load_config(overrides=["plugins.opsd.teacher=initial"]).plugins)
+    assert plugins_need_reference(load_config(overrides=["plugins.dpo.enabled=true"]).plugins)

@@ -86,7 +86,7 @@ class Opsd(Plugin):
     stage = Stage.EXTRA_LOSS
     order = 1.5
     token_level = False  # a term of its own: fine with the sequence-level losses
-    needs_reference = True  # teacher=initial scores with the frozen start policy
+    needs_reference = True  # teacher=initial scores with the frozen start policy (see uses_reference)
     summary = "on-policy self-distillation: the same model with privileged context as the teacher"
 
     def __init__(self, cfg: OpsdConfig, ctx: PluginContext) -> None:
@@ -97,6 +97,11 @@ class Opsd(Plugin):
         if cfg.context == "other" and len({p.id for p in ctx.problems}) < 2:
             raise ValueError("plugins.opsd.context='other' needs at least two training problems; the task has "
                              f"{len(ctx.problems)}")
+
+    @classmethod
+    def uses_reference(cls, cfg: OpsdConfig) -> bool:
+        """Only the initial teacher is the frozen reference; the current one needs no copy of the model."""
+        return cfg.teacher == "initial"
 
     def shape_advantages(self, terms: TokenTerms) -> tuple[torch.Tensor, Stats]:
         """Leaves the advantages alone; remembers which step rows the micro-batch holds, since the loss hook that
