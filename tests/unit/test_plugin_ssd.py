@@ -123,4 +123,4 @@ def test_two_step_run_logs_its_metrics(tmp_path, extra):
     for m in hist:
         assert math.isfinite(m["ssd/nll"]) and m["ssd/nll"] > 0 and math.isfinite(m["loss/total"])
         if "plugins.ssd.samples=rollouts" not in extra:
-            assert m["ssd/sample_tokens"] > 0 and 0 <= m["ssd/truncated_frac"] <= 1
+            assert m["ssd/sample_tokens"] > 0 and 0 <= m["ssd/truncated_frac"] <= 1 and "time/ssd_sample_s" in m

@@ -33,7 +33,10 @@ recommended ``--fixed_teacher``, used in all its scripts), ``current`` the polic
 
 The teacher prompt is the task's user message with the context in front, through the same chat encoding as the
 rollouts (:func:`meshrl.models.encode_prompt`); a coach prefix the rollout was sampled under is not given to the
-teacher.
+teacher. Metrics: ``opsd/loss`` (the term before ``coef``), ``opsd/teacher_logp`` and ``opsd/student_logp`` (mean
+log-prob of the sampled tokens under each), ``opsd/context_tokens`` (mean teacher prompt length),
+``opsd/rows_without_context``; with ``forward_kl_topk`` also ``opsd/teacher_mass``, ``opsd/student_mass`` and
+``opsd/overlap_ratio`` (as ``plugins.distill``'s).
 """
 
 from __future__ import annotations
