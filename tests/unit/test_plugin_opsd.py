@@ -69,7 +69,7 @@ def _expected(t: Trainer, idx, data, per_token, teacher_model) -> torch.Tensor:
     return aggregate(mat, mask, t.recipe.loss_agg, norm_len=t.cfg.rollout.max_new_tokens)
 
 
-def test_jsd_term_equals_a_per_token_loop_and_skips_rows_without_an_answer(tmp_path):
+def test_jsd_term_equals_a_per_token_loop_and_skips_rows_without_an_answer(tmp_path, caplog):
     opsd = _trainer(tmp_path, "o", "plugins.opsd.enabled=true", "plugins.opsd.teacher=current",
                     "plugins.opsd.coef=0.5")
     plain = _trainer(tmp_path, "p")
@@ -82,7 +82,8 @@ def test_jsd_term_equals_a_per_token_loop_and_skips_rows_without_an_answer(tmp_p
     want = _expected(opsd, idx, data, _jsd, opsd.model)
     assert float(want) > 0
     assert got.stats["opsd/loss"] == pytest.approx(float(want), rel=1e-5)
-    assert got.stats["opsd/rows_without_context"] == 4.0
+    assert got.stats["opsd/no_context_frac"] == 4 / len(idx)
+    assert f"problem {data.problems[0].id!r} has no reference answer" in caplog.text
     torch.testing.assert_close(got.loss.detach().double(), base.loss.detach().double() + 0.5 * want,
                                rtol=1e-5, atol=1e-7)
     # the term's gradient reaches the policy
@@ -160,7 +161,7 @@ def test_two_step_run_logs_its_metrics(tmp_path, extra):
     for m in hist:
         for key in ("opsd/loss", "opsd/teacher_logp", "opsd/student_logp", "opsd/context_tokens", "loss/total"):
             assert math.isfinite(m[key]), key
-        assert m["opsd/loss"] > 0 and m["opsd/rows_without_context"] == 0
+        assert m["opsd/loss"] > 0 and m["opsd/no_context_frac"] == 0
 
 
 def test_only_the_initial_teacher_keeps_a_reference():

@@ -26,7 +26,7 @@ recommended ``--fixed_teacher``, used in all its scripts), ``current`` the polic
 
 - ``reference``: the problem's reference answer before its prompt, with the reference code's transition sentence
   ("Here is a reference solution ..."; ``data_collator.py``). A problem without an answer gives no teacher; its
-  rows are left out of the term and counted (``opsd/rows_without_context``);
+  rows are left out of the term and counted (``opsd/no_context_frac``, their share of the step's rows);
 - ``other``: another problem of the training set (the next one in the task's order) with its answer, then this
   problem: the reading list's variant, which keeps most of the gain without this problem's solution. The choice
   of the other problem is meshrl's.
@@ -35,12 +35,13 @@ The teacher prompt is the task's user message with the context in front, through
 rollouts (:func:`meshrl.models.encode_prompt`); a coach prefix the rollout was sampled under is not given to the
 teacher. Metrics: ``opsd/loss`` (the term before ``coef``), ``opsd/teacher_logp`` and ``opsd/student_logp`` (mean
 log-prob of the sampled tokens under each), ``opsd/context_tokens`` (mean teacher prompt length),
-``opsd/rows_without_context``; with ``forward_kl_topk`` also ``opsd/teacher_mass``, ``opsd/student_mass`` and
+``opsd/no_context_frac``; with ``forward_kl_topk`` also ``opsd/teacher_mass``, ``opsd/student_mass`` and
 ``opsd/overlap_ratio`` (as ``plugins.distill``'s).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,8 @@ import torch
 from meshrl.algos import aggregate, js_divergence, topk_forward_kl
 from meshrl.settings import setting
 from meshrl.trainer.plugins.base import Plugin, PluginContext, Stage, Stats, TokenTerms, register
+
+log = logging.getLogger("meshrl")
 
 CONTEXTS = ("reference", "other")
 TEACHERS = ("initial", "current")
@@ -120,7 +123,7 @@ class Opsd(Plugin):
         prompts = [self.teacher_prompt(data.problems[j]) for j in rows]
         has = torch.tensor([p is not None for p in prompts], dtype=mb.response_mask.dtype,
                            device=mb.response_mask.device)
-        stats["opsd/rows_without_context"] = float(len(rows) - int(has.sum()))
+        stats["opsd/no_context_frac"] = (len(rows) - float(has.sum())) / len(rows)  # row-weighted over micro-batches
         if not bool(has.any()):
             stats["opsd/loss"] = 0.0
             return total
@@ -160,6 +163,8 @@ class Opsd(Plugin):
         if problem.id not in self._prompts:
             text = self.teacher_text(problem)
             if text is None:
+                log.warning("plugins.opsd: problem %r has no reference answer; its rows get no teacher (counted in "
+                            "opsd/no_context_frac)", problem.id)
                 self._prompts[problem.id] = None
             else:
                 from meshrl.models import encode_prompt
