@@ -12,12 +12,15 @@ log = logging.getLogger("meshrl")
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample: ``temperature == 0`` means greedy; ``n`` samples per prompt."""
+    """How to sample: ``temperature == 0`` means greedy; ``n`` samples per prompt; ``top_k`` > 0 keeps only the
+    ``top_k`` most likely tokens before the top-p cut (vLLM's rule, :func:`meshrl.rollout.truncation.kept_mask`;
+    0: off, as every rollout of the trainer samples)."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -28,6 +31,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

@@ -52,7 +52,7 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def generation_config(params: SamplingParams, eos: list[int], pad_id: int) -> GenerationConfig:
-    """A config that samples from softmax(logits / T), top-p only, with the KV cache.
+    """A config that samples from softmax(logits / T), top-p (and top-k only when asked), with the KV cache.
 
     Everything a checkpoint's generation_config.json could set to reshape the distribution (top_k=50
     is transformers' default, repetition penalties, ...) is pinned to neutral, so that samples follow
@@ -71,7 +71,8 @@ def generation_config(params: SamplingParams, eos: list[int], pad_id: int) -> Ge
     if params.greedy:
         kw["do_sample"] = False
     else:
-        kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0, typical_p=1.0)
+        kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                  typical_p=1.0)
     return GenerationConfig(**kw)
 
 

@@ -45,7 +45,8 @@ MAX_DEFAULT_WORKERS = 8  # decoders started by default (each shard is >= 16 rows
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits [n, V]``: argmax when greedy, else a draw from ``softmax(logits / T)``
     restricted to the smallest set of tokens whose mass reaches ``top_p`` (nucleus sampling, Holtzman et al.
-    2020; the most likely token is always kept). See :func:`sample_with_logprobs`."""
+    2020; the most likely token is always kept); with ``top_k`` > 0, restricted by vLLM's top-k-then-top-p rule
+    (:func:`meshrl.rollout.truncation.kept_mask`). See :func:`sample_with_logprobs`."""
     return sample_with_logprobs(logits, params, noise)[0]
 
 
@@ -67,7 +68,12 @@ def sample_with_logprobs(logits: torch.Tensor, params: SamplingParams,
         return tokens, logp
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     full = probs
-    if params.top_p < 1.0:
+    if params.top_k > 0:  # top-k, then top-p over what it kept: vLLM's rule
+        from meshrl.rollout.truncation import kept_mask
+
+        keep = kept_mask(logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        probs = probs.masked_fill(~keep, 0.0)
+    elif params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of the strictly more likely tokens
         sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)

@@ -162,6 +162,7 @@ class VLLMBackend(RolloutBackend):
             n=params.n,
             temperature=params.temperature,
             top_p=params.top_p,
+            **({"top_k": params.top_k} if params.top_k > 0 else {}),  # off: vLLM's own default
             max_tokens=params.max_new_tokens,
             seed=seed,
             logprobs=0,  # 0: only the sampled token's log-prob

@@ -103,6 +103,12 @@ class Plugin:
         return bool(getattr(cfg, "enabled", False))
 
     @classmethod
+    def uses_reference(cls, cfg: Any) -> bool:
+        """Whether this setting of the plug-in scores rollouts under the frozen reference (``needs_reference``
+        unless a setting decides it)."""
+        return cls.needs_reference
+
+    @classmethod
     def check(cls, cfg: Any, run_cfg: Any) -> None:
         """Raise ``ValueError`` naming the key for settings only the whole config can judge (bounds of single
         fields are declared on ``Config`` and checked for every plug-in, enabled or not)."""

@@ -92,4 +92,4 @@ def validate_plugins(plugins: Any, policy_loss_name: str, run_cfg: Any = None) -
 
 def plugins_need_reference(plugins: Any) -> bool:
     """Whether an enabled plug-in scores rollouts under the frozen reference (the trainer then keeps one)."""
-    return any(cls.needs_reference and cls.is_enabled(cfg) for _, cls, cfg in _instances(plugins))
+    return any(cls.is_enabled(cfg) and cls.uses_reference(cfg) for _, cls, cfg in _instances(plugins))
