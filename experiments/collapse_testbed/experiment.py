@@ -175,7 +175,9 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     torch.set_num_threads(1)
     t0, cpu0 = time.perf_counter(), time.process_time()
     task = load_task(s.task, seed=seed)
-    cfg = load_config(overrides=[*base_overrides(s, model_path, task.max_new_tokens), *ARMS[arm],
+    arm_keys = [k.replace(EXPERT_TRACES, str(expert_traces(run_dir.parents[2], task, seed))) if EXPERT_TRACES in k
+                else k for k in ARMS[arm]]
+    cfg = load_config(overrides=[*base_overrides(s, model_path, task.max_new_tokens), *arm_keys,
                                    *checkpoint_overrides(arm, s), f"seed={seed}"])
     ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
     done = json.loads((ckpt / "state.json").read_text())["step"] if ckpt else 0
@@ -193,6 +195,27 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
                                                    "cpu_s": time.process_time() - cpu0}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
+
+
+#: In an arm's keys, the path of the expert traces of the run's training problems (:func:`expert_traces`).
+EXPERT_TRACES = "{expert_traces}"
+
+
+def expert_traces(out: Path, task: Any, seed: int) -> Path:
+    """``OUT/expert_traces/seed_S.jsonl``: for every training problem of the task at ``seed``, the reference trace
+    of its home procedure (the one its type needs: column addition on ``low``, round-and-adjust on ``carry``,
+    tens-then-ones on ``decade``), as ``{"id", "completion"}`` lines (the format of ``plugins.luffy.traces``).
+    The expert-guided arms (CalibRL, SFT inside RL) read it: an expert that always picks the procedure that
+    fits, which is information the GRPO arms never get. Written once per seed, atomically."""
+    from meshrl.jsonl import atomic_write_text
+
+    path = out / "expert_traces" / f"seed_{seed}.jsonl"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({"id": p.id, "completion": task.reference_trace(p, p.meta["home"])})
+                 for p in task.problems("train")]
+        atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
 
 
 def probe_run(run_dir: Path, s: ExperimentSettings, seed: int, model_path: Path) -> Path:

@@ -69,3 +69,21 @@ def test_lead_summary_hand_case():
     assert s["a | ev"] == {"runs": 3, "event_seen": 2, "signal_seen": 3, "both": 2, "lead_mean": 1.0,
                            "lead_min": -2, "lead_max": 4}
     assert s["b | ev"]["both"] == 1 and s["b | ev"]["lead_mean"] == 4.0
+
+
+def test_expert_traces_are_the_home_procedure_and_score_one(tmp_path):
+    import meshrl.testbed  # noqa: F401  (registers the testbed tasks)
+    from experiments.collapse_testbed.experiment import ARMS, EXPERT_TRACES, expert_traces
+    from meshrl.jsonl import read_jsonl
+    from meshrl.tasks import load_task
+    from meshrl.testbed.traces import label_strategy
+
+    task = load_task("testbed:add", seed=3)
+    path = expert_traces(tmp_path, task, 3)
+    rows = {r["id"]: r["completion"] for r in read_jsonl(path)}
+    problems = task.problems("train")
+    assert list(rows) == [p.id for p in problems]
+    for p in problems[:200]:
+        assert task.score(rows[p.id], p) == 1.0 and label_strategy(rows[p.id]) == p.meta["home"]
+    assert expert_traces(tmp_path, task, 3) == path  # written once
+    assert any(EXPERT_TRACES in k for k in ARMS["grpo_calib"])

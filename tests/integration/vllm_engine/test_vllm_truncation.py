@@ -63,3 +63,27 @@ def test_over_the_whole_vocabulary_the_ratio_is_biased_by_the_kept_mass(sampled)
     assert log_kept.mean() < -0.02  # top-p 0.9 drops a real share of this near-uniform policy's mass
     assert torch.allclose(gap, log_kept, atol=MATCH_TOL)  # the gap is exactly log(kept mass), token by token
     assert gap.exp().mean() < 1 - 0.02
+
+
+def test_top_k_reaches_the_engine_and_one_keeps_only_the_argmax():
+    """``SamplingParams.top_k`` (simple self-distillation's sampling): at top-k 1 every drawn token is the
+    trainer's argmax on the same weights, at temperature 1.5, where unrestricted sampling leaves it."""
+    model, tok = build_tiny("tiny:small", seed=2)
+    backend = make_backend("vllm", model, tok, enforce_eager=True)
+    try:
+        out = backend.generate([[1, 40, 41]], SamplingParams(8, temperature=1.5, top_k=1, n=4), seed=0)
+        free = backend.generate([[1, 40, 41]], SamplingParams(8, temperature=1.5, n=4), seed=0)
+    finally:
+        backend.close()
+
+    def argmax_share(ro) -> float:
+        hits = total = 0
+        with torch.no_grad():
+            for prompt, response in zip(ro.prompt_ids, ro.response_ids, strict=True):
+                logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+                hits += int((logits.argmax(-1) == torch.tensor(response)).sum())
+                total += len(response)
+        return hits / total
+
+    assert argmax_share(out) == 1.0
+    assert argmax_share(free) < 1.0
