@@ -134,15 +134,59 @@ def test_buffer_survives_a_checkpoint(tmp_path):
     assert other.buffer == plugin.buffer and other.uses == plugin.uses and plugin.buffer
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "dapo"])
+@pytest.mark.parametrize("recipe", [("recipe=grpo",), ("recipe=dapo",),
+                                    ("recipe=mesh", "rollout.prompts_per_step=2", "mesh.m=2", "mesh.mu=0.1")])
 def test_trains_two_steps_on_tiny(tmp_path, recipe):
     from meshrl.tasks import load_task
 
     path = _traces(tmp_path, load_task("tiny:repeat", seed=0).problems("train"))
-    hist = train(tiny_config(f"recipe={recipe}", "plugins.sft_mix.enabled=true", f"plugins.sft_mix.traces={path}",
+    hist = train(tiny_config(*recipe, "plugins.sft_mix.enabled=true", f"plugins.sft_mix.traces={path}",
                              "plugins.sft_mix.hard_max_acc=0.99", "plugins.sft_mix.batch_size=2"),
                  tmp_path / "run")
     assert [m["step"] for m in hist] == [1, 2]
     assert all(m["sft/rows"] == 2 and m["sft/loss"] > 0 for m in hist)
     for m in hist:
         assert math.isfinite(m["loss/total"]) and math.isfinite(m["grad/norm"])
+
+
+def _update_grads(trainer: Trainer, data) -> list[torch.Tensor]:
+    """Gradient of one single-pass update (a zero learning rate, no clipping: the gradient as computed)."""
+    for g in trainer.optimizer.param_groups:
+        g["lr"] = 0.0
+    trainer.update(data)
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in trainer.model.parameters()]
+
+
+def test_update_gradient_is_the_rl_gradient_plus_the_sft_terms(tmp_path):
+    common = ("train.update_workers=1", "optim.max_grad_norm=1e9", "plugins.sft_mix.batch_size=2",
+              "plugins.sft_mix.top_entropy_frac=0.5", "plugins.sft_mix.coef=0.7")
+    (tmp_path / "plain").mkdir()
+    plain = Trainer(tiny_config("train.update_workers=1", "optim.max_grad_norm=1e9"), tmp_path / "plain" / "run")
+    plug = _trainer(tmp_path, *common)
+    plugin: SftMix = plug.plugins.get("sft_mix")
+    by_id = {str(p.id): p for p in plug.problems}
+    examples = []
+    for pid in list(plugin.traces)[:2]:
+        ids = plug.tokenizer(plugin.traces[pid][0], add_special_tokens=False)["input_ids"]
+        examples.append((plug.sampler.prompt_ids(by_id[pid], -1), ids + [plug.tokenizer.eos_token_id]))
+    plugin.buffer.extend(examples)
+    data, _ = plain.sampler.run(0, 0)
+    rl = _update_grads(plain, data)
+    both = _update_grads(plug, data)
+    # the SFT term's gradient, by its own path: per-example forwards, the quantile written out
+    model = plain.model  # same initial weights (same seed), not moved by a zero learning rate
+    model.zero_grad(set_to_none=True)
+    ents, logps = [], []
+    for prompt, resp in examples:
+        logits = model(torch.tensor([prompt + resp])).logits[0, len(prompt) - 1 : -1].float()
+        lp = torch.log_softmax(logits, -1)
+        for pos, tok in enumerate(resp):
+            ents.append(float(-(lp[pos].exp() * lp[pos]).sum().detach()))
+            logps.append(lp[pos, tok])
+    tau = _quantile(ents, 0.5)
+    kept = [lp for e, lp in zip(ents, logps, strict=True) if e >= tau - 1e-6]
+    (0.7 * -torch.stack(kept).sum() / len(kept)).backward()
+    sft = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    assert any(float(g.abs().max()) > 0 for g in sft)
+    for got, a, b in zip(both, rl, sft, strict=True):
+        torch.testing.assert_close(got, a + b, rtol=1e-4, atol=1e-6)
