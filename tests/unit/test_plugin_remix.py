@@ -110,8 +110,8 @@ def test_klc_term_equals_its_formula(tmp_path):
         t.step_idx = step
         t.update(data)
     data, _ = _step(t, 2, cur)
-    assert plugin.behaviour_logps(data, None) is None  # no historical rows: the update's own pi_old
-    old = plugin.start
+    assert plugin.behaviour_logps(data, None) is None and plugin.start is None  # on-policy: the update's pi_old
+    old = t.forward.logps(t.model, data)
     pi_1 = copy.deepcopy(plugin.prev)
     assert plugin.begin_update(data, None, None)["remix/lambda"] == 0.7
     with torch.no_grad():  # move the policy off pi_2 so that the ratio and both KLs are non-trivial

@@ -145,13 +145,15 @@ class Remix(Plugin):
     def behaviour_logps(self, data: Any, old_logps: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         """Fresh rows against ``pi_k``, historical rows against the policy that sampled them; the fresh rows and
         their ``pi_k`` log-probs are stored for the next ``window`` steps."""
-        if not len(data):
-            return old_logps
+        self.start = None
+        if not len(data) or not self.mixing() or self.cfg.off_policy_frac == 0:
+            return old_logps  # on-policy: nothing to store, no extra forward
+        # One no-grad forward when the update has none (one optimiser step per batch): pi_k on every row, for the
+        # clip centres and for the history (after this step's update pi_k is gone).
         start = old_logps if old_logps is not None else self.ctx.forward.logps(self.ctx.forward.model, data)
         self.start = start
-        if self.mixing():
-            fresh = list(range(self.n_fresh))
-            self.history = [*self.history, (_subset(data, fresh), start[: self.n_fresh], self.step)][-self.cfg.window:]
+        fresh = list(range(self.n_fresh))
+        self.history = [*self.history, (_subset(data, fresh), start[: self.n_fresh], self.step)][-self.cfg.window:]
         if not self.hist_logps:
             return old_logps
         return [*start[: self.n_fresh], *self.hist_logps]
