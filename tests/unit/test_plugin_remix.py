@@ -165,12 +165,16 @@ def test_bad_settings_name_the_key(override, key):
 @pytest.mark.parametrize(("extra", "match"), [
     (["recipe=grpo_kl"], r"algo\.kl_coef=0"),
     (["algo.policy_loss=cispo"], r"plain ppo_clip"),
-    (["plugins.remix.lambda_min=0.9", "plugins.remix.lambda_max=0.8"], r"plugins\.remix\.lambda_min"),
     (["plugins.replay.reuse_steps=1"], r"replay"),
 ])
 def test_incompatible_settings_are_refused(extra, match):
     with pytest.raises(ValueError, match=match):
         load_config(overrides=["plugins.remix.enabled=true", *extra])
+
+
+def test_lambda_bounds_are_checked_even_when_off():
+    with pytest.raises(ValueError, match=r"plugins\.remix\.lambda_min=0\.9 exceeds plugins\.remix\.lambda_max"):
+        load_config(overrides=["plugins.remix.lambda_min=0.9", "plugins.remix.lambda_max=0.8"])
 
 
 def test_resume_is_refused(tmp_path):

@@ -134,7 +134,7 @@ def test_buffer_survives_a_checkpoint(tmp_path):
     assert other.buffer == plugin.buffer and other.uses == plugin.uses and plugin.buffer
 
 
-@pytest.mark.parametrize("recipe", [("recipe=grpo",), ("recipe=dapo",),
+@pytest.mark.parametrize("recipe", [("recipe=grpo",), ("recipe=dapo",), ("algo.policy_loss=gspo",),
                                     ("recipe=mesh", "rollout.prompts_per_step=2", "mesh.m=2", "mesh.mu=0.1")])
 def test_trains_two_steps_on_tiny(tmp_path, recipe):
     from meshrl.tasks import load_task

@@ -89,7 +89,10 @@ class Remix(Plugin):
 
     @classmethod
     def check(cls, cfg: RemixConfig, run_cfg: Any) -> None:
-        if not cfg.enabled:
+        if cfg.lambda_min > cfg.lambda_max:
+            raise ValueError(f"plugins.remix.lambda_min={cfg.lambda_min} exceeds "
+                             f"plugins.remix.lambda_max={cfg.lambda_max}")
+        if not cfg.enabled or run_cfg is None:
             return
         rec = run_cfg.resolved_recipe()
         if rec.policy_loss != "ppo_clip" or rec.clip_dual is not None:
@@ -98,9 +101,6 @@ class Remix(Plugin):
         if rec.kl_coef > 0 or rec.js_coef > 0:
             raise ValueError("plugins.remix: the KL-Convex term replaces the recipe's KL/JS to the reference; use a "
                              "recipe with algo.kl_coef=0 and algo.js_coef=0")
-        if cfg.lambda_min > cfg.lambda_max:
-            raise ValueError(f"plugins.remix.lambda_min={cfg.lambda_min} exceeds "
-                             f"plugins.remix.lambda_max={cfg.lambda_max}")
 
     def lam(self, t: int) -> float:
         """lambda_t of the KL-Convex term at the 1-based step ``t``."""
