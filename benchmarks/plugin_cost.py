@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import tempfile
@@ -47,6 +48,13 @@ UPDATE_ARMS: dict[str, list[str]] = {
     "rollout_corr": ["plugins.rollout_corr.enabled=true"],
     "dpo": ["plugins.dpo.enabled=true"],
     "distill": ["plugins.distill.enabled=true", "plugins.distill.teacher=tiny:small", "plugins.distill.teacher_seed=1"],
+    "estr": ["plugins.estr.enabled=true", "plugins.estr.tau=0.5"],
+    "future_kl": ["plugins.future_kl.enabled=true"],
+    "calib": ["plugins.calib.enabled=true", "plugins.calib.traces={traces}"],
+    "implicit_value": ["plugins.implicit_value.enabled=true"],
+    "opsd": ["plugins.opsd.enabled=true"],
+    "ssd": ["plugins.ssd.enabled=true"],  # its extra samples are drawn in begin_update here: inside the update
+    "remix": ["plugins.remix.enabled=true"],  # no history in an update on shared rollouts: the KL-Convex scoring
 }
 STEP_ARMS: dict[str, list[str]] = {
     "grpo": [],
@@ -55,7 +63,24 @@ STEP_ARMS: dict[str, list[str]] = {
                 "mesh.bare_groups=3"],
     "coach_guide": ["recipe=cp_only", "mesh.m=3", "mesh.template=plain", "mesh.adv_unit=query", "mesh.bare_group=true",
                     "mesh.bare_groups=3", "plugins.coach_guide.enabled=true"],
+    "sft_mix": ["plugins.sft_mix.enabled=true", "plugins.sft_mix.traces={traces}", "plugins.sft_mix.hard_max_acc=0.99",
+                "plugins.sft_mix.batch_size=8"],
+    "remix": ["plugins.remix.enabled=true"],  # its history fills from the second step on
 }
+
+
+def write_traces(task_spec: str, root: Path) -> Path:
+    """Expert traces for ``calib`` and ``sft_mix``: each training problem's reference trace of its home procedure
+    where the task has one (the testbed), else its answer."""
+    from meshrl.tasks import load_task
+
+    task = load_task(task_spec, seed=0)
+    path = root / "traces.jsonl"
+    with path.open("w") as fh:
+        for p in task.problems("train"):
+            text = task.reference_trace(p, p.meta["home"]) if hasattr(task, "reference_trace") else p.answer
+            fh.write(json.dumps({"id": p.id, "completion": text}) + "\n")
+    return path
 
 
 def make_trainer(args, extra: list[str], root: Path, name: str) -> Trainer:
@@ -63,6 +88,8 @@ def make_trainer(args, extra: list[str], root: Path, name: str) -> Trainer:
             f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
             f"rollout.max_new_tokens={args.tokens}", "train.mini_batches=2", "train.micro_batch_size=96",
             "checkpoint.every=100000", "optim.lr=3e-4"]
+    traces = root / "traces.jsonl"
+    extra = [k.replace("{traces}", str(traces)) for k in extra]
     return Trainer(load_config(overrides=[*over, *extra]), root / name)
 
 
@@ -127,6 +154,7 @@ def main() -> None:
           f"{args.threads} thread(s); load average at start {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
+        write_traces(args.task, root)
         cpu, wall = bench_updates(args, root)
         print("\nupdate on shared rollouts (median CPU s | wall s; CPU ratio to grpo_plain and to grpo)")
         plain, base = statistics.median(cpu["grpo_plain"]), statistics.median(cpu["grpo"])
