@@ -122,3 +122,19 @@ def test_the_cli_says_why_a_run_was_stopped_in_one_line(tmp_path, capsys):
     lines = [ln for ln in err.splitlines() if ln.startswith("meshrl train: error:")]
     assert len(lines) == 1 and "Traceback" not in err
     assert "run health at step" in lines[0] and "update_blowup" in lines[0] and "checkpoint saved" in lines[0]
+
+
+def test_the_report_marks_the_live_and_the_post_hoc_findings_on_the_curves(tmp_path):
+    pytest.importorskip("matplotlib")
+    from meshrl.report import build_report
+
+    run = tmp_path / "run"
+    train(_cfg("health.every=1", steps=8), run)
+    page = build_report([run], tmp_path / "rep").read_text()
+    assert (tmp_path / "rep" / "alarms.png").is_file()
+    section = page.split("When it went wrong, and what meshrl said", 1)[1].split("</figure>", 1)[0]
+    live = {(e["finding"], e["step"]) for e in _events(run, FINDING_EVENT) if e["severity"] != "info"}
+    assert live and all(f"live {sev} {fid} at step {step}" in section for fid, step in live
+                        for sev in [next(e["severity"] for e in _events(run, FINDING_EVENT) if e["finding"] == fid
+                                         and e["step"] == step)])
+    assert "doctor alarm update_blowup at step" in section

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from meshrl.report.alarms import alarm_marks, plot_alarms
 from meshrl.report.data import load_inputs
 from meshrl.report.diagnosis import diagnose_runs, diagnosis_section
 from meshrl.report.html import render_html
@@ -36,10 +37,14 @@ def build_report(paths: Sequence[str | Path], out_dir: str | Path, *, title: str
     require_matplotlib()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    diagnoses = diagnose_runs(runs) if runs else []
     plots = make_plots(runs, evals, out)
+    alarms = plot_alarms(runs, alarm_marks(runs, diagnoses), out) if runs else None
+    if alarms is not None:  # first: when it went wrong and whether meshrl said so
+        plots.insert(0, alarms)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     index = out / "index.html"
-    diagnosis = diagnosis_section(diagnose_runs(runs)) if runs else ""
+    diagnosis = diagnosis_section(diagnoses) if runs else ""
     index.write_text(render_html(runs, evals, plots, title=title, generated=generated, diagnosis=diagnosis),
                      encoding="utf-8")
     log.info("report: %d run(s), %d eval(s), %d plot(s) -> %s", len(runs), len(evals), len(plots), index)
