@@ -23,7 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = ["model=tiny", "task=tiny:add", "steps=3", "rollout.prompts_per_step=2", "rollout.group_size=4",
          "rollout.max_new_tokens=4", "log.progress=false", "diag.mei.every=1", "eval.every=1", "eval.n=2",
          "eval.limit=4"]
-ALL_PLOTS = ["reward_accuracy.png", "eval_heldout.png", "mei.png", "effective_dirs.png", "entropy.png",
+ALL_PLOTS = ["alarms.png", "reward_accuracy.png", "eval_heldout.png", "mei.png", "effective_dirs.png", "entropy.png",
              "response_length.png", "divergence.png", "grad_ratio.png", "pass_at_k.png"]
 
 
