@@ -118,7 +118,9 @@ def test_nan_strings_missing_metrics_and_files_do_not_crash(inputs: dict[str, Pa
                                     {"reward/mean": 0.25, "acc/mean": None}])
     out = tmp_path / "rep"
     text = _check_page(build_report([bare], out))
-    assert sorted(p.name for p in out.glob("*.png")) == ["reward_accuracy.png"]
+    # the "nan" reward is the doctor's nonfinite alarm, marked on the alarms plot
+    assert sorted(p.name for p in out.glob("*.png")) == ["alarms.png", "reward_accuracy.png"]
+    assert "doctor alarm nonfinite at step 1" in text
     assert "config.yaml missing" in text and "no data in: bare (?)" in text
     # a run whose metrics hold nothing numeric at all: a page with no plots
     empty = tmp_path / "empty"
