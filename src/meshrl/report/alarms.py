@@ -47,6 +47,12 @@ def alarm_marks(runs: Sequence[RunData], diagnoses: Sequence[tuple[str, Any]]) -
     return marks
 
 
+def _reward_key(run: RunData) -> str | None:
+    """The reward curve the marks sit on (None: the run has none, so no panel; its findings stay in the
+    Diagnosis section)."""
+    return next((k for k in ("reward/sampled_mean", "reward/mean") if run.series(k)[0]), None)
+
+
 def _heldout(run: RunData) -> tuple[str | None, list[float], list[float]]:
     keys = sorted(run.eval_keys(), key=eval_key_order)
     if not keys:
@@ -59,13 +65,13 @@ def plot_alarms(runs: Sequence[RunData], marks: dict[str, list[AlarmMark]], out_
     """``alarms.png``, one panel per run (at most :data:`MAX_PANELS`), or None when no run has a mark."""
     from meshrl.report.plots import Plot, _figure, _finish, _save
 
-    shown = [r for r in runs if marks.get(r.label)][:MAX_PANELS]
+    shown = [r for r in runs if marks.get(r.label) and _reward_key(r)][:MAX_PANELS]
     if not shown:
         return None
     fig, axes = _figure(len(shown), 1, (8.0, 3.4 * len(shown)))
     lines = []
     for ax, run in zip(axes, shown, strict=True):
-        key = next((k for k in ("reward/sampled_mean", "reward/mean") if run.series(k)[0]), "reward/mean")
+        key = _reward_key(run)
         xs, ys = run.series(key)
         ax.plot(xs, ys, "-", color="#2c3e50", label=key)
         hkey, hx, hy = _heldout(run)
@@ -90,6 +96,6 @@ def plot_alarms(runs: Sequence[RunData], marks: dict[str, list[AlarmMark]], out_
     caption = ("Training reward (solid) and held-out accuracy (dashed) with the findings: triangles = raised by the "
                "run's own checks during training (health.every), dotted lines = meshrl doctor on the whole run "
                "afterwards, at each finding's first step (red alarm, orange warning). " + " | ".join(lines))
-    missing = [r.label for r in runs if not marks.get(r.label)]
+    missing = [r.label for r in runs if r not in shown]
     return Plot(_save(fig, out_dir, "alarms.png"), "When it went wrong, and what meshrl said", caption,
                 missing=missing)
