@@ -36,15 +36,19 @@ def model_dir(tmp_path_factory) -> Path:
     return root
 
 
-def run(model_dir: Path, out: Path, callback: HealthCallback, steps: int) -> GRPOTrainer:
+def run(model_dir: Path, out: Path, callback: HealthCallback, steps: int, *, attach: bool = False,
+        **kw) -> GRPOTrainer:
     args = GRPOConfig(output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=8,
                       num_generations=4, max_completion_length=6, max_steps=steps, logging_steps=1, report_to=[],
-                      seed=0, learning_rate=1.0, save_strategy="no")  # lr 1.0 wrecks the policy at once
+                      seed=0, learning_rate=1.0, save_strategy="no", **kw)  # lr 1.0 wrecks the policy at once
     rows = [{"prompt": f"{a} + {b} ="} for a in range(4) for b in range(4)]
     from transformers import AutoTokenizer
 
     trainer = GRPOTrainer(str(model_dir), even_length, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[callback])
+                          processing_class=AutoTokenizer.from_pretrained(model_dir),
+                          callbacks=[] if attach else [callback])
+    if attach:
+        callback.attach(trainer)
     trainer.train()
     trainer.save_state()
     return trainer
@@ -61,6 +65,24 @@ def test_live_verdicts_equal_the_doctor_on_the_log_cut_there(model_dir, tmp_path
         post = diagnose_records(truncate_records(rec, check["step"]))
         assert check["findings"] == [f.id for f in post.findings], check["step"]
     assert any(c["findings"] for c in checks)  # lr 1.0 does go wrong, and the checks say so
+
+
+def test_attached_it_reads_the_completions_the_doctor_reads_afterwards(model_dir, tmp_path):
+    """Attached, the callback takes each step's completions from the trainer: the rows log_completions writes to
+    completions/*.parquet, which the post-hoc doctor reads; the garbled-output check runs on them."""
+    pytest.importorskip("pyarrow")
+    out = tmp_path / "out"
+    cb = HealthCallback(every=1)
+    run(model_dir, out, cb, steps=6, attach=True, log_completions=True)
+    rec = load_trl(out)
+    assert len(rec.samples) == 6 * 8 and {s["step"] for s in rec.samples} == set(range(1, 7))
+    assert [(s["step"], s["completion"], s.get("reward")) for s in cb.samples] == \
+        [(s["step"], s["completion"], s.get("reward")) for s in rec.samples]
+    checks = [e for e in read_jsonl(out / "health_events.jsonl") if e["event"] == "health_check"]
+    for check in checks:
+        assert check["findings"] == diagnose_records(truncate_records(rec, check["step"])).ids(), check["step"]
+    garbled = [u for u in diagnose_records(rec).unchecked if u.id == "garbled_output"]
+    assert not garbled  # checked, with the completions
 
 
 def test_stop_ends_the_run_at_the_last_healthy_checkpoint(model_dir, tmp_path):

@@ -63,3 +63,44 @@ def test_health_settings_are_checked_by_name():
         settings_from_config({"health_on": {"bogus": "stop"}})
     with pytest.raises(ValueError, match="meshrl.health_every must be an integer >= 0"):
         settings_from_config({"health_every": -1})
+
+
+def write_dump(folder, step: int, outputs: list[str]) -> None:
+    """verl's ``_dump_generations`` file for one step."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{step}.jsonl").write_text("".join(
+        json.dumps({"input": "2+2=", "output": o, "gts": "4", "score": 0.0, "step": step}) + "\n" for o in outputs))
+
+
+def test_the_completion_checks_read_verls_generation_dumps(tmp_path):
+    """Garbled completions in verl's rollout dumps: ``meshrl doctor LOG --samples DIR`` finds them, and the live
+    check at step t reads the dumps of the steps before t (verl writes a step's dump after its metrics)."""
+    dumps, log_file = tmp_path / "rollout_data", tmp_path / "verl.jsonl"
+    garbled = ["zzzzzzzzzzzzzzzzzzzzzzzzzzzzzz", "abababababababababababababababab"]
+    health = VerlHealth(1, {}, tmp_path / "health", dumps)
+    with log_file.open("w") as fh:
+        for step in range(1, 9):
+            metrics = verl_metrics(step)
+            health.after_step(step, metrics)  # the metrics stage: this step's dump is not written yet
+            write_dump(dumps, step, garbled)
+            fh.write(json.dumps({"step": step, "data": metrics}) + "\n")
+    post = load_verl(log_file, dumps)
+    assert len(post.samples) == 16 and {s["step"] for s in post.samples} == set(range(1, 9))
+    assert "garbled_output" in diagnose_records(post).ids()
+    assert "garbled_output" in [u.id for u in diagnose_records(load_verl(log_file)).unchecked]  # without the dumps
+    checks = [e for e in read_jsonl(tmp_path / "health" / "health_events.jsonl") if e["event"] == "health_check"]
+    for check in checks:
+        t = check["step"]
+        cut = truncate_records(post, t)
+        cut.samples = [s for s in cut.samples if s["step"] < t]  # what existed at step t's metrics stage
+        assert check["findings"] == diagnose_records(cut).ids(), t
+    assert "garbled_output" in checks[-1]["findings"]
+
+
+def test_samples_option_is_checked(tmp_path):
+    from meshrl.doctor import diagnose
+
+    log_file = tmp_path / "verl.jsonl"
+    log_file.write_text(json.dumps({"step": 1, "data": verl_metrics(1)}) + "\n")
+    with pytest.raises(ValueError, match="--samples .*: not a directory"):
+        diagnose(log_file, samples=tmp_path / "nope")

@@ -18,6 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="meshrl run directory, TRL output directory, or verl file-logger JSONL (file or folder)")
     p.add_argument("--engine", choices=["auto", "meshrl", "trl", "verl"], default="auto",
                    help="how to read RUN_DIR (default: detected)")
+    p.add_argument("--samples", type=Path, metavar="DIR",
+                   help="a verl run's generation dumps (trainer.rollout_data_dir: <step>.jsonl files), so the "
+                        "checks on completions run (a TRL run's completions/ folder is read by itself)")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON instead of text")
     p.add_argument("--html", type=Path, metavar="OUT", help="also write an HTML report (plots + Diagnosis) to OUT/")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -44,7 +47,7 @@ def _thresholds(pairs: list[str]):
 def run(args: argparse.Namespace) -> int:
     from meshrl.doctor import diagnose, render_text
 
-    diag = diagnose(args.run, engine=args.engine, thresholds=_thresholds(args.set))
+    diag = diagnose(args.run, engine=args.engine, thresholds=_thresholds(args.set), samples=args.samples)
     out = json.dumps(diag.to_dict(), indent=2, allow_nan=False) + "\n" if args.json else render_text(diag)
     print(out, end="")
     if args.html is not None:

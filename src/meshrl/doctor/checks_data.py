@@ -63,8 +63,9 @@ def _sample_windows(rec: RunRecords, th: Thresholds) -> tuple[list[dict], list[d
 
 def _no_samples(check: str, rec: RunRecords) -> Unchecked:
     where = {"meshrl": "samples.jsonl is missing or empty (log.samples_per_step=0?)",
-             "trl": "TRL keeps completions only in wandb/trackio tables or completions/*.parquet (not read)",
-             "verl": "verl's file logger writes no completions"}
+             "trl": "no OUTPUT_DIR/completions/*.parquet (GRPOConfig(log_completions=True) writes them)",
+             "verl": "verl's file logger writes no completions (give the generation dumps, "
+                     "trainer.rollout_data_dir, with --samples)"}
     return Unchecked(check, "no logged completions: " + where.get(rec.engine, "no samples"))
 
 

@@ -113,7 +113,8 @@ def diagnose_records(rec: RunRecords, thresholds: Thresholds = DEFAULT) -> Diagn
                      unchecked=unchecked, passed=passed, notes=rec.notes, mapping=rec.mapping)
 
 
-def diagnose(path: str | Path, *, engine: str = "auto", thresholds: Thresholds = DEFAULT) -> Diagnosis:
-    """Read the run at ``path`` (meshrl run directory, TRL output directory, verl log) and diagnose it.
-    ``ValueError`` (naming the path) when it is none of them."""
-    return diagnose_records(load_run(path, engine), thresholds)
+def diagnose(path: str | Path, *, engine: str = "auto", thresholds: Thresholds = DEFAULT,
+             samples: str | Path | None = None) -> Diagnosis:
+    """Read the run at ``path`` (meshrl run directory, TRL output directory, verl log) and diagnose it; ``samples``:
+    a verl run's generation dumps. ``ValueError`` (naming the path) when it is none of them."""
+    return diagnose_records(load_run(path, engine, samples=samples), thresholds)

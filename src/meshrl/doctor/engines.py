@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from meshrl.doctor.completions import trl_completions, verl_dumps
 from meshrl.doctor.records import RunRecords, by_step, number, read_jsonl
 from meshrl.doctor.tfevents import event_files, read_scalars
 
@@ -143,7 +144,7 @@ def load_trl(root: Path) -> RunRecords:
     elif tb:
         notes.append("TensorBoard events present too: trainer_state.json was read (the same values)")
     _read_trl_args(root, config, notes)
-    return trl_records(root, history, config, notes)
+    return trl_records(root, history, config, notes, samples=trl_completions(root, notes))
 
 
 def _tensorboard_history(tb: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -158,7 +159,7 @@ def _tensorboard_history(tb: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def trl_records(root: Path, history: list[dict[str, Any]], config: dict[str, Any],
-                notes: list[str]) -> RunRecords:
+                notes: list[str], samples: list[dict[str, Any]] | None = None) -> RunRecords:
     """:class:`RunRecords` of TRL ``log_history`` entries (meshrl's names; ``eval_*`` keys become held-out
     records). Used by the post-hoc reader and by the live callback on ``TrainerState.log_history``."""
     used: dict[str, str] = {}
@@ -171,7 +172,7 @@ def trl_records(root: Path, history: list[dict[str, Any]], config: dict[str, Any
     steps = [r for r in by_step(train_rows) if len(r) > 1]
     _clip_total(steps)
     return RunRecords(path=root, engine="trl", steps=steps, evals=[r for r in by_step(held_rows) if len(r) > 1],
-                      config=config, notes=notes, mapping=used)
+                      samples=samples or [], config=config, notes=notes, mapping=used)
 
 
 def _finite_number(value: Any) -> bool:
@@ -280,9 +281,9 @@ def _verl_row(obj: dict[str, Any], used: dict[str, str]) -> tuple[dict[str, Any]
     return train, held
 
 
-def load_verl(root: Path) -> RunRecords:
-    """A verl run: the file logger's JSONL (a file, or a directory holding it) and/or TensorBoard events.
-    ``ValueError`` when neither is found."""
+def load_verl(root: Path, samples: Path | None = None) -> RunRecords:
+    """A verl run: the file logger's JSONL (a file, or a directory holding it) and/or TensorBoard events;
+    ``samples``: verl's generation dumps (``trainer.rollout_data_dir``). ``ValueError`` when neither log is found."""
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
     for path in _verl_jsonl(root):
@@ -291,10 +292,11 @@ def load_verl(root: Path) -> RunRecords:
         rows = _tensorboard_rows(root, notes)
     if not rows:
         raise ValueError(f"{root}: no verl file-logger JSONL and no TensorBoard event files (not a verl run?)")
-    return verl_records(root, rows, notes)
+    return verl_records(root, rows, notes, samples=verl_dumps(samples, notes) if samples else None)
 
 
-def verl_records(root: Path, rows: list[dict[str, Any]], notes: list[str]) -> RunRecords:
+def verl_records(root: Path, rows: list[dict[str, Any]], notes: list[str],
+                 samples: list[dict[str, Any]] | None = None) -> RunRecords:
     """:class:`RunRecords` of verl metric rows (``{"step": N, "data": {...}}`` or flat), in meshrl's names. Used by
     the post-hoc reader and by the live hook of meshrl's verl trainer."""
     used: dict[str, str] = {}
@@ -308,7 +310,7 @@ def verl_records(root: Path, rows: list[dict[str, Any]], notes: list[str]) -> Ru
     _clip_total(steps)
     notes = [*notes, "verl logs no per-group figures: grouping is checked only through the advantage statistics"]
     return RunRecords(path=root, engine="verl", steps=steps, evals=[r for r in by_step(held_rows) if len(r) > 1],
-                      config={}, notes=notes, mapping=used)
+                      samples=samples or [], config={}, notes=notes, mapping=used)
 
 
 def detect_engine(root: Path) -> str:
@@ -333,8 +335,9 @@ def detect_engine(root: Path) -> str:
                      "TensorBoard critic/*, actor/* tags)")
 
 
-def load_run(root: str | Path, engine: str = "auto") -> RunRecords:
-    """Read a run of any supported engine (``engine``: ``auto``, ``meshrl``, ``trl``, ``verl``)."""
+def load_run(root: str | Path, engine: str = "auto", *, samples: str | Path | None = None) -> RunRecords:
+    """Read a run of any supported engine (``engine``: ``auto``, ``meshrl``, ``trl``, ``verl``); ``samples``: a
+    verl run's generation dumps (``trainer.rollout_data_dir``; TRL's ``completions/`` folder is found by itself)."""
     from meshrl.doctor.records import load_meshrl
 
     path = Path(root)
@@ -344,7 +347,12 @@ def load_run(root: str | Path, engine: str = "auto") -> RunRecords:
     loaders = {"meshrl": load_meshrl, "trl": load_trl, "verl": load_verl}
     if kind not in loaders:
         raise ValueError(f"unknown engine {engine!r}; known: auto, {', '.join(loaders)}")
-    rec = loaders[kind](path)
+    if samples is not None and kind != "verl":
+        raise ValueError(f"--samples is for verl's generation dumps; a {kind} run's completions are found in the "
+                         "run directory")
+    if samples is not None and not Path(samples).is_dir():
+        raise ValueError(f"--samples {samples}: not a directory (verl's trainer.rollout_data_dir)")
+    rec = load_verl(path, Path(samples)) if samples is not None else loaders[kind](path)
     if not rec.steps:
         skipped = "; ".join(n for n in rec.notes if "skipped" in n)  # why nothing was left, when lines were bad
         raise ValueError(f"{path}: no per-step metrics found ({kind} run{'; ' + skipped if skipped else ''})")

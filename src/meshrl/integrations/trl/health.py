@@ -12,10 +12,13 @@ Each check appends ``{"event": "health_check", ...}`` and, per finding raised fo
 (per finding id or severity; default: alarms and warnings ``warn``): ``warn`` logs a line, ``checkpoint`` sets
 ``control.should_save``, ``stop`` sets ``control.should_training_stop`` without saving that step; with any
 ``stop`` action, every check that raises no stop saves a checkpoint, so the last healthy step is on disk.
-TRL logs no completions to its state, so the checks on samples (garbled output, parser failures, truncation
-per sample) report "not checked" here, as the post-hoc doctor does on a TRL directory::
+The checks on completions (garbled output) need them: attached to the trainer (``HealthCallback(...).attach(
+trainer)``), the callback takes each logged step's completions from the trainer's completion log, the same rows
+``log_completions=True`` writes to ``OUTPUT_DIR/completions/completions_<step>.parquet`` right after the log
+callbacks (which the post-hoc doctor reads); added with ``trainer.add_callback`` only, it reads those files, so
+it sees a step's completions from the next check on::
 
-    trainer.add_callback(HealthCallback(every=5, on={"alarm": "stop"}))
+    HealthCallback(every=5, on={"alarm": "stop"}).attach(trainer)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from meshrl.doctor.completions import trl_completions, trl_sample
 from meshrl.doctor.engines import trl_records
 from meshrl.doctor.live import HealthMonitor, LiveRecords, check_actions, stop_reason, write_check
 from meshrl.doctor.thresholds import DEFAULT
@@ -57,6 +61,15 @@ class HealthCallback(TrainerCallback):
         self.out: Path | None = None
         self.last_report = None
         self.checked_step: int | None = None
+        self.taken_step: int | None = None
+        self.trainer: Any = None
+        self.samples: list[dict[str, Any]] = []  # the attached trainer's logged completions, per checked step
+
+    def attach(self, trainer: Any) -> HealthCallback:
+        """Read each logged step's completions from ``trainer`` (and add the callback to it)."""
+        self.trainer = trainer
+        trainer.add_callback(self)
+        return self
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.out = Path(args.output_dir)
@@ -68,7 +81,12 @@ class HealthCallback(TrainerCallback):
         step = int(state.global_step)
         # one check per step: the Trainer logs its end-of-training summary (train_runtime, ...) at the last step
         # again, and no check reads those keys
-        if self.out is None or step % self.every or step == self.checked_step:
+        if self.out is None:
+            return
+        if step != self.taken_step:  # every logged step, once, as log_completions writes them
+            self._take_completions(step)
+            self.taken_step = step
+        if step % self.every or step == self.checked_step:
             return
         self.checked_step = step
         rec = self._records(args, state)
@@ -87,13 +105,26 @@ class HealthCallback(TrainerCallback):
         elif action == "checkpoint" or "stop" in self.on.values():
             control.should_save = True
 
+    def _take_completions(self, step: int) -> None:
+        """Keep the attached trainer's completions of this logged step: the rows TRL's ``log()`` writes to
+        ``completions_<step>.parquet`` just after the log callbacks."""
+        logs = getattr(self.trainer, "_logs", None) if self.trainer is not None else None
+        if logs is None:
+            return
+        columns = {"prompt": list(logs["prompt"]), "completion": list(logs["completion"]),
+                   **{k: list(v) for k, v in logs["rewards"].items()}, **{k: list(v) for k, v in logs["extra"].items()},
+                   "advantage": list(logs["advantages"])}
+        rows = [{k: v[i] for k, v in columns.items() if i < len(v)} for i in range(len(columns["completion"]))]
+        self.samples += [s for row in rows if (s := trl_sample({"step": step, **row}, step)) is not None]
+
     def _records(self, args, state) -> LiveRecords:
         notes: list[str] = []
         config: dict[str, Any] = {"steps": getattr(state, "max_steps", None)}
         config.update({"max_new_tokens": getattr(args, "max_completion_length", None),
                        "group_size": getattr(args, "num_generations", None),
                        "lr": getattr(args, "learning_rate", None), "warmup_steps": getattr(args, "warmup_steps", None)})
-        return LiveRecords(trl_records(self.out, list(state.log_history), config, notes))
+        samples = self.samples if self.trainer is not None else trl_completions(self.out, notes)
+        return LiveRecords(trl_records(self.out, list(state.log_history), config, notes, samples=samples))
 
 
 def _plain_number(value: Any) -> Any:

@@ -14,8 +14,9 @@ Actions (``+meshrl.health_on.alarm=stop``, per finding id or severity; default: 
 ``warn`` logs a line; ``checkpoint`` saves verl's checkpoint of this step; ``stop`` ends training after this
 step. verl saves a step's checkpoint (``save_freq``) before its metrics exist, so a stop cannot keep that step
 from being saved: the stop line names the last step the checks found healthy, whose checkpoint to resume from
-when ``save_freq`` divides it. verl logs no completions to its metrics, so the checks on samples report
-"not checked", as the post-hoc doctor does on a verl log.
+when ``save_freq`` divides it. The checks on completions read verl's generation dumps (``trainer.rollout_data_dir``, or
+``meshrl.health_samples_dir``): verl writes a step's dump after its metrics, so the check at step t reads the
+dumps of the steps before t (the post-hoc doctor, ``meshrl doctor LOG --samples DIR``, reads them all).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshrl.doctor.completions import VERL_FILE, verl_dump_file
 from meshrl.doctor.engines import verl_records
 from meshrl.doctor.live import HealthMonitor, LiveRecords, stop_reason, write_check
 
@@ -31,8 +33,11 @@ from meshrl.doctor.live import HealthMonitor, LiveRecords, stop_reason, write_ch
 class VerlHealth:
     """The live checks over a verl run's metric dicts (module docstring)."""
 
-    def __init__(self, every: int, on: dict[str, str], out_dir: str | Path) -> None:
+    def __init__(self, every: int, on: dict[str, str], out_dir: str | Path,
+                 samples_dir: str | Path | None = None) -> None:
         self.out = Path(out_dir)
+        self.samples_dir = Path(samples_dir) if samples_dir else None
+        self.dumps: dict[str, list[dict[str, Any]]] = {}  # dump file name -> its samples (read once)
         self.rows: list[dict[str, Any]] = []
         self.monitor = HealthMonitor(LiveRecords(verl_records(self.out, [], [])), every=every, on=on)
         self.healthy_step: int | None = None
@@ -43,7 +48,7 @@ class VerlHealth:
         if not self.monitor.due(step):
             return {}, "ignore", ""
         start = time.perf_counter()
-        self.monitor.records = LiveRecords(verl_records(self.out, self.rows, []))
+        self.monitor.records = LiveRecords(verl_records(self.out, self.rows, [], samples=self._samples(step)))
         report = self.monitor.check(step)
         seconds = time.perf_counter() - start
         write_check(self.out / "health_events.jsonl", report, seconds)
@@ -56,3 +61,19 @@ class VerlHealth:
             return figures, action, f"{stop_reason(report)}; last step the checks found healthy: {healthy}"
         self.healthy_step = step
         return figures, action, ""
+
+    def _samples(self, step: int) -> list[dict[str, Any]]:
+        """The generation dumps of the steps before ``step`` (verl writes a step's dump after its metrics, in a
+        background thread: the previous step's file is read again at every check until a later one exists, so
+        a file caught mid-write is never kept)."""
+        if self.samples_dir is None or not self.samples_dir.is_dir():
+            return []
+        recent: list[dict[str, Any]] = []
+        for path in sorted(self.samples_dir.glob("*.jsonl")):
+            if not VERL_FILE.match(path.name) or int(path.stem) >= step or path.name in self.dumps:
+                continue
+            if int(path.stem) < step - 1:
+                self.dumps[path.name] = verl_dump_file(path, [])
+            else:
+                recent += verl_dump_file(path, [])
+        return sorted([*(s for rows in self.dumps.values() for s in rows), *recent], key=lambda s: s["step"])

@@ -40,6 +40,7 @@ class MeshSettings:
     health_every: int = 0  # meshrl doctor's checks every this many steps (0 = off; docs/doctor.md)
     health_on: Mapping = dataclasses.field(default_factory=dict)  # action per finding id / severity
     health_dir: str = ""  # where health_events.jsonl goes ("" = trainer.default_local_dir)
+    health_samples_dir: str = ""  # verl's generation dumps for the completion checks ("" = trainer.rollout_data_dir)
 
     def __post_init__(self) -> None:
         for name in ("mu", "js_coef"):

@@ -145,7 +145,8 @@ class MeshPPOTrainer(PPOTrainerSync):
             return
         if getattr(self, "_health", None) is None:
             out = self.mesh.health_dir or self.config.trainer.default_local_dir
-            self._health = VerlHealth(self.mesh.health_every, dict(self.mesh.health_on), out)
+            dumps = self.mesh.health_samples_dir or getattr(self.config.trainer, "rollout_data_dir", None)
+            self._health = VerlHealth(self.mesh.health_every, dict(self.mesh.health_on), out, dumps)
         figures, action, reason = self._health.after_step(int(global_steps), metrics)
         metrics.update(figures)
         if action == "checkpoint":
