@@ -173,7 +173,8 @@ def curves(out: Path, keys: tuple[str, ...] = ("reward/mean", "strategy/max_mass
     for arm, seeds in _runs(out).items():
         series = [_read_jsonl(d / "metrics.jsonl") for d in seeds.values()]
         steps = min(len(s) for s in series)
-        res[arm] = {k: [_mean_sd([s[i].get(k, math.nan) for s in series])[0] for i in range(steps)] for k in keys}
+        res[arm] = {k: [_mean_sd([s[i].get(k, s[i].get(RENAMED.get(k, k), math.nan)) for s in series])[0]
+                        for i in range(steps)] for k in keys}
     return res
 
 
@@ -237,7 +238,10 @@ def lead_summary(per_run: list[dict[str, Any]], signals: tuple[str, ...], events
     return summary
 
 
-#: per-step signals in the training log (online MEI is the bias map over each query's G rollouts)
+#: metric keys renamed since the committed runs were logged: old name -> new name (the paper's G/MEI)
+RENAMED = {"mei/effective_dirs": "mei/g_over_mei"}
+#: per-step signals in the training log (online MEI is the bias map over each query's G rollouts; "effective dirs"
+#: is the paper's G/MEI, logged as mei/effective_dirs by the committed runs and as mei/g_over_mei since)
 TRAIN_SIGNALS: dict[str, tuple[str, str]] = {"MEI bias (online)": ("mei/query", "up"),
                                              "effective dirs (online)": ("mei/effective_dirs", "down"),
                                              "entropy (training)": ("entropy/mean", "down"),
@@ -298,7 +302,7 @@ def training_warning_table(out: Path, arms: tuple[str, ...] | None = None,
                 fall: first_crossing(steps, [m.get(f"acc/type/{task.headline_niche}", math.nan) for m in metrics],
                                      NICHE_FALL_AT, "down", patience)}
             for name, (key, direction) in TRAIN_SIGNALS.items():
-                vals = [m.get(key, math.nan) for m in metrics]
+                vals = [m.get(key, m.get(RENAMED.get(key, key), math.nan)) for m in metrics]
                 th = calibrated_threshold(vals[:calib_steps], direction)
                 cross[name] = first_crossing(steps[calib_steps:], vals[calib_steps:], th, direction, patience)
             per_run.append({"arm": arm, "seed": seed, "crossings": cross})
