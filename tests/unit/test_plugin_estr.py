@@ -93,7 +93,10 @@ def test_bad_settings_name_the_key(override, key):
 
 
 def test_kept_entropies_round_trip_through_json_exactly():
-    plugin = Estr(EstrConfig(enabled=True, tau=1.0), CTX)
+    replay = load_config(overrides=["plugins.replay.reuse_steps=1"])
+    ctx = PluginContext(cfg=replay, recipe=None, forward=None, tokenizer=None, task=None, problems=[], seed=0,
+                        rollouts=None)
+    plugin = Estr(EstrConfig(enabled=True, tau=1.0), ctx)
     plugin.key = "abc"
     plugin.entropy = [torch.rand(5), torch.rand(0), torch.tensor([1e-8, 3.3333333])]
     back = Estr(EstrConfig(enabled=True, tau=1.0), CTX)
@@ -104,6 +107,11 @@ def test_kept_entropies_round_trip_through_json_exactly():
     empty = Estr(EstrConfig(enabled=True, tau=1.0), CTX)
     empty.load_state_dict(json.loads(json.dumps(Estr(EstrConfig(), CTX).state_dict())))
     assert empty.entropy is None and empty.key is None
+    # without replay no batch is reused after a resume: the checkpoint keeps no entropies
+    on_policy = Estr(EstrConfig(enabled=True, tau=1.0), PluginContext(
+        cfg=load_config(), recipe=None, forward=None, tokenizer=None, task=None, problems=[], seed=0, rollouts=None))
+    on_policy.key, on_policy.entropy = "abc", [torch.rand(3)]
+    assert on_policy.state_dict() == {"key": None, "entropy": None}
 
 
 def test_on_policy_it_is_plain_grpo(tmp_path):
@@ -164,3 +172,11 @@ def test_it_composes_with_other_recipes_and_plugins(tmp_path, extra):
                              "plugins.estr.tau=0.5"), tmp_path / "c")
     assert [m["replay/age"] for m in hist] == [0.0, 1.0]
     assert all(math.isfinite(m["estr/masked_frac"]) and math.isfinite(m["grad/norm"]) for m in hist)
+
+
+@pytest.mark.parametrize("other", [["plugins.remix.enabled=true"],
+                                   ["plugins.luffy.enabled=true", "plugins.luffy.traces=pyproject.toml"]])
+def test_rows_of_other_policies_are_refused_beside_it(other):
+    """remix's and luffy's rows were sampled by other policies: the start policy's entropies are not theirs."""
+    with pytest.raises(ValueError, match="plugins.estr.enabled and plugins.(remix|luffy).enabled exclude"):
+        load_config(overrides=["plugins.estr.enabled=true", "plugins.estr.tau=0.5", *other])

@@ -136,3 +136,11 @@ def test_composes_with_mesh_and_several_optimiser_steps(tmp_path, extra):
     hist = train(_cfg(*extra, "plugins.implicit_value.enabled=true"), tmp_path / "run")
     assert [m["step"] for m in hist] == [1, 2]
     assert all(math.isfinite(m["implicit_value/value_loss"]) and math.isfinite(m["grad/norm"]) for m in hist)
+
+
+def test_entropy_advantage_is_refused_beside_it():
+    """entropy_adv's absolute bonus would dwarf VIMPO's advantages, which actor_coef scales by 5e-3."""
+    from meshrl.trainer import load_config
+
+    with pytest.raises(ValueError, match="plugins.implicit_value.enabled and plugins.entropy_adv.enabled exclude"):
+        load_config(overrides=["plugins.implicit_value.enabled=true", "plugins.entropy_adv.enabled=true"])

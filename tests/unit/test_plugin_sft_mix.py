@@ -97,9 +97,13 @@ def test_term_equals_a_loop_over_tokens_and_is_added_once_per_step(tmp_path):
     assert stats["sft/loss"] == pytest.approx(want, rel=1e-4)
     assert stats["sft/term"] == pytest.approx(0.5 * want, rel=1e-4)
     assert stats["sft/frac_tokens"] == pytest.approx(len(kept) / len(per_token))
-    term = plugin.surrogate([0], torch.zeros(1))
-    assert term.requires_grad and float(term.detach()) == pytest.approx(0.5 * want, rel=1e-4)
-    assert plugin.surrogate([1], torch.zeros(1)) == 0.0  # once per step
+    t.model.zero_grad(set_to_none=True)
+    assert plugin.surrogate([0], torch.zeros(1)) == 0.0  # its gradient is back-propagated chunk by chunk
+    grads = [p.grad.clone() for p in t.model.parameters() if p.grad is not None]
+    assert grads and any(float(g.abs().max()) > 0 for g in grads)
+    assert plugin.surrogate([1], torch.zeros(1)) == 0.0  # once per step: no second gradient
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, [p for p in t.model.parameters() if p.grad is not None],
+                                                       strict=True))
     plugin.begin_update(data, None, None)  # one example left: no SFT batch this step
     assert plugin.batch is None and plugin.surrogate([0], torch.zeros(1)) == 0.0
 
@@ -157,11 +161,13 @@ def _update_grads(trainer: Trainer, data) -> list[torch.Tensor]:
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in trainer.model.parameters()]
 
 
-def test_update_gradient_is_the_rl_gradient_plus_the_sft_terms(tmp_path):
+@pytest.mark.parametrize("micro", [16, 1])  # 1: the SFT batch runs in two chunks
+def test_update_gradient_is_the_rl_gradient_plus_the_sft_terms(tmp_path, micro):
     common = ("train.update_workers=1", "optim.max_grad_norm=1e9", "plugins.sft_mix.batch_size=2",
-              "plugins.sft_mix.top_entropy_frac=0.5", "plugins.sft_mix.coef=0.7")
+              "plugins.sft_mix.top_entropy_frac=0.5", "plugins.sft_mix.coef=0.7", f"train.micro_batch_size={micro}")
     (tmp_path / "plain").mkdir()
-    plain = Trainer(tiny_config("train.update_workers=1", "optim.max_grad_norm=1e9"), tmp_path / "plain" / "run")
+    plain = Trainer(tiny_config("train.update_workers=1", "optim.max_grad_norm=1e9", f"train.micro_batch_size={micro}"),
+                    tmp_path / "plain" / "run")
     plug = _trainer(tmp_path, *common)
     plugin: SftMix = plug.plugins.get("sft_mix")
     by_id = {str(p.id): p for p in plug.problems}

@@ -76,6 +76,8 @@ class Estr(Plugin):
     stage = Stage.TOKEN_SELECTION
     order = 2.5
     whole_micro_batch = False  # a rule per token: no statistic of the micro-batch
+    # remix and luffy bring rows sampled by other policies, whose entropies are not the start policy's
+    excludes = ("remix", "luffy")
     summary = "ESTR: entropy-scaled trust region for stale rollouts (Zhao et al. 2026)"
 
     def __init__(self, cfg: EstrConfig, ctx: PluginContext) -> None:
@@ -128,8 +130,11 @@ class Estr(Plugin):
         return pg_mat * keep, agg_mask, stats  # the normaliser keeps the masked tokens (the paper's L_ESTR)
 
     def state_dict(self) -> dict[str, Any] | None:
-        # float32 values are float64 exactly, and JSON writes the shortest text that reads back to them
-        rows = None if self.entropy is None else [row.tolist() for row in self.entropy]
+        # only a batch that replay reuses after a resume needs them (else every checkpoint would carry the whole
+        # batch's entropies); float32 values are float64 exactly, and JSON writes the shortest text that reads back
+        if self.entropy is None or self.ctx.cfg.plugins.replay.reuse_steps == 0:
+            return {"key": None, "entropy": None}
+        rows = [row.tolist() for row in self.entropy]
         return {"key": self.key, "entropy": rows}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:

@@ -92,9 +92,10 @@ def fipo_weights(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask:
     def mean(x: torch.Tensor) -> float:
         return float((x * valid).sum()) / n
 
-    at_bound = (weight >= high - 1e-7) | (weight <= low + 1e-7)
+    # the share the clip changed, each side apart (a weight of exactly 1 is not clipped, also when low is 1)
     stats = {"fipo/weight_mean": mean(weight), "fipo/raw_weight_mean": mean(raw), "fipo/future_kl_mean": mean(future),
-             "fipo/clip_frac": mean(at_bound.to(d.dtype)), "fipo/safety_frac": mean(guarded.to(d.dtype))}
+             "fipo/clip_frac_high": mean((raw > high).to(d.dtype)), "fipo/clip_frac_low": mean((raw < low).to(d.dtype)),
+             "fipo/safety_frac": mean(guarded.to(d.dtype))}
     return weight, stats
 
 

@@ -53,6 +53,8 @@ class ImplicitValue(Plugin):
     Config = ImplicitValueConfig
     stage = Stage.ADVANTAGE
     order = -1.0  # replaces the advantages: before any plug-in that reshapes them
+    # entropy_adv adds an absolute bonus alpha*H to advantages VIMPO scales by actor_coef (5e-3): it would dominate
+    excludes = ("entropy_adv",)
     needs_reference = True
     summary = "VIMPO: value implied by the policy/reference log-ratio, critic-free (Kang et al. 2026)"
 

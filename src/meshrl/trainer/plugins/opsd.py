@@ -56,7 +56,10 @@ log = logging.getLogger("meshrl")
 CONTEXTS = ("reference", "other")
 TEACHERS = ("initial", "current")
 LOSSES = ("jsd", "forward_kl_topk")
-# The reference code's teacher prompt (data_collator.py): the solution, then this sentence, then the problem.
+# The reference code's transition sentence (data_collator.py). Its teacher prompt is the problem, the reference
+# solution, this sentence and an instruction; meshrl keeps the student's own formatted prompt whole (its chat
+# template, its answer instruction) and puts the privileged context before it: the answer, this sentence, then the
+# student's prompt. The order differs from the reference; the teacher sees the same information.
 REFERENCE_INTRO = "Here is a reference solution to this problem:\n"
 TRANSITION = ("After understanding the reference solution and the rationale behind each step, now articulate your "
               "own step-by-step reasoning that derives the same final answer to the problem below:\n")

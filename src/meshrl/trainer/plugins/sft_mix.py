@@ -135,29 +135,49 @@ class SftMix(Plugin):
             return {"sft/rows": 0.0, "sft/buffer": float(len(self.buffer))}
         taken, self.buffer = self.buffer[:n], self.buffer[n:]
         prompts, responses = [p for p, _ in taken], [r for _, r in taken]
-        with torch.no_grad():
-            logits, mb = self._logits(prompts, responses)
-            entropy = token_entropy(logits.float())
-            mask = mb.response_mask.to(entropy.device)
-            keep = high_entropy_mask(entropy, mask, top_frac=self.cfg.top_entropy_frac)
-            loss = sft_loss(token_logprobs(logits.float(), mb.response_ids), keep)
+        entropy_rows: list[torch.Tensor] = []
+        logp_rows: list[torch.Tensor] = []
+        with torch.no_grad():  # in chunks of train.micro_batch_size: never the whole batch's logits at once
+            for _, logits, mb, chunk in self._chunk_logits(prompts, responses):
+                entropy, logp = token_entropy(logits.float()), token_logprobs(logits.float(), mb.response_ids)
+                entropy_rows += [entropy[i, : len(r)].cpu() for i, r in enumerate(chunk)]
+                logp_rows += [logp[i, : len(r)].cpu() for i, r in enumerate(chunk)]
+        width = max(len(r) for r in responses)
+        entropy, logp = _pad(entropy_rows, width), _pad(logp_rows, width)
+        mask = _pad([torch.ones(len(r)) for r in responses], width)
+        keep = high_entropy_mask(entropy, mask, top_frac=self.cfg.top_entropy_frac)
+        loss = sft_loss(logp, keep)
         self.batch = SftBatch(prompts, responses, [keep[i, : len(r)].cpu() for i, r in enumerate(responses)])
         return {"sft/rows": float(n), "sft/buffer": float(len(self.buffer)), "sft/loss": float(loss),
                 "sft/term": self.cfg.coef * float(loss),
                 "sft/frac_tokens": float(keep.sum()) / max(float(mask.sum()), 1.0)}
 
     def surrogate(self, rows: list[int], seq_logp: torch.Tensor) -> torch.Tensor | float:
-        """``coef * L_sft`` with its graph, added once per step (to the first micro-batch that runs)."""
+        """``coef * L_sft``'s gradient, once per step (in the first micro-batch that runs). The SFT batch runs in
+        chunks of ``train.micro_batch_size``, each chunk's share of the token mean back-propagated at once, so
+        neither its logits nor its graph are held for the whole batch; the value is logged as ``sft/term`` by
+        :meth:`begin_update`, and 0 is returned."""
         b = self.batch
         if b is None or not b.pending:
             return 0.0
         b.pending = False
-        logits, mb = self._logits(b.prompts, b.responses)
-        keep = torch.zeros_like(mb.response_mask, dtype=torch.bool)
-        for i, k in enumerate(b.keep):
-            keep[i, : len(k)] = k
-        logp = token_logprobs(logits.float(), mb.response_ids)
-        return self.cfg.coef * sft_loss(logp, keep.to(logp.device))
+        kept = sum(int(k.sum()) for k in b.keep)
+        if kept == 0:
+            return 0.0
+        for start, logits, mb, chunk in self._chunk_logits(b.prompts, b.responses):
+            logp = token_logprobs(logits.float(), mb.response_ids)
+            keep = torch.zeros_like(logp)
+            for i, k in enumerate(b.keep[start:start + len(chunk)]):
+                keep[i, : len(k)] = k.to(logp.dtype)
+            (-(logp * keep).sum() * (self.cfg.coef / kept)).backward()
+        return 0.0
+
+    def _chunk_logits(self, prompts: list[list[int]], responses: list[list[int]]):
+        """``(start, logits, micro-batch, responses)`` per chunk of ``train.micro_batch_size`` examples."""
+        size = max(1, int(self.ctx.cfg.train.micro_batch_size))
+        for start in range(0, len(prompts), size):
+            logits, mb = self._logits(prompts[start:start + size], responses[start:start + size])
+            yield start, logits, mb, responses[start:start + size]
 
     def _logits(self, prompts: list[list[int]], responses: list[list[int]]) -> tuple[torch.Tensor, Any]:
         forward = self.ctx.forward
@@ -172,6 +192,14 @@ class SftMix(Plugin):
         state = state or {}
         self.buffer = [(list(p), list(r)) for p, r in state.get("buffer", [])]
         self.uses = {str(k): int(v) for k, v in state.get("uses", {}).items()}
+
+
+def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """``[n, width]`` of 1-D rows, zero-padded on the right."""
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
 
 
 def sft_loss(logp: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

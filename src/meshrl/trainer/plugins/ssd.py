@@ -20,7 +20,10 @@ Inside RL, ``coef`` times the recipe's aggregation of ``L``'s per-token terms is
 - ``extra`` (default): after the step's rollouts are drawn, one more sample per rollout row is drawn from the
   same prompt through the run's own rollout backend (the current policy, its seed from the run seed and the
   batch) at ``temperature`` / ``top_k`` / ``top_p``; the term is the NLL of those samples. A batch a plug-in
-  reuses (``plugins.replay``) keeps the samples drawn with it (a resumed run draws the same ones again);
+  reuses (``plugins.replay``) keeps the samples drawn with it. The samples are not checkpointed: a run resumed
+  in the middle of a replay cycle draws them again with the same seed but under the resumed policy, so from that
+  cycle's end on it matches the uninterrupted run, and within that cycle it may not. The extra samples' forward
+  runs with its graph beside the rollouts', about twice the activation memory of a plain update;
 - ``rollouts``: the NLL of the step's own rollouts, no extra sampling; SSD's data only when the rollout settings
   are SSD's (``rollout.temperature``; the rollouts have no top-k).
 
