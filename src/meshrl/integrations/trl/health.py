@@ -74,8 +74,10 @@ class HealthCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.out = Path(args.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        config = {name: _plain_number(getattr(args, name, None)) for name in ARGS}
-        (self.out / "training_args.json").write_text(json.dumps(config, indent=1) + "\n")
+        path = self.out / "training_args.json"
+        if not path.exists():  # one the user saved is theirs: the post-hoc doctor reads it as it is
+            config = {name: _plain_number(getattr(args, name, None)) for name in ARGS}
+            path.write_text(json.dumps(config, indent=1) + "\n")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         step = int(state.global_step)
