@@ -28,6 +28,8 @@ COMMITTED: dict[str, tuple[str, list[str]]] = {
     # the second experiment (preset round2) and the audit family: packs, summarized again from the runs
     "second": ("testbed_round2_results.md", ["--unpack", "data/testbed_round2.json.gz", "--summarize-only"]),
     "audit": ("testbed_audit_results.md", ["--unpack", "data/testbed_audit.json.gz", "--summarize-only"]),
+    "readinglist": ("testbed_readinglist_results.md",
+                    ["--unpack", "data/testbed_readinglist.json.gz", "--summarize-only", "--preset", "readinglist"]),
 }
 
 
