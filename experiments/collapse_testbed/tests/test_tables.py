@@ -225,12 +225,14 @@ def test_a_finished_run_is_never_retrained(tmp_path):
 def test_every_experiment_arm_is_a_valid_train_config(tmp_path):
     """Each arm, on top of the experiment's shared overrides, passes the trainer's validation (the matched
     budget's divisibility, the coach_guide prerequisites, the plug-ins' settings) before any run starts."""
-    from experiments.collapse_testbed.experiment import ARMS, ExperimentSettings, base_overrides
+    from experiments.collapse_testbed.experiment import ARMS, ExperimentSettings, arm_keys, base_overrides
     from meshrl.trainer.config import load_config
 
     s = ExperimentSettings()
-    for arm, overrides in ARMS.items():
-        cfg = load_config(overrides=[*base_overrides(s, tmp_path, 24), *overrides])
+    traces = tmp_path / "traces.jsonl"  # the expert-guided arms' file (experiment.expert_traces in a run)
+    traces.write_text('{"id": "add-100-10", "completion": "c:100+10=110|110"}\n')
+    for arm in ARMS:
+        cfg = load_config(overrides=[*base_overrides(s, tmp_path, 24), *arm_keys(arm, traces)])
         assert cfg.steps == s.steps, arm
     guided = load_config(overrides=[*base_overrides(s, tmp_path, 24), *ARMS["guide_all_log"]])
     assert guided.plugins.coach_guide.shape == "log" and not guided.mesh.bare_group
