@@ -175,8 +175,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     torch.set_num_threads(1)
     t0, cpu0 = time.perf_counter(), time.process_time()
     task = load_task(s.task, seed=seed)
-    needs_traces = any(EXPERT_TRACES in k for k in ARMS[arm])
-    traces = expert_traces(run_dir.parents[2], task, seed) if needs_traces else None
+    traces = expert_traces(run_dir.parents[2], task, seed) if reads_expert_traces(arm) else None
     cfg = load_config(overrides=[*base_overrides(s, model_path, task.max_new_tokens), *arm_keys(arm, traces),
                                    *checkpoint_overrides(arm, s), f"seed={seed}"])
     ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
@@ -201,9 +200,13 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
 EXPERT_TRACES = "{expert_traces}"
 
 
+def reads_expert_traces(arm: str) -> bool:
+    return any(EXPERT_TRACES in k for k in ARMS[arm])
+
+
 def arm_keys(arm: str, traces: Path | None) -> list[str]:
     """The arm's config keys with :data:`EXPERT_TRACES` replaced by ``traces``."""
-    if any(EXPERT_TRACES in k for k in ARMS[arm]) and traces is None:
+    if reads_expert_traces(arm) and traces is None:
         raise ValueError(f"arm {arm} reads expert traces: give their file")
     return [k.replace(EXPERT_TRACES, str(traces)) for k in ARMS[arm]]
 

@@ -49,6 +49,9 @@ TRL_NAMES: dict[str, str] = {
     "sampling/importance_sampling_ratio/mean": "mismatch/is_ratio_mean",
     "num_tokens": "rollouts/tokens",
 }
+#: The settings the checks use: meshrl's name -> the TrainingArguments / GRPOConfig field (training_args.json).
+TRL_SETTINGS: dict[str, str] = {"max_new_tokens": "max_completion_length", "group_size": "num_generations",
+                                "lr": "learning_rate", "warmup_steps": "warmup_steps", "steps": "max_steps"}
 # TRL logs one mean per reward function; one whose name says accuracy / correctness is the accuracy.
 TRL_ACCURACY = re.compile(r"^rewards/([^/]*(?:acc|correct)[^/]*)/mean$", re.IGNORECASE)
 
@@ -162,16 +165,23 @@ def trl_records(root: Path, history: list[dict[str, Any]], config: dict[str, Any
                 notes: list[str], samples: list[dict[str, Any]] | None = None) -> RunRecords:
     """:class:`RunRecords` of TRL ``log_history`` entries (meshrl's names; ``eval_*`` keys become held-out
     records). Used by the post-hoc reader and by the live callback on ``TrainerState.log_history``."""
+    return _engine_records(root, "trl", history, _trl_row, config, notes, samples)
+
+
+def _engine_records(root: Path, engine: str, rows: list[dict[str, Any]], split: Any, config: dict[str, Any],
+                    notes: list[str], samples: list[dict[str, Any]] | None) -> RunRecords:
+    """:class:`RunRecords` of an engine's log rows; ``split(row, used)`` gives (training metrics, held-out
+    metrics) of a row in meshrl's names and records the names it mapped in ``used``."""
     used: dict[str, str] = {}
     train_rows, held_rows = [], []
-    for row in history:
-        t, h = _trl_row(row, used)
+    for row in rows:
+        t, h = split(row, used)
         train_rows.append(t)
         if len(h) > 1:
             held_rows.append(h)
     steps = [r for r in by_step(train_rows) if len(r) > 1]
     _clip_total(steps)
-    return RunRecords(path=root, engine="trl", steps=steps, evals=[r for r in by_step(held_rows) if len(r) > 1],
+    return RunRecords(path=root, engine=engine, steps=steps, evals=[r for r in by_step(held_rows) if len(r) > 1],
                       samples=samples or [], config=config, notes=notes, mapping=used)
 
 
@@ -228,9 +238,7 @@ def _read_trl_args(root: Path, config: dict[str, Any], notes: list[str]) -> None
                 notes.append(f"{path}: expected a JSON object of training arguments, got {type(args).__name__}; "
                              "settings not read")
                 continue
-            settings = {"max_new_tokens": "max_completion_length", "group_size": "num_generations",
-                        "lr": "learning_rate", "warmup_steps": "warmup_steps", "steps": "max_steps"}
-            for ours, theirs in settings.items():
+            for ours, theirs in TRL_SETTINGS.items():
                 value = args.get(theirs)
                 if value is not None and not _finite_number(value):
                     notes.append(f"{path.name}: field {theirs!r} is not a finite number ({str(value)[:40]!r}); "
@@ -299,18 +307,8 @@ def verl_records(root: Path, rows: list[dict[str, Any]], notes: list[str],
                  samples: list[dict[str, Any]] | None = None) -> RunRecords:
     """:class:`RunRecords` of verl metric rows (``{"step": N, "data": {...}}`` or flat), in meshrl's names. Used by
     the post-hoc reader and by the live hook of meshrl's verl trainer."""
-    used: dict[str, str] = {}
-    train_rows, held_rows = [], []
-    for obj in rows:
-        t, h = _verl_row(obj, used)
-        train_rows.append(t)
-        if len(h) > 1:
-            held_rows.append(h)
-    steps = [r for r in by_step(train_rows) if len(r) > 1]
-    _clip_total(steps)
     notes = [*notes, "verl logs no per-group figures: grouping is checked only through the advantage statistics"]
-    return RunRecords(path=root, engine="verl", steps=steps, evals=[r for r in by_step(held_rows) if len(r) > 1],
-                      samples=samples or [], config={}, notes=notes, mapping=used)
+    return _engine_records(root, "verl", rows, _verl_row, {}, notes, samples)
 
 
 def detect_engine(root: Path) -> str:

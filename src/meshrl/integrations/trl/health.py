@@ -32,14 +32,12 @@ from typing import Any
 from transformers import TrainerCallback
 
 from meshrl.doctor.completions import trl_completions, trl_sample
-from meshrl.doctor.engines import trl_records
+from meshrl.doctor.engines import TRL_SETTINGS, trl_records
 from meshrl.doctor.live import HealthMonitor, LiveRecords, check_actions, stop_reason, write_check
 from meshrl.doctor.thresholds import DEFAULT
 
 log = logging.getLogger("meshrl")
 
-#: training_args.json field -> TrainingArguments / GRPOConfig attribute (the post-hoc reader's names)
-ARGS = ("max_completion_length", "num_generations", "learning_rate", "warmup_steps", "max_steps")
 
 
 class HealthCallback(TrainerCallback):
@@ -57,7 +55,8 @@ class HealthCallback(TrainerCallback):
             raise ValueError(f"HealthCallback every must be an integer >= 1, got {every!r}")
         self.every, self.on = every, check_actions(on or {}, where="HealthCallback on")
         self.thresholds = DEFAULT.with_overrides(thresholds or {})
-        self.monitor: HealthMonitor | None = None
+        self.monitor: HealthMonitor | None = None  # built at on_train_begin, its records replaced at each check
+        self.config: dict[str, Any] = {}  # the settings the checks use, in meshrl's names
         self.out: Path | None = None
         self.last_report = None
         self.checked_step: int | None = None
@@ -74,16 +73,21 @@ class HealthCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.out = Path(args.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        theirs = {field: _plain_number(getattr(args, field, None)) for field in TRL_SETTINGS.values()}
         path = self.out / "training_args.json"
         if not path.exists():  # one the user saved is theirs: the post-hoc doctor reads it as it is
-            config = {name: _plain_number(getattr(args, name, None)) for name in ARGS}
-            path.write_text(json.dumps(config, indent=1) + "\n")
+            path.write_text(json.dumps(theirs, indent=1) + "\n")
+        self.config = {ours: theirs[field] for ours, field in TRL_SETTINGS.items()}
+        if self.config["steps"] is None:  # as the post-hoc reader: the file's max_steps, else the state's
+            self.config["steps"] = getattr(state, "max_steps", None)
+        self.monitor = HealthMonitor(LiveRecords(trl_records(self.out, [], self.config, [])), every=self.every,
+                                     on=self.on, thresholds=self.thresholds)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         step = int(state.global_step)
         # one check per step: the Trainer logs its end-of-training summary (train_runtime, ...) at the last step
         # again, and no check reads those keys
-        if self.out is None:
+        if self.monitor is None:
             return
         if step != self.taken_step:  # every logged step, once, as log_completions writes them
             self._take_completions(step)
@@ -91,10 +95,7 @@ class HealthCallback(TrainerCallback):
         if step % self.every or step == self.checked_step:
             return
         self.checked_step = step
-        rec = self._records(args, state)
-        if self.monitor is None:
-            self.monitor = HealthMonitor(rec, every=self.every, on=self.on, thresholds=self.thresholds)
-        self.monitor.records = rec
+        self.monitor.records = self._records(state)
         start = time.perf_counter()
         report = self.monitor.check(step)
         seconds = time.perf_counter() - start
@@ -119,14 +120,10 @@ class HealthCallback(TrainerCallback):
         rows = [{k: v[i] for k, v in columns.items() if i < len(v)} for i in range(len(columns["completion"]))]
         self.samples += [s for row in rows if (s := trl_sample({"step": step, **row}, step)) is not None]
 
-    def _records(self, args, state) -> LiveRecords:
+    def _records(self, state) -> LiveRecords:
         notes: list[str] = []
-        config: dict[str, Any] = {"steps": getattr(state, "max_steps", None)}
-        config.update({"max_new_tokens": getattr(args, "max_completion_length", None),
-                       "group_size": getattr(args, "num_generations", None),
-                       "lr": getattr(args, "learning_rate", None), "warmup_steps": getattr(args, "warmup_steps", None)})
         samples = self.samples if self.trainer is not None else trl_completions(self.out, notes)
-        return LiveRecords(trl_records(self.out, list(state.log_history), config, notes, samples=samples))
+        return LiveRecords(trl_records(self.out, list(state.log_history), dict(self.config), notes, samples=samples))
 
 
 def _plain_number(value: Any) -> Any:
