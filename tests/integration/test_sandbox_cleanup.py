@@ -89,9 +89,13 @@ def test_a_program_s_link_in_an_unreadable_directory_is_not_followed_by_the_clea
     work = Path(tempfile.mkdtemp())
     try:
         work.chmod(0o755)
+        # a copy nobody can read: the checkout may sit in a directory only its owner can enter (mktemp -d)
+        module = work / "sandbox_cleanup.py"
+        shutil.copy(CLEANUP, module)
+        module.chmod(0o644)
         script = (
             "import importlib.util, os, stat, sys\n"
-            f"spec = importlib.util.spec_from_file_location('c', {str(CLEANUP)!r})\n"
+            f"spec = importlib.util.spec_from_file_location('c', {str(module)!r})\n"
             "c = importlib.util.module_from_spec(spec); spec.loader.exec_module(c)\n"
             f"victim = os.path.join({str(work)!r}, 'victim'); os.makedirs(victim + '/sub')\n"
             "os.chmod(victim + '/sub', 0o500); os.chmod(victim, 0o751)\n"
