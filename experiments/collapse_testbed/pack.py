@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 TOP_FILES = ("settings.json", "baseline_probes.jsonl", "results.json")
-RUN_FILES = ("metrics.jsonl", "probes.jsonl", "done.json", "config.yaml", "eval/eval.json")
+RUN_FILES = ("metrics.jsonl", "events.jsonl", "probes.jsonl", "done.json", "config.yaml", "eval/eval.json")
 SAMPLE_FIELDS = ("problem_id", "group", "completion")  # what the tables read from eval_samples.jsonl
 
 
