@@ -166,6 +166,8 @@ def trl_trainer(
     side: Side,
     callbacks: list,
     trl_defaults: bool = False,
+    use_cpu: bool = True,
+    bf16: bool = False,
 ):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -188,12 +190,12 @@ def trl_trainer(
     args = GRPOConfig(
         output_dir=str(out_dir),
         seed=0,
-        use_cpu=True,
+        use_cpu=use_cpu,
         use_vllm=False,
         **(
             {}
             if trl_defaults
-            else {"bf16": False, "fp16": False, "gradient_checkpointing": False, "optim": "adamw_torch"}
+            else {"bf16": bf16, "fp16": False, "gradient_checkpointing": False, "optim": "adamw_torch"}
         ),
         torch_compile=False,
         per_device_train_batch_size=p * g,

@@ -4,7 +4,7 @@
 prompts; ``apply_lora`` / ``reference_mode`` for LoRA training against the frozen base.
 """
 
-from meshrl.models.loading import DTYPES, known_models, load_model, resolve_dtype
+from meshrl.models.loading import DTYPES, check_device, known_models, load_model, resolve_device, resolve_dtype
 from meshrl.models.lora import apply_lora, base_model, has_lora, merged_state_dict, reference_mode
 from meshrl.models.prompts import encode_prompt
 from meshrl.models.smollm import default_cache_root, ensure_smollm2, find_gguf
@@ -17,6 +17,7 @@ __all__ = [
     "base_model",
     "build_char_tokenizer",
     "build_tiny",
+    "check_device",
     "default_cache_root",
     "encode_prompt",
     "ensure_smollm2",
@@ -26,5 +27,6 @@ __all__ = [
     "load_model",
     "merged_state_dict",
     "reference_mode",
+    "resolve_device",
     "resolve_dtype",
 ]

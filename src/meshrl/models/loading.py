@@ -38,6 +38,35 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"unsupported dtype {dtype!r}; use 'float32' or 'bfloat16'")
 
 
+DEVICE_FORMS = "cpu, cuda, cuda:N or auto"
+
+
+def check_device(spec: str, where: str = "train.device") -> None:
+    """``ValueError`` naming ``where`` unless ``spec`` reads as a device (whether it exists is
+    :func:`resolve_device`'s question, asked when the model is built)."""
+    if spec in ("cpu", "cuda", "auto"):
+        return
+    if spec.startswith("cuda:") and spec[5:].isdigit():
+        return
+    raise ValueError(f"{where}={spec!r}; use {DEVICE_FORMS}")
+
+
+def resolve_device(spec: str, where: str = "train.device") -> torch.device:
+    """The device ``spec`` names: ``auto`` is cuda when torch sees a GPU, else cpu. A GPU that is not there is
+    a ``ValueError`` naming ``where``, never a silent fall-back to the CPU."""
+    check_device(spec, where)
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{where}={spec!r}, but torch sees no CUDA device (torch {torch.__version__}, "
+                             f"built for CUDA {torch.version.cuda})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{where}={spec!r}, but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def load_local(path: str | os.PathLike, torch_dtype: torch.dtype):
     """Load a Hugging Face model directory from disk only (never the hub)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -36,9 +36,10 @@ def build_task(cfg: Any) -> tuple[Any, list[Any]]:
 
 def build_policy(cfg: Any, recipe: Any) -> Policy:
     """The model to train (LoRA-wrapped when ``train.lora_r > 0``), its reference and AdamW."""
-    from meshrl.models import apply_lora, load_model
+    from meshrl.models import apply_lora, load_model, resolve_device
 
     model, tokenizer = load_model(cfg.model, dtype=cfg.train.dtype, seed=cfg.seed)
+    model = model.to(resolve_device(cfg.train.device))  # before the reference copy and the optimiser
     paper_balance = cfg.mesh_enabled and cfg.balance_mu > 0 and cfg.mesh.balance == "paper"
     needs_ref = (recipe.needs_reference or (paper_balance and cfg.mesh.subtract_ref)
                  or plugins_need_reference(cfg.plugins))

@@ -18,6 +18,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from meshrl.algos import ADVANTAGE_ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES, RECIPES, Recipe, recipe
+from meshrl.models.loading import check_device
 from meshrl.settings import check_settings, iter_settings, section, setting
 from meshrl.trainer.plugins import PluginsConfig, validate_plugins
 from meshrl.trainer.schedule import SCHEDULES
@@ -70,6 +71,9 @@ class TrainConfig:
     micro_batch_size: int = setting(16, ge=1, help="sequences per forward/backward (gradient accumulation, exact "
                                                    "for every aggregation mode)")
     dtype: str = setting("float32", choices=DTYPES, help="model weights' dtype")
+    device: str = setting("cpu", help="where the policy (and its reference) live: cpu, cuda, cuda:N, or auto "
+                                      "(cuda when torch sees one, else cpu); the in-process samplers run there "
+                                      "too")
     autocast_bf16: bool = setting(False, help="bf16 autocast for the update's forward passes")
     share_prompts: bool = setting(True, help="run each distinct prompt once per micro-batch and share its KV "
                                              "cache (same logits up to float rounding)")
@@ -307,6 +311,7 @@ class RunConfig:
                              f" (allowed: {'; '.join(f'{k} {a}' for k, _, a in bad)})")
         self._validate_mesh()
         self._validate_health()
+        check_device(self.train.device)
         validate_plugins(self.plugins, self.resolved_recipe().policy_loss, self)
         return self
 

@@ -1,0 +1,329 @@
+"""meshrl's trainer against TRL's ``GRPOTrainer`` on one GPU, on Qwen2.5-shaped models built from their config.
+
+The GPU machine this is written for has no network and no room for model weights, so the models are the shapes
+of Qwen2.5-0.5B and -1.5B with random weights (``Qwen2Config`` with the published sizes; attention, MLP and head
+FLOPs are those of the real models) and a tokenizer of the same vocabulary size: the printable characters of
+meshrl's ``tiny`` tokenizer first (so the ``tiny:repeat`` prompts encode the same way), then placeholder tokens up
+to 151,936 that decode to ``<|xN|>``. A random model earns no reward, so every advantage is 0: meshrl runs with
+``train.skip_zero_advantage=false`` so that its backward runs on every row as TRL's does, and both sides do the
+whole work of a real step.
+
+Both sides run the same GRPO step (throughput_vs_trl.py's table of matched settings) in bf16 autocast over fp32
+weights (TRL's ``bf16=True``; meshrl's ``train.autocast_bf16`` and ``rollout.autocast_bf16``), one prompt group
+per G rows, the whole batch in one forward, no gradient checkpointing, on the same initial weights and prompts.
+Printed and written to ``--json`` per shape and side: tokens/s (prompt + completion tokens of a step over its
+time), completion tokens/s, median step time, model FLOP utilisation, peak GPU memory (allocated and reserved,
+``torch.cuda.max_memory_*`` after a reset per side) and, for meshrl, the MEI overhead (the same step with
+``mei.every=1``, median step time against the plain one).
+
+Model FLOP utilisation counts the matrix work a step must do, as in the PaLM paper's appendix B: 2·N FLOPs per
+token for a forward (prompt prefill and each decoded token) and 6·N per token for the update's forward and
+backward, with N the parameters that multiply (the input embedding is a lookup, so an untied one is left out),
+over ``--peak-tflops`` (H200 SXM bf16 dense: 989). Attention's own FLOPs are left out (small at these lengths).
+
+    bash benchmarks/gpu_check.sh                      # on the GPU machine (see that script)
+    python benchmarks/gpu_check.py --dry-run          # CPU, a tiny Qwen2 shape: what CI runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput_vs_trl import TASK, Side, check_prompts, make_timer_callback, trl_trainer  # noqa: E402
+
+#: Qwen2.5's published sizes (config.json of Qwen/Qwen2.5-0.5B and -1.5B); ``tiny-qwen`` is the CPU dry run's.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "tiny-qwen": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+}
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def build_tokenizer(vocab_size: int):
+    """meshrl's character tokenizer (ids 0-99, same chat template) padded with placeholder tokens to
+    ``vocab_size``, so that every id the model can sample decodes."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    from meshrl.models.tiny import BOS, CHAT_TEMPLATE, EOS, PAD, UNK, char_vocab
+
+    chars = char_vocab()
+    vocab = {tok: i for i, tok in enumerate(chars)}
+    vocab.update({f"<|x{i}|>": i for i in range(len(chars), vocab_size)})
+    backend = Tokenizer(BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+                                  pad_token=PAD)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_model_dir(shape: str, out: Path, seed: int = 0) -> Path:
+    """A Hugging Face directory with a randomly initialised Qwen2 of ``shape`` (fp32) and its tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tokenizer(SHAPES[shape]["vocab_size"])
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+                      use_sliding_window=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """N of the FLOP count: every parameter but an untied input embedding (a lookup, not a product)."""
+    total = sum(p.numel() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if emb is head else total - emb.numel()
+
+
+def step_flops(n_params: int, prompt_tokens: int, gen_tokens: int) -> float:
+    """2N per prefilled and per decoded token, 6N per token of the update (forward + backward)."""
+    return 2.0 * n_params * (prompt_tokens + gen_tokens) + 6.0 * n_params * (prompt_tokens + gen_tokens)
+
+
+class Memory:
+    """Peak GPU memory of one side (nothing on a CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> dict[str, float | None]:
+        if not self.cuda:
+            return {"peak_allocated_gib": None, "peak_reserved_gib": None}
+        torch.cuda.synchronize()
+        return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def meshrl_trainer(model_dir: Path, args, device: torch.device, run_dir: Path, *, mei: bool):
+    from meshrl.trainer import Trainer, load_config
+
+    p, g = args.prompts, args.group
+    overrides = [
+        f"model={model_dir}", f"task={TASK}", "recipe=grpo", "seed=0", "steps=1000000",
+        f"rollout.prompts_per_step={p}", f"rollout.group_size={g}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", f"rollout.batch_size={p * g}",
+        f"rollout.autocast_bf16={'true' if args.bf16 else 'false'}",
+        f"optim.lr={args.lr}", "optim.warmup_steps=0", "optim.weight_decay=0.0", "optim.max_grad_norm=1.0",
+        "train.ppo_epochs=1", "train.mini_batches=1", f"train.micro_batch_size={p * g}", "train.dtype=float32",
+        f"train.autocast_bf16={'true' if args.bf16 else 'false'}", f"train.device={device}",
+        "train.skip_zero_advantage=false", f"diag.mei.every={1 if mei else 0}", "log.progress=false",
+        "checkpoint.every=1000000",
+    ]
+    return Trainer(load_config(overrides=overrides), run_dir)
+
+
+def time_meshrl(trainer, side: Side, steps: int, device: torch.device) -> None:
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        trainer.step()
+        sync(device)
+        side.seconds.append(time.perf_counter() - t0)
+        data = trainer.last_data
+        side.tokens.append(sum(len(a) + len(b) for a, b in zip(data.prompt_ids, data.response_ids, strict=True)))
+        side.gen_tokens.append(sum(len(b) for b in data.response_ids))
+        side.extra.setdefault("len/response_mean", []).append(side.gen_tokens[-1] / max(1, len(data.response_ids)))
+
+
+def summarise(side: Side, warmup: int, n_params: int, prompt_tokens_per_step: float,
+              peak_tflops: float | None) -> dict[str, Any]:
+    s = side.summary(warmup)
+    gen = s["gen_tokens_per_step"]
+    flops = step_flops(n_params, prompt_tokens_per_step, gen)
+    s["tflops_per_step"] = flops / 1e12
+    s["mfu"] = (flops / s["step_s_median"]) / (peak_tflops * 1e12) if peak_tflops else None
+    return s
+
+
+def run_meshrl(model_dir: Path, args, device: torch.device, tmp: Path, n_params: int, mem: Memory,
+               prompt_tokens: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mei in (False, True):
+        name = "meshrl_mei" if mei else "meshrl"
+        mem.reset()
+        trainer = meshrl_trainer(model_dir, args, device, tmp / name, mei=mei)
+        side = Side(name)
+        try:
+            time_meshrl(trainer, side, args.warmup + args.steps, device)
+        finally:
+            trainer.close()
+        out[name] = {**summarise(side, args.warmup, n_params, prompt_tokens, args.peak_tflops), **mem.peak()}
+        del trainer
+    out["mei_overhead"] = out["meshrl_mei"]["step_s_median"] / out["meshrl"]["step_s_median"] - 1.0
+    return out
+
+
+def run_trl(model_dir: Path, args, device: torch.device, tmp: Path, n_params: int, mem: Memory,
+            prompt_tokens: float) -> dict[str, Any]:
+    from meshrl.models import load_model
+    from meshrl.tasks import load_task
+
+    mem.reset()
+    model, tok = load_model(str(model_dir), dtype="float32")
+    model = model.to(device)
+    side = Side("trl")
+    trainer = trl_trainer(model, copy.deepcopy(tok), load_task(TASK, seed=0), args.prompts, args.group,
+                          args.max_new_tokens, args.lr, args.warmup + args.steps, tmp / "trl", side,
+                          [make_timer_callback(side)], use_cpu=device.type == "cpu", bf16=args.bf16)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    out = {**summarise(side, args.warmup, n_params, prompt_tokens, args.peak_tflops), **mem.peak()}
+    del trainer, model
+    return out
+
+
+def run_shape(shape: str, args, device: torch.device) -> dict[str, Any]:
+    from meshrl.models import load_model
+    from meshrl.tasks import load_task
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"meshrl-gpu-check-{shape}-"))
+    t0 = time.perf_counter()
+    model_dir = build_model_dir(shape, tmp / "model")
+    model, tok = load_model(str(model_dir), dtype="float32")
+    n_params = matmul_params(model)
+    prompt_len = check_prompts(tok, load_task(TASK, seed=0))
+    del model
+    prompt_tokens = float(prompt_len * args.prompts * args.group)
+    result: dict[str, Any] = {"shape": shape, "matmul_params": n_params, "build_s": time.perf_counter() - t0,
+                              "prompt_tokens_per_row_max": prompt_len}
+    mem = Memory(device)
+    for name, run in (("meshrl", run_meshrl), ("trl", run_trl)):
+        if name == "trl" and args.no_trl:
+            result["trl"] = {"skipped": "--no-trl"}
+            continue
+        try:
+            part = run(model_dir, args, device, tmp, n_params, mem, prompt_tokens)
+        except ImportError as e:  # TRL (or datasets) not installed where this runs: say so, keep the rest
+            result[name] = {"skipped": f"{type(e).__name__}: {e}"}
+            continue
+        except Exception as e:  # one side failing must not lose the other's figures
+            logging.getLogger("meshrl").exception("%s on %s failed", name, shape)
+            result[name] = {"failed": f"{type(e).__name__}: {e}"}
+            continue
+        result.update(part if name == "meshrl" else {"trl": part})
+    if "tokens_per_s" in result.get("meshrl", {}) and "tokens_per_s" in result.get("trl", {}):
+        result["ratio_tokens_per_s"] = result["meshrl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
+    return result
+
+
+def report(r: dict[str, Any]) -> None:
+    print(f"\n== {r['shape']} ({r['matmul_params'] / 1e6:.1f}M matmul parameters)")
+    for name in ("meshrl", "meshrl_mei", "trl"):
+        s = r.get(name, {})
+        if "tokens_per_s" not in s:
+            print(f"{name:<11} {s}")
+            continue
+        mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a"
+        mem = f"{s['peak_allocated_gib']:.2f} GiB" if s["peak_allocated_gib"] is not None else "n/a"
+        print(f"{name:<11} tokens/s {s['tokens_per_s']:>9.0f}  gen tokens/s {s['gen_tokens_per_s']:>8.0f}  "
+              f"step {s['step_s_median']:.3f} s  MFU {mfu}  peak memory {mem}")
+    if "mei_overhead" in r:
+        print(f"MEI overhead (mei.every=1 vs 0, median step): {100 * r['mei_overhead']:+.1f}%")
+    if "ratio_tokens_per_s" in r:
+        print(f"meshrl / TRL tokens/s: {r['ratio_tokens_per_s']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", choices=list(SHAPES),
+                    help="repeatable; default qwen2.5-0.5b then qwen2.5-1.5b while --budget-s allows")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, shape tiny-qwen, 1 warm-up + 1 timed step, small batch: checks the script runs")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per side")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 (default: bf16 autocast)")
+    ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help=f"dense bf16 peak for MFU (default {H200_BF16_DENSE_TFLOPS} on CUDA, none on CPU)")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="start another default shape only while under half of this many seconds have passed")
+    ap.add_argument("--json", type=Path, default=Path("gpu_check.json"))
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.device, args.prompts, args.group, args.max_new_tokens = "cpu", 2, 4, 8
+        args.steps, args.warmup, args.shape = 1, 1, args.shape or ["tiny-qwen"]
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device; use --dry-run (or --device cpu) on a CPU", file=sys.stderr)
+        return 2
+    if args.peak_tflops is None and device.type == "cuda":
+        args.peak_tflops = H200_BF16_DENSE_TFLOPS
+    logging.getLogger("meshrl").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": args.device,
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+           "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
+           "steps": args.steps, "warmup": args.warmup, "bf16_autocast": args.bf16, "peak_tflops": args.peak_tflops}
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    with contextlib.suppress(ImportError):
+        import trl
+
+        env["trl"] = trl.__version__
+    print(json.dumps(env))
+    start = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    for i, shape in enumerate(args.shape or ["qwen2.5-0.5b", "qwen2.5-1.5b"]):
+        if i and not args.shape and time.perf_counter() - start > args.budget_s / 2:
+            print(f"skipping {shape}: {time.perf_counter() - start:.0f} s of the {args.budget_s:.0f} s budget spent")
+            break
+        results.append(run_shape(shape, args, device))
+        report(results[-1])
+        args.json.write_text(json.dumps({"env": env, "results": results}, indent=1))  # after each shape: kept
+    print(f"\nwrote {args.json} ({time.perf_counter() - start:.0f} s)")
+    failed = [f"{r['shape']}/{k}" for r in results for k in ("meshrl", "trl") if "failed" in r.get(k, {})]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""benchmarks/gpu_check.sh's CPU dry run (what CI can run of the GPU check), its FLOP count and tokenizer, and the
+``train.device`` setting the check trains with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshrl.models import resolve_device
+from meshrl.trainer import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def test_step_flops_is_2n_per_forward_token_and_6n_per_trained_token():
+    # 10 prompt + 5 generated tokens: prefill/decode 2N x 15, update 6N x 15.
+    assert gpu_check.step_flops(1000, 10, 5) == 2 * 1000 * 15 + 6 * 1000 * 15
+
+
+def test_matmul_params_leave_out_an_untied_input_embedding():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(gpu_check.SHAPES["tiny-qwen"])
+    tied = Qwen2ForCausalLM(Qwen2Config(**shape))
+    untied = Qwen2ForCausalLM(Qwen2Config(**{**shape, "tie_word_embeddings": False}))
+    assert gpu_check.matmul_params(tied) == sum(p.numel() for p in tied.parameters())
+    emb = untied.get_input_embeddings().weight.numel()
+    assert gpu_check.matmul_params(untied) == sum(p.numel() for p in untied.parameters()) - emb
+
+
+def test_tokenizer_encodes_like_tiny_and_decodes_every_id():
+    from meshrl.models import build_char_tokenizer
+
+    tok = gpu_check.build_tokenizer(300)
+    assert len(tok) == 300
+    text = "Repeat: abc 12"
+    assert tok(text)["input_ids"] == build_char_tokenizer()(text)["input_ids"]
+    assert tok.decode([299, 150], skip_special_tokens=True) == "<|x299|><|x150|>"
+
+
+@pytest.mark.slow  # two meshrl trainers and TRL, one warm-up and one timed step each on a tiny shape (~15 s)
+def test_dry_run_writes_every_figure(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert out["env"]["device"] == "cpu" and out["env"]["bf16_autocast"] is True
+    (r,) = out["results"]
+    assert r["shape"] == "tiny-qwen" and r["matmul_params"] > 0
+    for side in ("meshrl", "meshrl_mei", "trl"):
+        s = r[side]
+        assert s["steps"] == 1 and s["tokens_per_s"] > 0 and s["gen_tokens_per_step"] > 0, (side, s)
+        assert s["mfu"] is None and s["peak_allocated_gib"] is None  # no peak FLOP/s or GPU memory on a CPU
+        assert s["tflops_per_step"] > 0
+    assert r["mei_overhead"] > -1 and r["ratio_tokens_per_s"] > 0
+    assert "MEI overhead" in proc.stdout and "meshrl / TRL tokens/s" in proc.stdout
+
+
+def test_train_device_is_checked_when_read():
+    with pytest.raises(ValueError, match=r"train\.device='gpu'; use cpu, cuda, cuda:N or auto"):
+        load_config(overrides=["model=tiny", "train.device=gpu"])
+    for ok in ("cpu", "cuda", "cuda:1", "auto"):
+        assert load_config(overrides=["model=tiny", f"train.device={ok}"]).train.device == ok
+
+
+def test_resolve_device_never_falls_back_silently():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"train\.device='cuda', but torch sees no CUDA device"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="use cpu, cuda, cuda:N or auto"):
+        resolve_device("cuda:x")
