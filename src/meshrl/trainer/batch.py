@@ -29,13 +29,24 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Response tokens the loss reads (the model's own: environment tokens are masked)."""
         return int(self.response_mask.sum())
 
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """``[n]`` response tokens per row, environment tokens included (what the forward must run over)."""
+        return self.attention_mask[:, self.prompt_len :].sum(-1).long()
 
-def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> MicroBatch:
-    """Left-pad prompts and right-pad responses into one :class:`MicroBatch`."""
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+            model_masks: list[list[int] | None] | None = None) -> MicroBatch:
+    """Left-pad prompts and right-pad responses into one :class:`MicroBatch`. ``model_masks`` (multi-turn
+    episodes): per row, 1 on the tokens the model sampled and 0 on the environment's; the response mask keeps only
+    the 1s, so that no loss term, metric or MEI feature reads a tool's output (None: every token is the model's)."""
     if len(prompts) != len(responses) or not prompts:
         raise ValueError(f"collate needs equal, non-zero numbers of prompts ({len(prompts)}) and responses")
+    if model_masks is not None and len(model_masks) != len(responses):
+        raise ValueError(f"collate got {len(model_masks)} model masks for {len(responses)} responses")
     p_len = max(len(p) for p in prompts)
     t_len = max(1, max(len(r) for r in responses))
     n = len(prompts)
@@ -49,6 +60,11 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -
             attn[i, p_len : p_len + len(r)] = 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     resp_mask = attn[:, p_len:].to(torch.float32)
+    for i, m in enumerate(model_masks or []):
+        if m is not None:
+            if len(m) != len(responses[i]):
+                raise ValueError(f"row {i}: model mask of {len(m)} tokens for a response of {len(responses[i])}")
+            resp_mask[i, : len(m)] *= torch.tensor(m, dtype=torch.float32)
     return MicroBatch(ids, attn, pos, ids[:, p_len:], resp_mask, p_len)
 
 

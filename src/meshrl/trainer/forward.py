@@ -40,7 +40,8 @@ class PolicyForward:
             idx = rows[i : i + size]
             prompts = ([self._bare_prompt(data.problems[j]) for j in idx] if bare
                        else [data.prompt_ids[j] for j in idx])
-            yield idx, collate(prompts, [data.response_ids[j] for j in idx], self.pad_id)
+            masks = [data.model_mask(j) for j in idx] if getattr(data, "response_masks", None) else None
+            yield idx, collate(prompts, [data.response_ids[j] for j in idx], self.pad_id, masks)
 
     def collate(self, prompts: list[list[int]], responses: list[list[int]]) -> MicroBatch:
         return collate(prompts, responses, self.pad_id)

@@ -31,7 +31,10 @@ class MiniBatchSizes:
 
     @classmethod
     def of(cls, rows: list[int], data: Any) -> MiniBatchSizes:
-        lengths = [len(data.response_ids[j]) for j in rows]
+        """Tokens and rows the loss aggregates over: the model's own tokens (``StepData.response_masks``)."""
+        masks = getattr(data, "response_masks", None)
+        lengths = [len(data.response_ids[j]) if not masks or (m := data.model_mask(j)) is None else sum(m)
+                   for j in rows]
         return cls(sum(lengths), sum(1 for n in lengths if n > 0), len(rows))
 
 

@@ -134,6 +134,10 @@ class StepData:
     # plugins.coach_guide: how many leading response tokens were forced to the coach's opening (0 = sampled)
     forced_tokens: list[int] = field(default_factory=list)
     trace_rows: set[int] = field(default_factory=set)  # rows replaced by off-policy traces (plugins.luffy)
+    # Multi-turn episodes: per row, 1 on each response token the model sampled and 0 on the environment's tokens
+    # (tool output) between its turns; every loss term, metric and MEI reads only the 1s. Empty, or None for a
+    # row: every response token is the model's (single-turn rollouts).
+    response_masks: list[list[int] | None] = field(default_factory=list)
     rewards: torch.Tensor | None = None  # shaped reward [N]
     advantages: torch.Tensor | None = None  # [N]
     stats: dict[str, float] = field(default_factory=dict)
@@ -142,6 +146,9 @@ class StepData:
     seen: list[tuple[str, float, Any]] = field(default_factory=list)
 
     def extend(self, other: StepData, keep: list[int]) -> None:
+        if other.response_masks or self.response_masks:
+            self.response_masks.extend([None] * (len(self) - len(self.response_masks)))
+            self.response_masks.extend(other.model_mask(i) for i in keep)
         for name in ("prompt_ids", "response_ids", "texts", "truncated", "problems", "group_ids", "query_ids",
                      "strategy_ids", "scores", "rollout_logps"):
             getattr(self, name).extend(getattr(other, name)[i] for i in keep)
@@ -149,6 +156,10 @@ class StepData:
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def model_mask(self, row: int) -> list[int] | None:
+        """Row ``row``'s model-token mask (``response_masks``), or None when all its tokens are the model's."""
+        return self.response_masks[row] if row < len(self.response_masks) else None
 
 
 class ProblemSampler:

@@ -161,7 +161,7 @@ def _bucketed_logits(passes, mb: MicroBatch, device: torch.device, buckets: int)
     _, inverse, head_logits, prompt_kv = _prompt_pass(passes, mb, device)
     if prompt_kv is None:
         return None
-    lengths = mb.response_mask.sum(-1).long()
+    lengths = mb.response_lengths
     order = torch.argsort(lengths, stable=True)
     cuts = length_bucket_cuts(lengths[order].tolist(), buckets)
     parts = []
@@ -211,7 +211,7 @@ def _packed_logits(passes, mb: MicroBatch, device: torch.device) -> torch.Tensor
     if prompt_kv is None:
         return None
     out = F.pad(head_logits[inverse.to(device)], (0, 0, 0, t - 1))  # [n, T, V]: response token 0 from the prompt
-    widths = (mb.response_mask.sum(-1).long() - 1).clamp(min=0).tolist()
+    widths = (mb.response_lengths - 1).clamp(min=0).tolist()
     bins, cap = pack_responses(inverse.tolist(), widths)
     if not bins:
         return out

@@ -28,7 +28,8 @@ and the PartsEngine, per mini-batch (:meth:`PartsEngine.backward`):
 the mini-batch                                              path
 ==========================================================  =================================================
 MEI's first epoch, strategy balancing, a plug-in with       serial (every row's logits and graph here)
-``whole_micro_batch``
+``whole_micro_batch``, multi-turn episodes (environment
+tokens masked: ``StepData.response_masks``)
 two or more parts (``update_workers`` >= 2; one when the     parts: over the workers, or all here in turn when
 workers cannot start at the run's first update)             they died (one thread, bitwise the same)
 one part, zero-advantage skip, a row with advantage 0       parts: one part here, zero rows forward only
@@ -137,7 +138,8 @@ class PartsEngine(SerialEngine):
 
     def backward(self, rows: list[int], inputs: UpdateInputs, params: list[torch.nn.Parameter],
                  stats: dict[str, float], plan: StepPlan, epoch: int) -> bool:
-        if self.serial(plan, epoch):
+        if self.serial(plan, epoch) or getattr(inputs.data, "response_masks", None):
+            # Multi-turn episodes (environment tokens masked) run here: the parts' shards carry no masks.
             return super().backward(rows, inputs, params, stats, plan, epoch)
         workers = self.workers(params)
         if self.parts > 1 or (self.skip_zero and bool((inputs.data.advantages[rows] == 0).any())):

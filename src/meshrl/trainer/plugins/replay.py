@@ -129,6 +129,7 @@ def step_data_to_json(data: Any) -> dict[str, Any]:
         "rewards": tensor_to_json(data.rewards), "advantages": tensor_to_json(data.advantages),
         "stats": dict(data.stats),
         "seen": [[text, score, str(p.id)] for text, score, p in data.seen],
+        "response_masks": list(data.response_masks),
     }
 
 
@@ -148,6 +149,7 @@ def step_data_from_json(obj: dict[str, Any], problems: dict[str, Any]) -> Any:
     data.rewards, data.advantages = tensor_from_json(obj["rewards"]), tensor_from_json(obj["advantages"])
     data.stats = dict(obj["stats"])
     data.seen = [(text, score, problem(pid)) for text, score, pid in obj["seen"]]
+    data.response_masks = list(obj.get("response_masks", []))  # absent in checkpoints from before multi-turn
     return data
 
 
