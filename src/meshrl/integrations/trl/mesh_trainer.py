@@ -319,5 +319,7 @@ class MeshGRPOTrainer(GRPOTrainer):
         logps, _, _ = super()._get_per_token_logps_and_entropies(
             model, torch.cat([inputs["mesh_bare_prompt_ids"][rows], completion_ids], 1),
             torch.cat([inputs["mesh_bare_prompt_mask"][rows], completion_mask], 1), completion_ids.size(1))
+        if "tool_mask" in inputs:  # tool output inside a completion is the environment's, not the policy's
+            completion_mask = completion_mask * inputs["tool_mask"][rows]
         seq = (logps * completion_mask).sum(-1)
         return self.accelerator.num_processes * (w[rows].to(seq.dtype) * seq).sum()
