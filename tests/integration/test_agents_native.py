@@ -1,4 +1,5 @@
-"""meshrl.agents with a real model: tool-using episodes of ``model=tiny`` through the ``native`` rollout backend.
+"""meshrl.agents with a real model: tool-using episodes of ``model=tiny`` through the ``native`` rollout backend
+(and ``hf``, ``transformers.generate``).
 
 The untrained tiny model never writes a tool call, so the first turn of each episode is scripted (a calculator
 call); every later turn is the native engine sampling from the exact ids so far. Checked: the ids the trainer
@@ -14,6 +15,7 @@ import torch
 from meshrl.agents import EpisodeLimits, Toolbox, calculator, encode_agent_prompt, run_episodes
 from meshrl.models import load_model
 from meshrl.rollout.base import RolloutBackend, Rollouts, SamplingParams
+from meshrl.rollout.hf import HFGenerateBackend
 from meshrl.rollout.native import NativeDecodeBackend
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2**10 + 1"}}\n</tool_call>'
@@ -25,7 +27,7 @@ class ScriptedFirstTurn(RolloutBackend):
 
     name = "scripted+native"
 
-    def __init__(self, native: NativeDecodeBackend, tokenizer):
+    def __init__(self, native: RolloutBackend, tokenizer):
         self.native, self.tokenizer = native, tokenizer
         self.engine_calls: list[tuple[list[list[int]], Rollouts]] = []
         self.first = True
@@ -52,18 +54,20 @@ def tiny():
     return load_model("tiny", seed=0)
 
 
-def _episodes(tiny, seed: int):
+def _episodes(tiny, seed: int, engine: str = "native"):
     model, tok = tiny
-    backend = ScriptedFirstTurn(NativeDecodeBackend(model, tok, workers=1), tok)
+    inner = NativeDecodeBackend(model, tok, workers=1) if engine == "native" else HFGenerateBackend(model, tok)
+    backend = ScriptedFirstTurn(inner, tok)
     prompts = [encode_agent_prompt(tok, q, Toolbox(None, [calculator]).schemas) for q in ("2**10+1?", "Sum?")]
     params = SamplingParams(max_new_tokens=24, temperature=1.0, n=3)
     episodes = run_episodes(backend, prompts, None, tok, params, EpisodeLimits(max_turns=3), seed, tools=[calculator])
     return backend, episodes
 
 
-def test_native_turns_are_scored_exactly_as_sampled(tiny):
+@pytest.mark.parametrize("engine", ["native", "hf"])
+def test_engine_turns_are_scored_exactly_as_sampled(tiny, engine):
     model, tok = tiny
-    backend, episodes = _episodes(tiny, seed=11)
+    backend, episodes = _episodes(tiny, 11, engine)
     assert len(episodes) == 6 and len(backend.engine_calls) >= 1
     assert backend.engine_calls[0][0] == [e.prompt_ids + e.ids[: e.turn_spans[1][0]] for e in episodes]
     for e in episodes:

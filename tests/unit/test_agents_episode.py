@@ -274,3 +274,47 @@ def test_a_turn_longer_than_its_episodes_room_is_cut_at_the_budget():
         assert len(e.ids) == 220 and e.end_reason == "max_total_tokens"
         assert e.model_mask[e.turn_spans[1][0]:] == [1] * (220 - e.turn_spans[1][0])
         assert len(e.engine_logprobs) == 220
+
+
+def test_tool_calls_of_different_episodes_run_concurrently():
+    """Four episodes' calls meet at a barrier for four: only concurrent calls pass it in time."""
+    def run(workers: int):
+        barrier = threading.Barrier(4, timeout=2)
+
+        def meet(tag: int) -> str:
+            """Wait for the other episodes.
+
+            Args:
+                tag: A label.
+            """
+            barrier.wait()
+            return f"met {tag}"
+
+        def script(context, row, seed):
+            return call_text("meet", {"tag": row}) if _responses(context) == 0 else "done"
+
+        backend = ScriptedBackend(TOK, script)
+        return run_episodes(backend, PROMPTS, None, TOK, SamplingParams(max_new_tokens=200, n=2),
+                            EpisodeLimits(tool_timeout_s=1.0), 0, tools=[meet], tool_workers=workers)
+
+    together = run(4)
+    assert [e.tool_calls[0].content for e in together] == ["met 0", "met 1", "met 2", "met 3"]
+    alone = run(1)
+    assert all(e.tool_errors == 1 for e in alone)
+    with pytest.raises(ValueError, match="tool_workers must be >= 1"):
+        run(0)
+
+
+def test_the_sandboxed_python_tool_inside_an_episode():
+    from meshrl.agents import python_tool
+
+    def script(context, row, seed):
+        if _responses(context) == 0:
+            return call_text("python", {"code": "print(sum(range(10)))"})
+        return "45"
+
+    backend = ScriptedBackend(TOK, script)
+    episodes = run_episodes(backend, PROMPTS[:1], None, TOK, SamplingParams(max_new_tokens=200), EpisodeLimits(), 0,
+                            tools=[python_tool(timeout_s=5)])
+    assert episodes[0].tool_calls[0].content == "45\n" and episodes[0].end_reason == "answer"
+    assert "<tool_response>\n45\n\n</tool_response>" in TOK.decode(episodes[0].ids)

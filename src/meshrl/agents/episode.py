@@ -24,12 +24,19 @@ An episode ends with ``end_reason``:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshrl.agents.environment import Toolbox, environment_reward, reset_environment
-from meshrl.agents.execute import execute_call
-from meshrl.agents.tool_calls import ParseFailure, ToolResponseRenderer, parse_tool_calls, tool_result_text
+from meshrl.agents.execute import ToolResult, execute_call
+from meshrl.agents.tool_calls import (
+    ParsedTurn,
+    ParseFailure,
+    ToolResponseRenderer,
+    parse_tool_calls,
+    tool_result_text,
+)
 from meshrl.rollout.base import RolloutBackend, Rollouts, SamplingParams
 
 LIMIT_REASONS = ("max_turns", "max_tool_calls", "max_total_tokens", "turn_length")
@@ -165,7 +172,8 @@ def _make_episodes(prompt_ids: list[list[int]], n: int, env_factory: Callable[[]
 def run_episodes(backend: RolloutBackend, prompt_ids: list[list[int]], env_factory: Callable[[], Any] | None,
                  tokenizer, params: SamplingParams, limits: EpisodeLimits, seed: int, *,
                  tools: Sequence[Callable[..., Any]] = (), reset_kwargs: Sequence[dict[str, Any]] | None = None,
-                 envs: Sequence[Any] | None = None, chat_template_kwargs: dict | None = None) -> list[Episode]:
+                 envs: Sequence[Any] | None = None, chat_template_kwargs: dict | None = None,
+                 tool_workers: int = 8) -> list[Episode]:
     """Run ``params.n`` episodes per prompt (prompt-major: the ``n`` of prompt 0 first), see the module docstring.
 
     ``env_factory`` makes one environment per episode (TRL's convention; ``None``: only standalone ``tools``),
@@ -173,23 +181,28 @@ def run_episodes(backend: RolloutBackend, prompt_ids: list[list[int]], env_facto
     and reset by the caller instead (:func:`start_environments`), ``len(prompt_ids) * params.n`` of them.
     ``tools`` are standalone tool functions every episode may call as well (:mod:`meshrl.agents.execute` has
     built-in ones). ``prompt_ids`` should show the tools to the model (:func:`encode_agent_prompt`).
+
+    After each turn the episodes' tool calls run in up to ``tool_workers`` threads, one episode per thread (an
+    episode's own calls in order, as its environment's state may depend on it); results are recorded in episode
+    order, so the outcome does not depend on which thread finishes first.
     """
+    if tool_workers < 1:
+        raise ValueError(f"tool_workers must be >= 1, got {tool_workers}")
     episodes = _make_episodes(prompt_ids, params.n, env_factory, tools, reset_kwargs, envs)
     renderer = ToolResponseRenderer(tokenizer, chat_template_kwargs)
-    first = backend.generate(prompt_ids, _turn_params(params, params.n, limits.max_total_tokens),
-                             seed=turn_seed(seed, 0))
-    _check_rows(first, len(episodes), "turn 1")
-    for row, episode in enumerate(episodes):
-        _take_turn(episode, first, row, tokenizer, renderer, limits)
-    turn = 1
-    while live := [episode for episode in episodes if episode.end_reason is None]:
-        room = max(limits.max_total_tokens - len(episode.ids) for episode in live)
-        contexts = [episode.prompt_ids + episode.ids for episode in live]
-        out = backend.generate(contexts, _turn_params(params, 1, room), seed=turn_seed(seed, turn))
-        _check_rows(out, len(live), f"turn {turn + 1}")
-        for row, episode in enumerate(live):
-            _take_turn(episode, out, row, tokenizer, renderer, limits)
-        turn += 1
+    with ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="episode-tools") as pool:
+        first = backend.generate(prompt_ids, _turn_params(params, params.n, limits.max_total_tokens),
+                                 seed=turn_seed(seed, 0))
+        _check_rows(first, len(episodes), "turn 1")
+        _advance(episodes, first, tokenizer, renderer, limits, pool)
+        turn = 1
+        while live := [episode for episode in episodes if episode.end_reason is None]:
+            room = max(limits.max_total_tokens - len(episode.ids) for episode in live)
+            contexts = [episode.prompt_ids + episode.ids for episode in live]
+            out = backend.generate(contexts, _turn_params(params, 1, room), seed=turn_seed(seed, turn))
+            _check_rows(out, len(live), f"turn {turn + 1}")
+            _advance(live, out, tokenizer, renderer, limits, pool)
+            turn += 1
     for episode in episodes:
         if episode.env is not None:
             episode.env_reward = environment_reward(episode.env)
@@ -205,9 +218,38 @@ def _check_rows(rollouts: Rollouts, expected: int, where: str) -> None:
         raise RuntimeError(f"the rollout backend returned {len(rollouts)} samples at {where}, expected {expected}")
 
 
-def _take_turn(episode: Episode, rollouts: Rollouts, row: int, tokenizer, renderer: ToolResponseRenderer,
-               limits: EpisodeLimits) -> None:
-    """Append the model turn ``rollouts[row]`` to ``episode``, then end it or append the tool responses."""
+def _advance(episodes: list[Episode], rollouts: Rollouts, tokenizer, renderer: ToolResponseRenderer,
+             limits: EpisodeLimits, pool: ThreadPoolExecutor) -> None:
+    """One turn for ``episodes`` (row ``i`` of ``rollouts`` is ``episodes[i]``'s): append the model turns, run
+    the calls of those that continue (concurrently across episodes), append the rendered results."""
+    pending = [(episode, parsed) for row, episode in enumerate(episodes)
+               if (parsed := _take_turn(episode, rollouts, row, tokenizer, limits)) is not None]
+    results = list(pool.map(lambda item: _run_calls(item[0], item[1], limits), pending))
+    for (episode, parsed), executed in zip(pending, results, strict=True):
+        if parsed.failure is not None:
+            responses = [(PARSE_FAILURE_TOOL, tool_result_text({"error": parsed.failure.message()}))]
+        else:
+            responses = []
+            for call, result in zip(parsed.calls, executed, strict=True):
+                episode.tool_calls.append(ToolCallRecord(episode.turns, call.name, call.arguments, result.content,
+                                                         result.error, result.timed_out, result.duration_s))
+                responses.append((call.name, result.content))
+        suffix = renderer.ids(responses)
+        if len(episode.ids) + len(suffix) >= limits.max_total_tokens:
+            episode.end_reason = "max_total_tokens"  # no room left for a next model token
+            continue
+        episode.append(suffix, model=False)
+
+
+def _run_calls(episode: Episode, parsed: ParsedTurn, limits: EpisodeLimits) -> list[ToolResult]:
+    return [execute_call(episode.toolbox, call, timeout_s=limits.tool_timeout_s,
+                         max_output_chars=limits.max_tool_output_chars) for call in parsed.calls]
+
+
+def _take_turn(episode: Episode, rollouts: Rollouts, row: int, tokenizer, limits: EpisodeLimits
+               ) -> ParsedTurn | None:
+    """Append the model turn ``rollouts[row]`` to ``episode``; return its parsed calls (or its parse failure,
+    to be answered) when the episode goes on, else set ``end_reason`` and return ``None``."""
     response = rollouts.response_ids[row]
     logprobs = rollouts.engine_logprobs[row] if rollouts.engine_logprobs is not None else None
     room = limits.max_total_tokens - len(episode.ids)
@@ -219,43 +261,18 @@ def _take_turn(episode: Episode, rollouts: Rollouts, row: int, tokenizer, render
     episode.turn_spans.append((start, len(episode.ids)))
     ended_turn = not rollouts.truncated[row] and not cut  # its last token is the end-of-turn token
     episode.final_text = tokenizer.decode(response[:-1] if ended_turn else response, skip_special_tokens=False)
-    if not ended_turn and len(episode.ids) >= limits.max_total_tokens:  # the budget, not the turn cap, stopped it
-        episode.end_reason = "max_total_tokens"
-    elif not ended_turn:
-        episode.end_reason = "turn_length"
-    else:
-        _after_turn(episode, renderer, limits)
-
-
-def _after_turn(episode: Episode, renderer: ToolResponseRenderer, limits: EpisodeLimits) -> None:
-    """Parse the finished model turn, execute its calls and append their rendered results (or end the episode)."""
+    if not ended_turn:  # the budget or the turn cap stopped it mid-turn
+        episode.end_reason = "max_total_tokens" if len(episode.ids) >= limits.max_total_tokens else "turn_length"
+        return None
     parsed = parse_tool_calls(episode.final_text, {n: t.parameters for n, t in episode.toolbox.tools.items()})
     if parsed.failure is not None:
         episode.parse_failures.append(parsed.failure)
         if limits.on_parse_failure == "end":
             episode.end_reason = "parse_failure"
-            return
     elif not parsed.calls:
         episode.end_reason = "answer"
-        return
     elif len(episode.tool_calls) + len(parsed.calls) > limits.max_tool_calls:
         episode.end_reason = "max_tool_calls"
-        return
-    if episode.turns >= limits.max_turns:
+    if episode.end_reason is None and episode.turns >= limits.max_turns:  # no turn left to read the results
         episode.end_reason = "max_turns"
-        return
-    if parsed.failure is not None:
-        responses = [(PARSE_FAILURE_TOOL, tool_result_text({"error": parsed.failure.message()}))]
-    else:
-        responses = []
-        for call in parsed.calls:
-            result = execute_call(episode.toolbox, call, timeout_s=limits.tool_timeout_s,
-                                  max_output_chars=limits.max_tool_output_chars)
-            episode.tool_calls.append(ToolCallRecord(episode.turns, call.name, call.arguments, result.content,
-                                                     result.error, result.timed_out, result.duration_s))
-            responses.append((call.name, result.content))
-    suffix = renderer.ids(responses)
-    if len(episode.ids) + len(suffix) >= limits.max_total_tokens:
-        episode.end_reason = "max_total_tokens"  # no room left for a next model token
-        return
-    episode.append(suffix, model=False)
+    return parsed if episode.end_reason is None else None
