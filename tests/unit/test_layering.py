@@ -10,7 +10,7 @@ LAYER = {
     "algos": 1, "stats": 1,
     "mesh": 2, "diagnostics": 2,
     "rewards": 3, "tasks": 3, "models": 3, "rollout": 3, "runs": 3, "trainer": 3, "testbed": 3, "evaluation": 3,
-    "analysis": 3, "doctor": 3,
+    "analysis": 3, "doctor": 3, "agents": 3,
     "cli": 4, "integrations": 4, "report": 4,
 }
 FACES = {"cli", "integrations", "report"}
