@@ -203,7 +203,7 @@ def _prefix_of(spec: str) -> str:
 
 def list_tasks() -> list[str]:
     """Registered built-in task names followed by the prefix forms (``rg:NAME``, ``jsonl:PATH``, ...)."""
-    return sorted(_BUILTINS) + sorted(form for _, form in _PREFIXES.values())
+    return sorted(_BUILTINS) + sorted([*(form for _, form in _PREFIXES.values()), "env:ENV?...&data=SPEC"])
 
 
 def load_task(spec: str, *, seed: int = 0, **options: Any) -> Task:
@@ -212,6 +212,10 @@ def load_task(spec: str, *, seed: int = 0, **options: Any) -> Task:
     ``seed`` fixes every random choice (generated problems, held-out split); a ``seed`` in the
     spec's query string overrides it.  Unknown specs raise ``ValueError`` listing the known forms.
     """
+    if spec.partition("?")[0].startswith("env:"):  # its data= option holds a whole task spec: parsed there
+        from meshrl.tasks.env import load_env_task
+
+        return load_env_task(spec, seed=seed, **options)
     base, query = split_spec(spec)
     opts = {**query, **options}
     seed = int_option(spec, "seed", opts.pop("seed", seed))

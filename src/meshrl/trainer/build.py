@@ -86,6 +86,11 @@ def build_sampler(cfg: Any, recipe: Any, task: Any, problems: list[Any], policy:
     log.info("rollout backend: %s (rollout.backend=%s)", backend.name, cfg.rollout.backend)
     _check_code_sandbox(cfg, task)
     runner = RewardRunner(task.score, timeout_s=scorer_time_limit(cfg.reward.timeout_s, task), strict=cfg.reward.strict)
+    if getattr(task, "episodic", False):  # tool-using episodes: the prompt shows the tools
+        from meshrl.trainer.episodes import check_episodic_config
+
+        check_episodic_config(cfg)
+        encode_prompt = task.encode_prompt
     prefixes = prepare_prefixes(cfg, task, problems, run_dir) if cfg.mesh_enabled else None
     sampler = RolloutStep(task=task, problems=problems, backend=backend, tokenizer=policy.tokenizer,
                           reward_runner=runner, recipe=recipe, cfg=cfg, encode_prompt=encode_prompt, prefixes=prefixes)

@@ -193,6 +193,7 @@ class RolloutStep:
         self._encode = encode_prompt
         self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
         self.last = StepData()
+        self.episodes: list[Any] = []  # this step's tool-using episodes (an env task), for their metrics
 
     def conditioning(self, problem, strategy: int) -> dict[str, str]:
         """``{"system": text}`` or ``{"assistant_prefix": text}``: the coach prefix of a rollout, wrapped in
@@ -307,6 +308,17 @@ class RolloutStep:
 
             openings = [self.opening(chosen[j], k) for j, k in arms]
             rows = generate_guided(self.backend, prompts, openings, params, seed=seed)
+        elif getattr(self.task, "episodic", False):  # tool-using episodes (meshrl.trainer.episodes)
+            from meshrl.trainer.episodes import sample_episodes
+
+            def encode_with(i: int, observation: str) -> list[int]:
+                j, k = arms[i]
+                extra = self.conditioning(chosen[j], k) if k >= 0 else {}
+                return self._encode(self.tokenizer, self.task.format_prompt(chosen[j]) + observation, **extra)
+
+            rows, episodes = sample_episodes(self.task, self.backend, self.tokenizer, prompts,
+                                             [chosen[j] for j, _ in arms], params, seed, encode_with)
+            self.episodes.extend(episodes)
         else:
             rows = sampled_rows(self.backend.generate(prompts, params, seed=seed))
         data = StepData()
@@ -324,7 +336,12 @@ class RolloutStep:
             data.group_ids.append(positions[j] if per_query else (positions[j], k))
             data.rollout_logps.append(None if row["logps"] is None else list(row["logps"]))
             data.forced_tokens.append(int(row["forced"]))
-        data.scores = self.rewards(data.texts, data.problems)
+            if "model_mask" in row:
+                data.response_masks.append(list(row["model_mask"]))
+        if getattr(self.task, "owns_reward", False):  # the environment's get_reward() scores the episode
+            data.scores = [float(row["env_reward"]) for row in rows]
+        else:
+            data.scores = self.rewards(data.texts, data.problems)
         if self.prefixes is not None:  # Task.conditioned_score: e.g. a coach-following reward (default: unchanged)
             data.scores = [self.task.conditioned_score(s, t, p, self.prefixes[p.id][k]) if k >= 0 else s
                            for s, t, p, k in zip(data.scores, data.texts, data.problems, data.strategy_ids,
@@ -338,6 +355,7 @@ class RolloutStep:
         target = ro.prompts_per_step
         rounds = self.cfg.dynamic_sampling.max_rounds if rec.dynamic_sampling else 1
         batch, sampled, kept_groups, dropped = StepData(), 0, 0, 0
+        self.episodes = []
         sampled_reward = 0.0  # shaped reward of every sampled rollout, kept or filtered
         start, drawn = cursor, 0
         for rnd in range(rounds):
@@ -369,6 +387,10 @@ class RolloutStep:
             "skipped/long_prompts": float(cursor - start - drawn),  # problems too long for the model
             "time/rollout_s": time.perf_counter() - t0,
         }
+        if self.episodes:
+            from meshrl.agents import episode_metrics
+
+            batch.stats.update(episode_metrics(self.episodes))
         return batch, cursor
 
     def advantages(self, rewards: torch.Tensor, group_ids: list[Any]) -> torch.Tensor:

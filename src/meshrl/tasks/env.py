@@ -1,0 +1,131 @@
+"""Tool-using tasks: ``env:ENV?OPTIONS&data=SPEC`` (multi-turn episodes, :mod:`meshrl.agents`).
+
+``ENV`` is an environment in TRL's convention (``MODULE:FACTORY``, a class or function whose instance's public
+methods are its tools, with ``reset(**row)`` and optionally ``get_reward()``) or a built-in tool set:
+``calculator`` (exact arithmetic) or ``python`` (a program run in meshrl's sandbox). ``data=SPEC`` is any task
+spec that gives the prompts and answers (``jsonl:problems.jsonl?...``, ``gsm8k:...``, ``tiny:repeat``); it comes
+**last** and takes the rest of the spec, so its own ``?`` and ``&`` need no escaping. The episode's reward is
+``get_reward()`` when the environment has one, else the data task's grade of the final answer (the last model
+turn). Options before ``data=``: ``max_turns`` (4), ``max_tool_calls`` (8), ``max_total_tokens`` (1024: every
+token after the prompt, tool output included), ``tool_timeout_s`` (10), ``max_tool_output_chars`` (4000),
+``on_parse_failure`` (``respond`` | ``end``), ``tools`` (built-in tool sets offered beside the environment's,
+``calculator`` and/or ``python``, comma-separated), ``python_timeout_s`` (5).
+
+    env:calculator?max_turns=3&data=jsonl:gsm8k.jsonl?problem=question&answer=answer
+    env:my_envs.wordle:WordleEnv?data=jsonl:words.jsonl?problem=prompt&answer=word
+
+``reset`` receives the problem's row: ``prompt``, ``answer``, ``id`` and every field of its ``meta``; text it
+returns is appended to the user message, as TRL does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote
+
+from meshrl.tasks._spec import coerce_value
+from meshrl.tasks.base import Problem, Task
+
+BUILTIN_TOOLSETS = ("calculator", "python")
+LIMIT_OPTIONS = ("max_turns", "max_tool_calls", "max_total_tokens", "tool_timeout_s", "max_tool_output_chars",
+                 "on_parse_failure")
+
+
+def split_env_spec(spec: str) -> tuple[str, dict[str, Any], str]:
+    """``"env:ENV?k=v&data=SPEC"`` -> ``(ENV, {k: v}, SPEC)``: ``data=`` takes the rest of the spec."""
+    base, _, query = spec.partition("?")
+    env = base.removeprefix("env:")
+    if not env:
+        raise ValueError(f"task spec {spec!r}: name an environment (env:MODULE:FACTORY, env:calculator, env:python)")
+    head, sep, data = query.partition("data=") if query.startswith("data=") else query.partition("&data=")
+    if not sep or not data:
+        raise ValueError(f"task spec {spec!r}: an environment needs its problems as a last option data=SPEC "
+                         "(e.g. data=jsonl:problems.jsonl?problem=question&answer=answer)")
+    options: dict[str, Any] = {}
+    for part in head.split("&") if head else []:
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise ValueError(f"task spec {spec!r}: option {part!r} is not of the form key=value")
+        options[unquote(key)] = coerce_value(unquote(value))
+    return env, options, data
+
+
+class EnvTask(Task):
+    """A data task's problems answered in tool-using episodes (the module docstring). ``episodic`` tells the
+    trainer and the evaluation to run :func:`meshrl.agents.run_episodes` instead of one completion per prompt."""
+
+    episodic = True
+
+    def __init__(self, name: str, data: Task, factory: Callable[[], Any] | None, tools: list[Callable[..., Any]],
+                 limits: Any) -> None:
+        from meshrl.agents import Toolbox
+
+        self.name, self.data, self.factory, self.tools, self.limits = name, data, factory, tools, limits
+        self.reward_kind, self.instruction, self.splits = data.reward_kind, data.instruction, data.splits
+        probe = factory() if factory is not None else None  # one instance, not reset: its tools and reward
+        #: whether the environment scores the episode (``get_reward``) instead of the data's grader
+        self.owns_reward = callable(getattr(probe, "get_reward", None))
+        #: the tools' JSON schemas, as the prompt shows them
+        self.schemas: list[dict] = Toolbox(probe, tools).schemas
+
+    def problems(self, split: str = "train") -> list[Problem]:
+        return self.data.problems(split)
+
+    def format_prompt(self, problem: Problem) -> str:
+        return self.data.format_prompt(problem)
+
+    def score(self, completion: str, problem: Problem) -> float:
+        return self.data.score(completion, problem)
+
+    def label_strategy(self, completion: str) -> str | None:
+        return self.data.label_strategy(completion)
+
+    def encode_prompt(self, tokenizer: Any, text: str, *, system: str | None = None,
+                      assistant_prefix: str | None = None) -> list[int]:
+        """Prompt ids that show the tools (:func:`meshrl.agents.encode_agent_prompt`), with the same ``system`` and
+        ``assistant_prefix`` conditioning as :func:`meshrl.models.encode_prompt` (a coach prefix)."""
+        from meshrl.agents import encode_agent_prompt
+
+        ids = encode_agent_prompt(tokenizer, text, self.schemas, system=system)
+        if assistant_prefix:
+            ids = ids + list(tokenizer.encode(assistant_prefix, add_special_tokens=False))
+        return ids
+
+    def reset_kwargs(self, problem: Problem) -> dict[str, Any]:
+        """What ``reset`` receives: the problem's row (TRL passes the dataset row's columns)."""
+        return {**problem.meta, "prompt": problem.prompt, "answer": problem.answer, "id": problem.id}
+
+
+def _toolset(name: str, options: dict[str, Any], spec: str) -> Callable[..., Any]:
+    from meshrl.agents import calculator, python_tool
+
+    if name == "calculator":
+        return calculator
+    if name == "python":
+        timeout = float(options.pop("python_timeout_s", 5.0))
+        return python_tool(timeout_s=timeout)
+    raise ValueError(f"task spec {spec!r}: unknown tool set {name!r}; built-in: {', '.join(BUILTIN_TOOLSETS)}")
+
+
+def load_env_task(spec: str, *, seed: int = 0, **extra: Any) -> EnvTask:
+    """The :class:`EnvTask` of ``spec`` (the module docstring); unknown options are refused by name."""
+    from meshrl.agents import EpisodeLimits, load_environment
+    from meshrl.tasks.base import load_task
+
+    env, options, data_spec = split_env_spec(spec)
+    options = {**options, **extra}
+    limits = EpisodeLimits(**{k: options.pop(k) for k in LIMIT_OPTIONS if k in options})
+    names = [env] if env in BUILTIN_TOOLSETS else []
+    extra_sets = options.pop("tools", "")
+    names += [t for t in str(extra_sets).split(",") if t] if extra_sets else []
+    factory = None if env in BUILTIN_TOOLSETS else load_environment(env)
+    tools = [_toolset(name, options, spec) for name in dict.fromkeys(names)]
+    options.pop("python_timeout_s", None)
+    if options:
+        raise ValueError(f"task spec {spec!r}: unknown option(s) {sorted(options)}; known: "
+                         f"{', '.join([*LIMIT_OPTIONS, 'tools', 'python_timeout_s', 'data'])}")
+    data = load_task(data_spec, seed=seed)
+    if getattr(data, "episodic", False):
+        raise ValueError(f"task spec {spec!r}: data={data_spec!r} is itself an environment")
+    return EnvTask(f"env:{env}", data, factory, tools, limits)

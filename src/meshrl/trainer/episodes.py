@@ -1,0 +1,49 @@
+"""Rollouts of a tool-using task (:class:`meshrl.tasks.env.EnvTask`): one multi-turn episode per sample.
+
+Each row is what the single-turn sampler gives (``sampled_rows``) plus the episode's ``model_mask`` (1 on the
+tokens the model sampled, 0 on tool output, which the update masks out of every term: ``StepData.response_masks``)
+and ``env_reward``. The response is every token after the prompt, exactly as sampled and appended
+(:func:`meshrl.agents.run_episodes`: never re-tokenised), and ``text`` the final model turn, which the data task
+grades when the environment has no ``get_reward``. Rows are prompt-major, so a GRPO group is still the episodes
+of one prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+
+def sample_episodes(task: Any, backend: Any, tokenizer: Any, prompts: list[list[int]], problems: list[Any],
+                    params: Any, seed: int, encode_with: Callable[[int, str], list[int]]
+                    ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``params.n`` episodes per prompt: ``(rows, episodes)``. An environment whose ``reset`` returns text gets it
+    appended to its episode's user message (TRL's convention): ``encode_with(prompt_index, observation)`` builds
+    that episode's prompt, and every episode then runs from its own prompt."""
+    from meshrl.agents import run_episodes, start_environments
+
+    envs, episode_prompts, n = None, prompts, params.n
+    if task.factory is not None:
+        envs, observations = start_environments(task.factory, [task.reset_kwargs(p) for p in problems], params.n)
+        if any(obs is not None for obs in observations):
+            episode_prompts = [encode_with(i // params.n, obs or "") for i, obs in enumerate(observations)]
+            n = 1
+    episodes = run_episodes(backend, episode_prompts, None, tokenizer, replace(params, n=n), task.limits, seed,
+                            tools=task.tools, envs=envs)
+    rows = [{"prompt_index": i // params.n, "prompt_ids": list(e.prompt_ids), "response_ids": list(e.ids),
+             "text": e.final_text, "truncated": e.truncated,
+             "logps": None if e.engine_logprobs is None else list(e.engine_logprobs), "forced": 0,
+             "model_mask": list(e.model_mask), "env_reward": e.env_reward}
+            for i, e in enumerate(episodes)]
+    return rows, episodes
+
+
+def check_episodic_config(cfg: Any) -> None:
+    """Settings that cannot act on multi-turn episodes, refused by key before any rollout."""
+    p = cfg.plugins
+    for name in ("coach_guide", "luffy", "ssd", "opsd", "remix", "calib"):
+        section = getattr(p, name, None)
+        if section is not None and getattr(section, "enabled", False):
+            raise ValueError(f"plugins.{name}.enabled: not available with a tool-using task (env:...): it reads "
+                             "each response as one sampled stream, and an episode interleaves tool output")

@@ -1,0 +1,122 @@
+"""Tool-using tasks in the trainer (``task=env:...``): the spec, the prompt that shows the tools, episodes as the
+step's rollouts (tool output masked out of the update, the environment's reward or the data's grade), their
+metrics in the step record, and the settings refused with them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from agents_support import ScriptedBackend, call_text  # noqa: E402
+
+from meshrl.tasks import load_task  # noqa: E402
+from meshrl.tasks.env import EnvTask, split_env_spec  # noqa: E402
+from meshrl.testing import TINY_RUN  # noqa: E402
+from meshrl.trainer import Trainer, load_config  # noqa: E402
+
+RUN = [*TINY_RUN, "rollout.max_new_tokens=96", "optim.lr=1e-3"]
+
+
+def test_data_takes_the_rest_of_the_spec():
+    env, options, data = split_env_spec("env:calculator?max_turns=3&data=jsonl:x.jsonl?problem=q&answer=a")
+    assert (env, options, data) == ("calculator", {"max_turns": 3}, "jsonl:x.jsonl?problem=q&answer=a")
+    assert split_env_spec("env:m:F?data=tiny:repeat") == ("m:F", {}, "tiny:repeat")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("env:calculator?max_turns=3", "needs its problems as a last option data=SPEC"),
+    ("env:?data=tiny:repeat", "name an environment"),
+    ("env:calculator?turns=3&data=tiny:repeat", r"unknown option\(s\) \['turns'\]"),
+    ("env:calculator?tools=abacus&data=tiny:repeat", "unknown tool set 'abacus'"),
+    ("env:no_such_module_xyz:Env?data=tiny:repeat", "cannot import module 'no_such_module_xyz'"),
+    ("env:calculator?max_turns=0&data=tiny:repeat", "max_turns"),
+])
+def test_bad_env_specs_name_what_is_wrong(spec, message):
+    with pytest.raises(ValueError, match=message):
+        load_task(spec)
+
+
+def test_env_task_keeps_the_data_and_shows_the_tools():
+    task = load_task("env:agents_support:CounterEnv?tools=calculator&max_turns=3&data=tiny:repeat")
+    data = load_task("tiny:repeat")
+    assert isinstance(task, EnvTask) and task.owns_reward and task.limits.max_turns == 3
+    assert [p.id for p in task.problems()] == [p.id for p in data.problems()]
+    assert {s["function"]["name"] for s in task.schemas} == {"calculator", "increment", "read"}
+    assert not load_task("env:calculator?data=tiny:repeat").owns_reward
+
+
+def _counter_script(tokenizer):
+    """Turn 1: even rows increment by 3 (the target: reward 1), odd rows by 1 (reward 0); turn 2: an answer."""
+
+    def script(context: list[int], row: int, seed: int) -> str:
+        if "<s>tool\n" in tokenizer.decode(context):  # the tiny chat template's tool message
+            return "done"
+        return call_text("increment", {"step": 3 if row % 2 == 0 else 1})
+
+    return script
+
+
+def test_a_step_trains_on_episodes_with_tool_output_masked(tmp_path):
+    cfg = load_config(overrides=[*RUN, "task=env:agents_support:CounterEnv?max_turns=3&data=tiny:repeat"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        trainer.sampler.backend = ScriptedBackend(trainer.tokenizer, _counter_script(trainer.tokenizer))
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        metrics = trainer.step()
+        data = trainer.last_data
+        assert len(data) == 16 and len(data.response_masks) == 16
+        assert data.scores == [1.0, 0.0] * 8  # the environment's get_reward
+        tok = trainer.tokenizer
+        for ids, mask, text in zip(data.response_ids, data.response_masks, data.texts, strict=True):
+            model_part = tok.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)
+            tool_part = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m], skip_special_tokens=True)
+            assert model_part.startswith("<tool_call>") and model_part.endswith("done") and text == "done"
+            assert tool_part.startswith("\ntool\n") and "<tool_call>" not in tool_part  # "<s>tool\n3</s>\n..."
+            assert 0 < sum(mask) < len(ids)
+        assert metrics["turns/mean"] == 2.0 and metrics["tools/calls_mean"] == 1.0
+        assert metrics["tools/share/increment"] == 1.0 and metrics["tools/error_frac"] == 0.0
+        assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    finally:
+        trainer.close()
+
+
+def test_without_get_reward_the_data_grades_the_final_answer(tmp_path):
+    cfg = load_config(overrides=[*RUN, "task=env:calculator?max_turns=3&data=tiny:repeat"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        tok = trainer.tokenizer
+
+        def script(context: list[int], row: int, seed: int) -> str:
+            text = tok.decode(context, skip_special_tokens=True)
+            if "\ntool\n" not in text:
+                return call_text("calculator", {"expression": "6*7"})
+            assert text.split("\ntool\n")[-1].startswith("42")
+            answer = text.split("Repeat: ")[1].split("\n")[0]
+            return answer if row % 2 == 0 else answer + "x"
+
+        trainer.sampler.backend = ScriptedBackend(tok, script)
+        metrics = trainer.step()
+        scores = trainer.last_data.scores  # tiny:repeat's grade of the final turn (partial credit below 1)
+        assert scores[::2] == [1.0] * 8 and all(s < 1.0 for s in scores[1::2])
+        assert metrics["tools/share/calculator"] == 1.0
+    finally:
+        trainer.close()
+
+
+def test_plugins_that_read_one_sampled_stream_are_refused(tmp_path):
+    cfg = load_config(overrides=[*RUN, "recipe=cp_only", "mesh.adv_unit=query", "plugins.coach_guide.enabled=true",
+                                 "task=env:calculator?data=tiny:repeat"])
+    with pytest.raises(ValueError, match=r"plugins\.coach_guide\.enabled: not available with a tool-using task"):
+        Trainer(cfg, tmp_path / "run")
+    from meshrl.trainer.episodes import check_episodic_config
+
+    for name in ("luffy", "ssd", "opsd", "remix", "calib"):
+        cfg = load_config(overrides=RUN)
+        getattr(cfg.plugins, name).enabled = True
+        with pytest.raises(ValueError, match=rf"plugins\.{name}\.enabled"):
+            check_episodic_config(cfg)
+    check_episodic_config(load_config(overrides=[*RUN, "plugins.fork.enabled=true"]))  # token-level: allowed
