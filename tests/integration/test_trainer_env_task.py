@@ -120,3 +120,22 @@ def test_plugins_that_read_one_sampled_stream_are_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"plugins\.{name}\.enabled"):
             check_episodic_config(cfg)
     check_episodic_config(load_config(overrides=[*RUN, "plugins.fork.enabled=true"]))  # token-level: allowed
+
+
+def test_held_out_evaluation_runs_episodes(tmp_path):
+    """`meshrl eval` and the trainer's periodic evaluation on a tool-using task: every sample is an episode, graded
+    like a training one, and the episodes' metrics are reported."""
+    from meshrl.evaluation import EvalConfig, run_eval
+
+    spec = "env:calculator?max_turns=2&max_total_tokens=24&data=tiny:add"
+    s = run_eval(EvalConfig(model="tiny", data=spec, n=2, ks=[1, 2], limit=4, max_new_tokens=12, chunk_size=2),
+                 tmp_path / "eval", progress=False)
+    assert s["overall"]["problems"] == 4 and set(s["episodes"]) >= {"turns/mean", "tools/calls_mean"}
+    assert 1.0 <= s["episodes"]["turns/mean"] <= 2.0
+    cfg = load_config(overrides=[*RUN, f"task={spec}", "eval.every=1", "eval.limit=3", "eval.n=2", "steps=1"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        row = trainer.evaluator(0)
+        assert row["eval/turns/mean"] >= 1.0 and "eval/mean@1" in row
+    finally:
+        trainer.close()

@@ -116,7 +116,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     from meshrl.rollout import SamplingParams, make_backend
     from meshrl.runs.policy import load_policy
     from meshrl.tasks import load_task
-    from meshrl.trainer import encode_within_limit
+    from meshrl.trainer import encode_within_limit, generate_scored
 
     cfg.validate()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +146,8 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             n=cfg.n)
     chunks = [problems[i : i + cfg.chunk_size] for i in range(0, len(problems), cfg.chunk_size)]
+    prompt_encoder = task.encode_prompt if getattr(task, "episodic", False) else encode_prompt  # tools shown
+    all_episodes: list[Any] = []
     writer = JsonlWriter(samples_path)
     t0 = time.perf_counter()
     try:
@@ -154,17 +156,19 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                 if all(p.id in done_ids for p in chunk):
                     advance()
                     continue
-                encoded = [(p, encode_within_limit(encode_prompt, tok, task.format_prompt(p), budget.limit))
+                encoded = [(p, encode_within_limit(prompt_encoder, tok, task.format_prompt(p), budget.limit))
                            for p in chunk]
                 encoded = [(p, ids) for p, ids in encoded if budget.fits(p.id, len(ids))]
                 if not encoded:
                     advance()
                     continue
-                ro = backend.generate([ids for _, ids in encoded], params, seed=cfg.seed * 1_000_003 + ci)
-                probs = [encoded[i][0] for i in ro.prompt_index]
-                scores = runner(ro.texts, probs)
+                texts, probs, scores, truncated, episodes = generate_scored(
+                    task, backend, tok, [ids for _, ids in encoded], [p for p, _ in encoded], params,
+                    cfg.seed * 1_000_003 + ci, runner,
+                    lambda i, obs, enc=encoded: prompt_encoder(tok, task.format_prompt(enc[i][0]) + obs))
+                all_episodes.extend(episodes)  # a tool-using task's (turns, tool calls, errors)
                 counts: dict[str, int] = defaultdict(int)
-                for text, prob, score, trunc in zip(ro.texts, probs, scores, ro.truncated, strict=True):
+                for text, prob, score, trunc in zip(texts, probs, scores, truncated, strict=True):
                     row = {"problem_id": prob.id, "sample": counts[prob.id], "completion": text,
                            "extracted": extract_for_kind(text, task.reward_kind), "reference": prob.answer,
                            "score": score,
@@ -187,6 +191,10 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                     "reward_stats": runner.pop_stats(),
                     "reward_kind": task.reward_kind, "instruction": task.instruction,
                     "skipped_long_prompts": dict(budget.too_long), "seconds": time.perf_counter() - t0})
+    if all_episodes:  # of the episodes drawn in this call (a resumed evaluation: the new ones only)
+        from meshrl.agents import episode_metrics
+
+        summary["episodes"] = episode_metrics(all_episodes)
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=1))
     return summary
 

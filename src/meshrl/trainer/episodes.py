@@ -47,3 +47,22 @@ def check_episodic_config(cfg: Any) -> None:
         if section is not None and getattr(section, "enabled", False):
             raise ValueError(f"plugins.{name}.enabled: not available with a tool-using task (env:...): it reads "
                              "each response as one sampled stream, and an episode interleaves tool output")
+
+
+def generate_scored(task: Any, backend: Any, tokenizer: Any, prompts: list[list[int]], problems: list[Any],
+                    params: Any, seed: int, reward_runner: Any, encode_with: Callable[[int, str], list[int]]
+                    ) -> tuple[list[str], list[Any], list[float], list[bool], list[Any]]:
+    """Samples of ``prompts`` (``problems[i]`` is prompt ``i``'s problem) with their scores, for an evaluation:
+    ``(texts, problem per sample, scores, truncated, episodes)``. One completion per sample for a plain task (no
+    episodes); for a tool-using task, an episode per sample (its final turn is the text, scored by the environment's
+    ``get_reward`` or the data's grader)."""
+    if not getattr(task, "episodic", False):
+        out = backend.generate(prompts, params, seed=seed)
+        probs = [problems[i] for i in out.prompt_index]
+        return list(out.texts), probs, list(reward_runner(out.texts, probs)), list(out.truncated), []
+
+    rows, episodes = sample_episodes(task, backend, tokenizer, prompts, problems, params, seed, encode_with)
+    texts = [r["text"] for r in rows]
+    probs = [problems[r["prompt_index"]] for r in rows]
+    scores = ([float(r["env_reward"]) for r in rows] if task.owns_reward else list(reward_runner(texts, probs)))
+    return texts, probs, scores, [bool(r["truncated"]) for r in rows], episodes

@@ -50,17 +50,24 @@ class PeriodicEval:
         self.prompts = [ids for _, ids in kept]
         self.skipped_long = len(budget.too_long)
         self.backend, self.rewards, self.task = backend, reward_runner, task
+        self.tokenizer, self.encode_prompt = tokenizer, encode_prompt
+
+    def _encode_with(self, i: int, observation: str) -> list[int]:
+        """Held-out problem ``i``'s prompt with an environment's ``reset`` text appended (tool-using tasks)."""
+        return self.encode_prompt(self.tokenizer, self.task.format_prompt(self.problems[i]) + observation)
 
     def __call__(self, step: int) -> dict[str, float]:
+        from meshrl.agents import episode_metrics
         from meshrl.rollout import SamplingParams
         from meshrl.stats import pass_at_k
+        from meshrl.trainer.episodes import generate_scored
 
         ev = self.cfg.eval
         params = SamplingParams(max_new_tokens=ev.max_new_tokens or self.cfg.rollout.max_new_tokens,
                                 temperature=ev.temperature, top_p=self.cfg.rollout.top_p, n=ev.n)
-        out = self.backend.generate(self.prompts, params, seed=self.cfg.seed * 7_919 + step)
-        probs = [self.problems[i] for i in out.prompt_index]
-        scores = self.rewards(out.texts, probs)
+        texts, probs, scores, _, episodes = generate_scored(
+            self.task, self.backend, self.tokenizer, self.prompts, self.problems, params, self.cfg.seed * 7_919 + step,
+            self.rewards, self._encode_with)
         correct: dict[str, list[bool]] = {}
         for p, s in zip(probs, scores, strict=True):
             correct.setdefault(p.id, []).append(is_correct(s))
@@ -72,7 +79,8 @@ class PeriodicEval:
             "eval/skipped_long_prompts": float(self.skipped_long),  # held-out problems too long for the model
             # the *unconditioned* policy's strategy masses: under Mesh the training rollouts are
             # coach-conditioned, so only these held-out samples show which strategy it picks on its own
-            **strategy_figures(self.task, list(zip(out.texts, scores, probs, strict=True)), prefix="eval/"),
+            **strategy_figures(self.task, list(zip(texts, scores, probs, strict=True)), prefix="eval/"),
+            **({f"eval/{k}": v for k, v in episode_metrics(episodes).items()} if episodes else {}),  # tools
         }
 
 
