@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.doctor import checks_data as data
+from meshrl.doctor import checks_tools as tools
 from meshrl.doctor import checks_training as training
 from meshrl.doctor.engines import load_run
 from meshrl.doctor.findings import SEVERITIES, Finding, Unchecked
@@ -33,6 +34,8 @@ CHECKS = [
     (("nonfinite",), training.check_nonfinite),
     (("strategy_collapse",), data.check_strategy),
     (("lr_schedule",), training.check_lr),
+    (tools.TOOL_IDS, tools.check_tools),
+    (("reward_without_accuracy",), tools.check_reward_without_accuracy),
 ]
 
 #: A finding that explains others: when it is raised, these are its consequences and are folded into it

@@ -65,6 +65,13 @@ class Thresholds:
     # meshrl: mean |log p_update - log p_sampler| on any step. fp32 sampler vs fp32 update agree to ~1e-7 on
     # tiny; a bf16-autocast sampler (or update) against fp32 gives ~5e-4 there (docs/doctor.md).
     mismatch_logp_absdiff_mean: float = 1e-4
+    # ---- tool-using runs (tools/* and turns/* metrics) and a reward without correct answers
+    tool_min_calls: float = 0.2  # tool calls per episode in the first window below this: too few to collapse
+    tool_collapse_frac: float = 0.5  # last-window calls per episode at or below this share of the first window
+    tool_error_share: float = 0.2  # share of tool calls that fail (raise, hang, unprintable), last window
+    tool_parse_share: float = 0.2  # share of model turns whose <tool_call> blocks do not parse, last window
+    turn_limit_share: float = 0.5  # share of episodes ended by a limit instead of an answer, last window
+    format_only_acc: float = 0.02  # accuracy never above this while the reward rose by collapse_rise_min
     # ---- stalls, learning rate
     stall_reward_range: float = 0.02  # smoothed reward range over the run below this: flat
     stall_adv_abs: float = 0.05  # mean |advantage| below this: near-zero signal
