@@ -139,3 +139,37 @@ def test_held_out_evaluation_runs_episodes(tmp_path):
         assert row["eval/turns/mean"] >= 1.0 and "eval/mean@1" in row
     finally:
         trainer.close()
+
+
+def test_mesh_coach_prefixes_suggest_a_tool_plan(tmp_path):
+    """Coach Prompting on a tool-using task: without a prefixes file the coach's strategies are tool plans, shown
+    in the system prompt beside the tools; the episodes of each prefix group train as usual."""
+    import json
+
+    data = tmp_path / "problems.jsonl"  # a file task: no rule strategies of its own
+    data.write_text("".join(json.dumps({"q": f"Repeat: {c}", "a": c}) + "\n" for c in "abcdefgh"))
+    cfg = load_config(overrides=[*RUN, "recipe=cp_only", "mesh.m=2", "mesh.template=plain",
+                                 f"task=env:calculator?max_turns=2&data=jsonl:{data}?problem=q&answer=a&kind=exact"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        problem = trainer.problems[0]
+        tok = trainer.tokenizer
+        tool_plan = tok.decode(trainer.sampler.prompt_ids(problem, 0))
+        direct = tok.decode(trainer.sampler.prompt_ids(problem, 1))
+        assert "call the calculator tool first" in tool_plan and "answer directly" in direct
+        assert '"name": "calculator"' in tool_plan and '"name": "calculator"' in direct  # the tools, both arms
+
+        def script(context: list[int], row: int, seed: int) -> str:
+            text = tok.decode(context, skip_special_tokens=True)
+            if "call the calculator tool first" in text and "\ntool\n" not in text:
+                return call_text("calculator", {"expression": "1+1"})
+            return text.split("Repeat: ")[1].split("\n")[0]
+
+        trainer.sampler.backend = ScriptedBackend(tok, script)
+        metrics = trainer.step()
+        assert set(trainer.last_data.strategy_ids) == {0, 1}
+        calls = [len([m for m in mask if m == 0]) > 0 for mask in trainer.last_data.response_masks]
+        assert calls == [k == 0 for k in trainer.last_data.strategy_ids]  # only the tool-plan group called it
+        assert metrics["tools/calls_mean"] == 0.5
+    finally:
+        trainer.close()

@@ -156,3 +156,15 @@ def test_encode_agent_prompt_shows_the_tools():
     text = tiny.decode(encode_agent_prompt(tiny, "Count.", schemas, system="Be brief."))
     assert text.startswith("<s>system\nBe brief.\n\n" + hermes_tools_block(schemas)[:40])
     assert text.endswith("<s>user\nCount.</s>\n<s>assistant\n")
+
+
+def test_a_tool_name_in_the_system_text_is_no_proof_the_template_shows_tools():
+    """The tiny template ignores ``tools=``: a coach prefix that names the tool must not pass for the tools being
+    shown; the Hermes block is appended to the system prompt instead."""
+    from meshrl.agents import calculator, encode_agent_prompt, tool_schema
+    from meshrl.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    schema = [tool_schema(calculator)]
+    text = tok.decode(encode_agent_prompt(tok, "2+2?", schema, system="Plan: call the calculator tool first."))
+    assert "Plan: call the calculator tool first." in text and '"name": "calculator"' in text and "<tools>" in text

@@ -261,7 +261,11 @@ def encode_agent_prompt(tokenizer, user_text: str, tools: list[dict], *, observa
         messages.append({"role": "user", "content": content})
         text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
                                              **(chat_template_kwargs or {}))
-        if all(t["function"]["name"] in text for t in tools):
+        bare = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
+        # The template shows the tools when each name appears more often with them than without (a name in the
+        # system or user text, e.g. a coach's "call the calculator tool first", proves nothing).
+        if all(text.count(t["function"]["name"]) > bare.count(t["function"]["name"]) for t in tools):
             return list(tokenizer.encode(text, add_special_tokens=False))
     if tools:
         system = hermes_tools_block(tools) if system is None else f"{system}\n\n{hermes_tools_block(tools)}"

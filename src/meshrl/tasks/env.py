@@ -81,6 +81,16 @@ class EnvTask(Task):
     def label_strategy(self, completion: str) -> str | None:
         return self.data.label_strategy(completion)
 
+    def coach_strategies(self, problem: Problem) -> list[str] | None:
+        """The data task's own rule strategies, else tool plans for Mesh's coach prefixes: one per tool ("call it
+        first"), then answering without a tool."""
+        own = self.data.coach_strategies(problem)
+        if own:
+            return own
+        plans = [f"Plan: call the {s['function']['name']} tool first, read its result, then give the final answer."
+                 for s in self.schemas]
+        return [*plans, "Plan: answer directly, without calling any tool."]
+
     def encode_prompt(self, tokenizer: Any, text: str, *, system: str | None = None,
                       assistant_prefix: str | None = None) -> list[int]:
         """Prompt ids that show the tools (:func:`meshrl.agents.encode_agent_prompt`), with the same ``system`` and
