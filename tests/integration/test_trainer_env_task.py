@@ -78,6 +78,7 @@ def test_a_step_trains_on_episodes_with_tool_output_masked(tmp_path):
             assert tool_part.startswith("\ntool\n") and "<tool_call>" not in tool_part  # "<s>tool\n3</s>\n..."
             assert 0 < sum(mask) < len(ids)
         assert metrics["turns/mean"] == 2.0 and metrics["tools/calls_mean"] == 1.0
+        assert metrics["strategy/mass/increment"] == 1.0 and metrics["strategy/unlabelled"] == 0.0  # tool pattern
         assert metrics["tools/share/increment"] == 1.0 and metrics["tools/error_frac"] == 0.0
         assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
     finally:
@@ -171,5 +172,15 @@ def test_mesh_coach_prefixes_suggest_a_tool_plan(tmp_path):
         calls = [len([m for m in mask if m == 0]) > 0 for mask in trainer.last_data.response_masks]
         assert calls == [k == 0 for k in trainer.last_data.strategy_ids]  # only the tool-plan group called it
         assert metrics["tools/calls_mean"] == 0.5
+        assert metrics["strategy/mass/calculator"] == 0.5 and metrics["strategy/mass/direct"] == 0.5
     finally:
         trainer.close()
+
+
+def test_the_strategy_label_is_the_tool_pattern():
+    task = load_task("env:agents_support:CounterEnv?tools=calculator&data=tiny:repeat")
+    assert task.strategies == ("direct", "calculator", "increment", "read", "mixed")
+    assert task.label_strategy("the answer is 4") == "direct"
+    assert task.label_strategy(call_text("read", {}) + "\ncount=1") == "read"
+    assert task.label_strategy(call_text("read", {}) + "\n" + call_text("calculator", {"expression": "1"})) == "mixed"
+    assert task.label_strategy(call_text("search", {"q": "x"})) is None  # not a tool of this task: unlabelled

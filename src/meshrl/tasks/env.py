@@ -68,6 +68,9 @@ class EnvTask(Task):
         self.owns_reward = callable(getattr(probe, "get_reward", None))
         #: the tools' JSON schemas, as the prompt shows them
         self.schemas: list[dict] = Toolbox(probe, tools).schemas
+        names = [s["function"]["name"] for s in self.schemas]
+        #: strategy labels: the tool pattern of an episode (label_strategy)
+        self.strategies: tuple[str, ...] = ("direct", *names, *(("mixed",) if len(names) > 1 else ()))
 
     def problems(self, split: str = "train") -> list[Problem]:
         return self.data.problems(split)
@@ -79,7 +82,18 @@ class EnvTask(Task):
         return self.data.score(completion, problem)
 
     def label_strategy(self, completion: str) -> str | None:
-        return self.data.label_strategy(completion)
+        """The tool pattern of an episode's model turns (``meshrl.trainer.episodes.transcript``): ``direct`` when
+        no turn called a tool, the tool's name when one tool was called, ``mixed`` for several; None when a
+        ``<tool_call>`` block names no tool of this task (not parsed, not guessed)."""
+        import re
+
+        if "<tool_call>" not in completion:
+            return "direct"
+        called = set(re.findall(r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"]+)"', completion))
+        known = [s["function"]["name"] for s in self.schemas]
+        if not called or not called <= set(known):
+            return None
+        return called.pop() if len(called) == 1 else "mixed"
 
     def coach_strategies(self, problem: Problem) -> list[str] | None:
         """The data task's own rule strategies, else tool plans for Mesh's coach prefixes: one per tool ("call it

@@ -34,9 +34,15 @@ def sample_episodes(task: Any, backend: Any, tokenizer: Any, prompts: list[list[
     rows = [{"prompt_index": i // params.n, "prompt_ids": list(e.prompt_ids), "response_ids": list(e.ids),
              "text": e.final_text, "truncated": e.truncated,
              "logps": None if e.engine_logprobs is None else list(e.engine_logprobs), "forced": 0,
-             "model_mask": list(e.model_mask), "env_reward": e.env_reward}
+             "model_mask": list(e.model_mask), "env_reward": e.env_reward, "transcript": transcript(tokenizer, e)}
             for i, e in enumerate(episodes)]
     return rows, episodes
+
+
+def transcript(tokenizer: Any, episode: Any) -> str:
+    """The model's turns of an episode, tool calls included and tool output left out, one per line: what the
+    strategy labeller of a tool-using task reads (:meth:`meshrl.tasks.env.EnvTask.label_strategy`)."""
+    return "\n".join(tokenizer.decode(episode.ids[a:b], skip_special_tokens=True) for a, b in episode.turn_spans)
 
 
 def check_episodic_config(cfg: Any) -> None:

@@ -60,7 +60,7 @@ class PeriodicEval:
         from meshrl.agents import episode_metrics
         from meshrl.rollout import SamplingParams
         from meshrl.stats import pass_at_k
-        from meshrl.trainer.episodes import generate_scored
+        from meshrl.trainer.episodes import generate_scored, transcript
 
         ev = self.cfg.eval
         params = SamplingParams(max_new_tokens=ev.max_new_tokens or self.cfg.rollout.max_new_tokens,
@@ -68,6 +68,7 @@ class PeriodicEval:
         texts, probs, scores, _, episodes = generate_scored(
             self.task, self.backend, self.tokenizer, self.prompts, self.problems, params, self.cfg.seed * 7_919 + step,
             self.rewards, self._encode_with)
+        label_texts = [transcript(self.tokenizer, e) for e in episodes] if episodes else texts
         correct: dict[str, list[bool]] = {}
         for p, s in zip(probs, scores, strict=True):
             correct.setdefault(p.id, []).append(is_correct(s))
@@ -79,7 +80,7 @@ class PeriodicEval:
             "eval/skipped_long_prompts": float(self.skipped_long),  # held-out problems too long for the model
             # the *unconditioned* policy's strategy masses: under Mesh the training rollouts are
             # coach-conditioned, so only these held-out samples show which strategy it picks on its own
-            **strategy_figures(self.task, list(zip(texts, scores, probs, strict=True)), prefix="eval/"),
+            **strategy_figures(self.task, list(zip(label_texts, scores, probs, strict=True)), prefix="eval/"),
             **({f"eval/{k}": v for k, v in episode_metrics(episodes).items()} if episodes else {}),  # tools
         }
 

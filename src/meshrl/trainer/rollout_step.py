@@ -138,6 +138,9 @@ class StepData:
     # (tool output) between its turns; every loss term, metric and MEI reads only the 1s. Empty, or None for a
     # row: every response token is the model's (single-turn rollouts).
     response_masks: list[list[int] | None] = field(default_factory=list)
+    # Multi-turn episodes: what the strategy labeller reads per sampled row (the model's turns, tool calls
+    # included: EnvTask labels the tool pattern); empty: the texts. Read once per sampling round, not extended.
+    label_texts: list[str] = field(default_factory=list)
     rewards: torch.Tensor | None = None  # shaped reward [N]
     advantages: torch.Tensor | None = None  # [N]
     stats: dict[str, float] = field(default_factory=dict)
@@ -338,6 +341,7 @@ class RolloutStep:
             data.forced_tokens.append(int(row["forced"]))
             if "model_mask" in row:
                 data.response_masks.append(list(row["model_mask"]))
+                data.label_texts.append(row["transcript"])
         if getattr(self.task, "owns_reward", False):  # the environment's get_reward() scores the episode
             data.scores = [float(row["env_reward"]) for row in rows]
         else:
@@ -365,7 +369,7 @@ class RolloutStep:
             cursor, drawn = next_cursor, drawn + need
             sampled += len(data)
             sampled_reward += float(self.shape_rewards(data).sum()) if len(data) else 0.0
-            batch.seen.extend(zip(data.texts, data.scores, data.problems, strict=True))
+            batch.seen.extend(zip(data.label_texts or data.texts, data.scores, data.problems, strict=True))
             if rec.dynamic_sampling:
                 # DAPO filters on accuracy, not on the length-shaped reward (eq. 11).
                 keep_mask = dynamic_sampling_mask(torch.tensor(data.scores), data.query_ids)
