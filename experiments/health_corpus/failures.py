@@ -307,6 +307,17 @@ class RunSpec:
     def fault_step(self) -> int | None:
         return None if self.kind == "healthy" else self.fault_at
 
+    def overrides(self, model: Path | str) -> list[str]:
+        """The ``train`` overrides before the fault step (plug-in faults: for the whole run)."""
+        out = [*BASE, f"model={model}", f"seed={self.seed}", f"recipe={self.recipe}", f"steps={self.steps}"]
+        if self.kind in PLUGIN_FAULTS:
+            out.append(f"plugins.custom=[{{path: '{PLUGIN_PATH}', kind: {self.kind}, fault_step: {self.fault_at}}}]")
+        return out
+
+    def resume_overrides(self) -> list[str] | None:
+        """The settings changed at the resume before the fault step; None: the run is trained in one segment."""
+        return RESUME_FAULTS[self.kind][0] if self.kind in RESUME_FAULTS else None
+
     def note(self) -> str:
         head = f"model=tiny warm start, tiny:repeat, {self.recipe}, lr {LR:g}, {self.steps} steps, seed {self.seed}"
         if self.kind == "healthy":
@@ -325,25 +336,18 @@ def specs(kinds: Sequence[str], seeds: Sequence[int]) -> list[RunSpec]:
     return out
 
 
-def overrides(spec: RunSpec, model: Path | str) -> list[str]:
-    """The ``train`` overrides of ``spec`` before its fault step (plug-in faults: for the whole run)."""
-    out = [*BASE, f"model={model}", f"seed={spec.seed}", f"recipe={spec.recipe}", f"steps={spec.steps}"]
-    if spec.kind in PLUGIN_FAULTS:
-        out.append(f"plugins.custom=[{{path: '{PLUGIN_PATH}', kind: {spec.kind}, fault_step: {spec.fault_at}}}]")
-    return out
-
-
 def train_run(spec: RunSpec, path: Path, model: Path | str) -> None:
     """Train ``spec`` into ``path`` (a fresh directory): one segment, or two around a resume."""
     from meshrl.trainer import load_config, train
 
-    base = overrides(spec, model)
-    if spec.kind in RESUME_FAULTS:
+    base = spec.overrides(model)
+    changed = spec.resume_overrides()
+    if changed is not None:
         if not 2 <= spec.fault_at <= spec.steps:
             raise ValueError(f"{spec.run_id}: a fault made at a resume needs 2 <= fault step <= steps, got fault "
                              f"step {spec.fault_at} of {spec.steps}")
         train(load_config(overrides=[*base, f"steps={spec.fault_at - 1}"]), path)
-        train(load_config(overrides=[*base, *RESUME_FAULTS[spec.kind][0]]), path, resume=True)
+        train(load_config(overrides=[*base, *changed]), path, resume=True)
     else:
         train(load_config(overrides=base), path)
 
@@ -391,10 +395,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
                         help=f"kinds to build (default: all): {', '.join(KINDS)}")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), help="seeds (default 0 1 2 3)")
+    parser.add_argument("--smollm2", action="store_true",
+                        help="instead: the SmolLM2-135M runs (experiments/health_corpus/smollm.py; slow: minutes "
+                             "per run); --only and --seeds do not apply")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a shared machine: one thread, and runs reproduce exactly
-    model = warm_start(args.out)
-    for spec in specs(args.only, args.seeds):
+    if args.smollm2:
+        from experiments.health_corpus.smollm import smollm_specs
+
+        todo, model = smollm_specs(args.out), "smollm2-135m"
+    else:
+        todo, model = specs(args.only, args.seeds), warm_start(args.out)
+    for spec in todo:
         path, seconds = build_run(spec, args.out, model)
         label = json.loads((path / "label.json").read_text())
         took = "reused" if seconds is None else f"{seconds:.1f} s"

@@ -175,3 +175,25 @@ def test_bf16_sampler_acts_from_the_fault_step(tmp_path):
     gap = {m["step"]: m["mismatch/logp_absdiff_mean"] for m in read_jsonl(path / "metrics.jsonl")}
     # fp32 sampler and fp32 update agree to ~1e-7; the bf16-autocast sampler does not (docs/doctor.md)
     assert max(gap[1], gap[2]) < 1e-5 < 1e-4 < min(gap[3], gap[4]), gap
+
+
+def test_smollm2_runs_are_valid_configs_with_the_readme_data(tmp_path):
+    import random
+
+    from experiments.health_corpus import smollm
+    from meshrl.trainer import load_config
+
+    todo = smollm.smollm_specs(tmp_path)
+    assert [s.run_id for s in todo] == ["smollm2/meshrl/healthy/s0", "smollm2/meshrl/healthy/s1",
+                                        "smollm2/meshrl/lr_blowup/s0"]
+    assert [s.fault_step for s in todo] == [None, None, smollm.FAULT_STEP]
+    for spec in todo:
+        before = load_config(overrides=spec.overrides("smollm2-135m"))  # validated; the model is not loaded
+        assert before.model == "smollm2-135m" and before.steps == smollm.STEPS and before.eval.every > 0
+        after = load_config(overrides=[*spec.overrides("smollm2-135m"), *(spec.resume_overrides() or [])])
+        assert after.optim.lr == pytest.approx(smollm.LR * 100 if spec.kind == "lr_blowup" else smollm.LR)
+    # the README's add.jsonl: the global random module seeded with 0
+    random.seed(0)
+    first = (random.randint(1, 20), random.randint(1, 20))
+    row = json.loads((tmp_path / "_data" / "add.jsonl").read_text().splitlines()[0])
+    assert row == {"problem": f"What is {first[0]} + {first[1]}?", "answer": sum(first)}
