@@ -13,9 +13,9 @@ path relative to ``OUT``. A run whose ``label.json`` exists is reused; an unfini
 initialisation (reward about 0.02-0.1, held-out accuracy near 0), so there would be no healthy climb before a fault.
 Every run therefore starts from one *warm start* (:func:`warm_start`, cached in ``OUT/_warm``): the ``tiny`` model
 taught by teacher forcing to answer ``Repeat: s`` with ``s`` half of the time and with a uniformly drawn symbol
-otherwise. It copies about a quarter to two fifths of the time; GRPO at ``optim.lr=1e-3`` then climbs to about
-three quarters held-out accuracy in 40 steps. Held-out accuracy (``eval/mean@1`` on 64 held-out prompts, 16
-samples each, graded by the task's own scorer) is logged every :data:`EVAL_EVERY` steps.
+otherwise. It starts about a quarter right; GRPO at ``optim.lr=1e-3`` climbs to 0.4-0.5 held-out accuracy by
+step 4 and to about 0.7 by step 40 (higher rates wreck the warm start). Held-out accuracy (``eval/mean@1`` on 64
+held-out prompts, 16 samples each, graded by the task's own scorer) is logged every :data:`EVAL_EVERY` steps.
 
 **The faults** act from :data:`FAULT_STEP` (the first logged step, 1-based, that the fault acts on) through two
 clean seams:
@@ -28,10 +28,16 @@ clean seams:
   - ``broken_verifier``: the verifier grades against the wrong answer key (the next symbol of ``0-9a-f``), so
     right answers score 0 and one particular wrong answer scores 1;
   - ``constant_reward``: every rollout scores 0.5;
-  - ``broken_grouping``: every rollout gets its own group id (a uid per sample instead of per prompt);
-  - ``reward_hacking``: a lenient verifier that also pays 1 for any completion containing the loophole symbol
-    ``f`` (a format check mistaken for the answer check), so the training reward rises while the strictly graded
-    held-out accuracy falls;
+  - ``broken_grouping``: every rollout gets its own group id (a uid per sample instead of per prompt).
+
+  ``constant_reward`` and ``broken_grouping`` both leave every advantage 0, so their runs train alike (the
+  doctor tells them apart by the grouping records); AdamW's momentum still moves the weights for a while after
+  the gradient is 0, and held-out accuracy may drift down;
+  - ``reward_hacking``: a lenient verifier that pays 1 for any completion containing the loophole symbol ``f`` (a
+    format check mistaken for the answer check) and only :data:`HONEST_WEIGHT` (0.5) for a right answer without it
+    (the format bonus outweighs correctness), so the training reward rises while the strictly graded held-out
+    accuracy falls (with the loophole paid only as much as a right answer, held-out accuracy did not fall within
+    the run: both kept rising);
 
 * a config change at a resume: the run trains ``FAULT_STEP - 1`` steps, checkpoints, and is resumed
   (``train(..., resume=True)``) with a changed setting (``config.yaml`` then records the changed one):
@@ -40,9 +46,10 @@ clean seams:
   - ``bf16_mismatch``: ``rollout.autocast_bf16=true`` (the sampler in bf16 autocast against the fp32 update);
   - ``truncation``: ``rollout.max_new_tokens=1`` (answers are cut before their end-of-turn token). The held-out
     evaluation keeps ``eval.max_new_tokens`` of the healthy runs. On ``tiny:repeat`` a one-character answer still
-    scores, so the cut shows in the truncation records but is not expected to harm held-out accuracy.
+    scores, so the cut harms only through what is no longer trained (the end-of-turn token), if at all.
 
-No fault had to be injected from step 1.
+No fault had to be injected from step 1. ``--smollm2`` trains the SmolLM2-135M runs instead
+(:mod:`experiments.health_corpus.smollm`).
 
 **harm_step** (:func:`harm_step`): with ``drop = meshrl.doctor.DEFAULT.eval_drop_min`` (0.05) and the held-out
 accuracy ``a(s)`` of the evaluations at steps ``s``: the first evaluation step ``s >= fault_step`` with

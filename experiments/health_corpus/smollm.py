@@ -2,11 +2,13 @@
 
 ``python -m experiments.health_corpus.failures --out DIR --smollm2`` trains, one after another, the README's
 GRPO job (its addition task: ``What is a + b?`` with ``a, b`` in 1..20, graded by the last number of the reply)
-shortened to :data:`STEPS` steps: two healthy seeds and one ``lr_blowup`` (``optim.lr`` x100 from
-:data:`FAULT_STEP`, made as in the tiny runs by a config change at a resume). Held-out accuracy is evaluated every
-:data:`EVAL_EVERY` steps on :data:`EVAL_PROBLEMS` held-out problems (4 samples each), so ``harm_step`` follows the
-rule of :mod:`experiments.health_corpus.failures`. Runs go to ``DIR/smollm2/meshrl/<kind>/s<seed>/`` with
-``label.json`` (source ``smollm2/meshrl``); a labelled run is reused. About 7 s a step on two quiet cores.
+shortened to :data:`STEPS` steps of :data:`PROMPTS_PER_STEP` problems x 8 rollouts: two healthy seeds and one
+``lr_blowup`` (``optim.lr`` x100 from :data:`FAULT_STEP`, made as in the tiny runs by a config change at a
+resume). Held-out accuracy is evaluated every :data:`EVAL_EVERY` steps on :data:`EVAL_PROBLEMS` held-out
+problems (4 samples each), so ``harm_step`` follows the rule of :mod:`experiments.health_corpus.failures`.
+Runs go to ``DIR/smollm2/meshrl/<kind>/s<seed>/`` with ``label.json`` (source ``smollm2/meshrl``); a labelled
+run is reused. On one thread of a busy 2-core machine a step of 4 x 8 rollouts takes about half a minute (the
+README's 8 x 8 took 71 s), so a run takes minutes.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from pathlib import Path
 
 from experiments.health_corpus.failures import RunSpec
 
-STEPS = 16
-FAULT_STEP = 9  # 8 healthy steps (2 evaluations) before it
-EVAL_EVERY = 4
-EVAL_PROBLEMS = 50
+STEPS = 12
+FAULT_STEP = 7  # 6 healthy steps (2 evaluations) before it
+EVAL_EVERY = 3
+EVAL_PROBLEMS = 32
+PROMPTS_PER_STEP = 4  # half the README's 8: a step takes about 35 s on one busy core
 LR = 1e-6  # the README's
 SEEDS = (0, 1)
 DATA_SEED, DATA_SIZE = 0, 1000  # the README's add.jsonl
@@ -60,17 +63,17 @@ class SmolSpec(RunSpec):
 
     def overrides(self, model: Path | str) -> list[str]:
         return [f"recipe={self.recipe}", f"model={model}", f"task=jsonl:{self.data}?kind=last_number&eval_fraction=0.1",
-                f"steps={self.steps}", f"seed={self.seed}", "rollout.prompts_per_step=8", "rollout.group_size=8",
-                "rollout.max_new_tokens=64", f"optim.lr={LR}", "optim.warmup_steps=2", f"eval.every={EVAL_EVERY}",
-                "eval.n=4", f"eval.limit={EVAL_PROBLEMS}", "log.samples_per_step=16", "log.progress=false",
-                "checkpoint.every=100", "checkpoint.keep_last=1"]
+                f"steps={self.steps}", f"seed={self.seed}", f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
+                "rollout.group_size=8", "rollout.max_new_tokens=64", f"optim.lr={LR}", "optim.warmup_steps=2",
+                f"eval.every={EVAL_EVERY}", "eval.n=4", f"eval.limit={EVAL_PROBLEMS}", "log.samples_per_step=16",
+                "log.progress=false", "checkpoint.every=100", "checkpoint.keep_last=1"]
 
     def resume_overrides(self) -> list[str] | None:
         return [f"optim.lr={LR * 100:g}"] if self.kind == "lr_blowup" else None
 
     def note(self) -> str:
         head = (f"SmolLM2-135M-Instruct, the README's addition task, {self.recipe}, lr {LR:g} (2 warm-up steps), "
-                f"{self.steps} steps, seed {self.seed}")
+                f"{PROMPTS_PER_STEP}x8 rollouts, {self.steps} steps, seed {self.seed}")
         if self.kind == "healthy":
             return f"{head}; no fault"
         return f"{head}; from step {self.fault_at} (config change at a resume): optim.lr x100 -> {LR * 100:g}"
