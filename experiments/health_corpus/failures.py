@@ -7,7 +7,8 @@ Usage (from the repository root)::
 
 Each (kind, seed) becomes ``OUT/tiny/failure/<kind>/s<seed>/``; healthy runs ``OUT/tiny/healthy/<recipe>/s<seed>/``
 (GRPO, DAPO and Dr. GRPO, so that false alarms are counted over more than one recipe). The label's ``id`` is that
-path relative to ``OUT``. A run whose ``label.json`` exists is reused; an unfinished one is trained again.
+path relative to ``OUT``. A run whose ``label.json`` exists is reused; an unfinished one is trained again. A
+labelled run keeps its records, not its checkpoints.
 
 **The set-up.** The built-in ``tiny`` model learns nothing on ``tiny:repeat`` within 40 RL steps from its random
 initialisation (reward about 0.02-0.1, held-out accuracy near 0), so there would be no healthy climb before a fault.
@@ -388,6 +389,8 @@ def build_run(spec: RunSpec, out: Path, model: Path | str) -> tuple[Path, float 
     train_run(spec, path, model)
     seconds = time.perf_counter() - t0
     label = make_label(spec, path)
+    # The corpus is read from the records; a SmolLM2 checkpoint (weights and AdamW state) is 1.5 GB.
+    shutil.rmtree(path / "checkpoints", ignore_errors=True)
     tmp = label_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(label, indent=1) + "\n")
     os.replace(tmp, label_path)  # written last: its presence means the run is complete

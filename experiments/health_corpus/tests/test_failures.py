@@ -97,6 +97,7 @@ def test_label_follows_the_schema_and_a_labelled_run_is_reused(tmp_path):
     assert (label["source"], label["kind"], label["engine"], label["outcome"]) == (
         "tiny/failure", "reward_hacking", "meshrl", "harmful")
     assert label["fault_step"] == FAULT_AT and label["steps"] == STEPS and label["split"] == "report"
+    assert not (path / "checkpoints").exists() and (path / "config.yaml").is_file()
     mtime = (path / "metrics.jsonl").stat().st_mtime_ns
     assert fl.build_run(spec, tmp_path, "tiny") == (path, None)
     assert (path / "metrics.jsonl").stat().st_mtime_ns == mtime
