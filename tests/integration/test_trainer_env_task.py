@@ -184,3 +184,32 @@ def test_the_strategy_label_is_the_tool_pattern():
     assert task.label_strategy(call_text("read", {}) + "\ncount=1") == "read"
     assert task.label_strategy(call_text("read", {}) + "\n" + call_text("calculator", {"expression": "1"})) == "mixed"
     assert task.label_strategy(call_text("search", {"q": "x"})) is None  # not a tool of this task: unlabelled
+
+
+def test_a_resumed_tool_using_run_equals_the_uninterrupted_one(tmp_path):
+    """Episodes are seeded per step and turn, and the environments are made afresh per episode: a run resumed
+    from its step-2 checkpoint reproduces the uninterrupted 3-step run's records and weights."""
+    from safetensors.torch import load_file
+
+    from meshrl.jsonl import read_jsonl
+    from meshrl.trainer import train
+
+    def cfg(steps: int):
+        return load_config(overrides=[
+            "model=tiny", "task=env:calculator?max_turns=2&max_total_tokens=24&data=tiny:repeat",
+            "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=8",
+            "train.micro_batch_size=8", "log.progress=false", "checkpoint.every=1", "optim.lr=1e-2",
+            "train.update_workers=1", "rollout.decode_workers=1", f"steps={steps}"])
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    train(cfg(3), full)
+    train(cfg(2), resumed)
+    train(cfg(3), resumed, resume=True)
+
+    def rows(run):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+                for r in read_jsonl(run / "metrics.jsonl")]
+
+    assert rows(resumed) == rows(full) and "turns/mean" in rows(full)[-1]
+    a, b = (load_file(str(r / "checkpoints" / "step_000003" / "model.safetensors")) for r in (full, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
