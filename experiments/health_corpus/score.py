@@ -79,11 +79,18 @@ DOCTOR_SWEEPS: dict[str, tuple[str, tuple[float, ...]]] = {
 
 @dataclass(frozen=True)
 class Onsets:
-    first: int | None  # step of the first onset
-    count: int  # onsets: first raise + each raise after clearing
+    steps: tuple[int, ...]  # onset steps: first raise + each raise after clearing
     checked: bool = True
     on_steps: int = 0  # evaluated steps at which it was on
     evaluated: int = 0  # evaluated steps
+
+    @property
+    def count(self) -> int:
+        return len(self.steps)
+
+    def first_from(self, step: int | None) -> int | None:
+        """The first onset at or after ``step`` (any onset when ``step`` is ``None``)."""
+        return next((s for s in self.steps if step is None or s >= step), None)
 
 
 @dataclass
@@ -96,15 +103,14 @@ class RunScore:
     errors: list[tuple[str, int, str]] = field(default_factory=list)  # checks that raised: (what, step, exception)
 
 
-def count_onsets(states: Iterable[tuple[int, bool]]) -> tuple[int | None, int]:
-    """(first onset step, onsets) of a sequence of (step, on): an onset is on after off (or at the start)."""
-    first, count, active = None, 0, False
+def onset_steps(states: Iterable[tuple[int, bool]]) -> tuple[int, ...]:
+    """The onsets of a sequence of (step, on): steps where it is on after off (or on at the start)."""
+    out, active = [], False
     for step, on in states:
         if on and not active:
-            count += 1
-            first = step if first is None else first
+            out.append(step)
         active = on
-    return first, count
+    return tuple(out)
 
 
 def evaluated_steps(rec: RunRecords, every: int) -> list[int]:
@@ -214,8 +220,7 @@ def signal_grids(runs: list[CorpusRun]) -> dict[str, tuple[float, ...]]:
 
 
 def _onsets(states: list[tuple[int, bool]], checked: bool = True) -> Onsets:
-    first, count = count_onsets(states)
-    return Onsets(first, count, checked, sum(on for _, on in states), len(states))
+    return Onsets(onset_steps(states), checked, sum(on for _, on in states), len(states))
 
 
 def score_run(run: CorpusRun, grids: dict[str, tuple[float, ...]], *, every: int = 1,
@@ -246,11 +251,17 @@ def score_run(run: CorpusRun, grids: dict[str, tuple[float, ...]], *, every: int
 # ---------------------------------------------------------------------------------------------- aggregation
 
 
+def first_alarm(label: dict[str, Any], o: Onsets) -> int | None:
+    """The onset that counts as the alarm for this run: the first one at or after ``fault_step`` for a
+    deliberate failure (an alarm already raised before the fault did not see it), else the first one."""
+    return o.first_from(label["fault_step"])
+
+
 def hit(label: dict[str, Any], o: Onsets) -> bool:
-    """A harmful run caught: fired at or before ``harm_step`` when that is known, else fired at all."""
-    if o.first is None:
-        return False
-    return label["harm_step"] is None or o.first <= label["harm_step"]
+    """A harmful run caught: alarmed (:func:`first_alarm`) at or before ``harm_step`` when that is known, else
+    alarmed at all."""
+    first = first_alarm(label, o)
+    return first is not None and (label["harm_step"] is None or first <= label["harm_step"])
 
 
 def _median(values: list[float]) -> float | None:
@@ -261,10 +272,12 @@ def rates(items: list[tuple[dict[str, Any], Onsets]]) -> dict[str, Any]:
     """Figures of one check / signal over ``(label, onsets)`` pairs of one group of runs (ambiguous runs are
     dropped here). Rates count the runs it could check; ``unchecked`` counts the others.
 
-    - ``detected``: runs where it fired at all; ``in_time``: fired at or before ``harm_step`` (of ``with_harm``
-      runs that have one); ``hits``: :func:`hit` over all harmful runs (unchecked ones are misses);
-    - ``lead_median``: harm_step - first onset over detected runs with a harm_step (positive = warned first);
-    - ``delay_median``: first onset - fault_step over detected runs with a fault_step;
+    - the alarm of a run is :func:`first_alarm` (for deliberate failures: the first onset from ``fault_step``;
+      ``pre_fault`` counts the onsets before it);
+    - ``detected``: runs with an alarm; ``in_time``: alarmed at or before ``harm_step`` (of ``with_harm`` runs
+      that have one); ``hits``: :func:`hit` over all harmful runs (unchecked ones are misses);
+    - ``lead_median``: harm_step - alarm step over alarmed runs with a harm_step (positive = warned first);
+    - ``delay_median``: alarm step - fault_step over alarmed runs with a fault_step;
     - ``fa_per_100``: on healthy runs, onsets per 100 logged steps (pooled: all onsets / all steps x 100);
     - ``healthy_on_share``: on healthy runs, the share of evaluated steps at which it was on (an alarm that is
       raised once and never clears has one onset, however long it stays on).
@@ -279,13 +292,17 @@ def rates(items: list[tuple[dict[str, Any], Onsets]]) -> dict[str, Any]:
     return {
         "harmful": len(harmful), "healthy": len(healthy),
         "unchecked": sum(not o.checked for _, o in items),
-        "checked_harmful": len(checked_h), "detected": sum(o.first is not None for _, o in checked_h),
+        "checked_harmful": len(checked_h),
+        "detected": sum(first_alarm(lab, o) is not None for lab, o in checked_h),
         "with_harm": len(with_harm), "in_time": sum(hit(lab, o) for lab, o in with_harm),
         "hits": sum(o.checked and hit(lab, o) for lab, o in harmful),
-        "lead_median": _median([lab["harm_step"] - o.first for lab, o in with_harm if o.first is not None]),
-        "delay_median": _median([o.first - lab["fault_step"] for lab, o in checked_h
-                                 if o.first is not None and lab["fault_step"] is not None]),
-        "checked_healthy": len(checked_ok), "healthy_fired": sum(o.first is not None for _, o in checked_ok),
+        "lead_median": _median([lab["harm_step"] - f for lab, o in with_harm
+                                if (f := first_alarm(lab, o)) is not None]),
+        "delay_median": _median([f - lab["fault_step"] for lab, o in checked_h
+                                 if lab["fault_step"] is not None and (f := first_alarm(lab, o)) is not None]),
+        "pre_fault": sum(o.count - sum(s >= lab["fault_step"] for s in o.steps) for lab, o in checked_h
+                         if lab["fault_step"] is not None),
+        "checked_healthy": len(checked_ok), "healthy_fired": sum(o.count > 0 for _, o in checked_ok),
         "healthy_steps": steps,
         "fa_per_100": 100.0 * sum(o.count for _, o in checked_ok) / steps if steps else None,
         "healthy_on_share": (sum(o.on_steps for _, o in checked_ok) / evaluated
@@ -293,10 +310,10 @@ def rates(items: list[tuple[dict[str, Any], Onsets]]) -> dict[str, Any]:
     }
 
 
-def by_kind(items: list[tuple[dict[str, Any], Onsets]]) -> dict[str, dict[str, Any]]:
-    """:func:`rates` for every kind, and ``all`` (every kind pooled)."""
-    kinds = sorted({lab["kind"] for lab, _ in items})
-    out = {k: rates([(lab, o) for lab, o in items if lab["kind"] == k]) for k in kinds}
+def by_kind(items: list[tuple[dict[str, Any], Onsets]], field: str = "kind") -> dict[str, dict[str, Any]]:
+    """:func:`rates` for every value of label ``field`` (kind, source), and ``all`` (pooled)."""
+    groups = sorted({lab[field] for lab, _ in items})
+    out = {g: rates([(lab, o) for lab, o in items if lab[field] == g]) for g in groups}
     out["all"] = rates(items)
     return out
 
@@ -332,8 +349,9 @@ def summarize(scores: list[RunScore]) -> dict[str, Any]:
     doctor = {fid: by_kind([(s.label, s.doctor[fid]) for s in scores]) for fid in FINDING_IDS}
     shipped = {name: by_kind([(s.label, s.shipped[name][1]) for s in scores if s.shipped.get(name)])
                for name in SIGNALS}
+    by_source = {fid: by_kind([(s.label, s.doctor[fid]) for s in scores], "source") for fid in FINDING_IDS}
     return {
-        "runs": len(scores), "doctor": doctor, "signals_shipped": shipped,
+        "runs": len(scores), "doctor": doctor, "doctor_by_source": by_source, "signals_shipped": shipped,
         "signal_sweeps": {name: sweep_table(scores, lambda s, n=name: s.signals[n]) for name in SIGNALS},
         "doctor_sweeps": {name: sweep_table(scores, lambda s, n=name: s.sweeps.get(n, {})) for name in DOCTOR_SWEEPS},
         "labels": [s.label for s in scores], "errors": error_counts(scores),

@@ -57,7 +57,8 @@ def overall_table(block: dict[str, dict[str, Any]], first: str) -> list[str]:
 
 
 def kind_table(block: dict[str, dict[str, Any]], kinds: list[str], first: str) -> list[str]:
-    """Per harmful kind: in time (runs with a harm step) or detected (deliberate failures without one)."""
+    """Per group (harmful kind, or source): in time (runs with a harm step) or detected (deliberate failures
+    without one)."""
     out = ["| " + first + " | " + " | ".join(kinds) + " |", "|" + "---|" * (len(kinds) + 1)]
     for name, by in block.items():
         cells = []
@@ -65,10 +66,16 @@ def kind_table(block: dict[str, dict[str, Any]], kinds: list[str], first: str) -
             r = by.get(k)
             if r is None or not r["harmful"]:
                 cells.append("-")
-            elif r["with_harm"]:
-                cells.append(f"{_frac(r['in_time'], r['with_harm'])} in time")
+            elif not r["checked_harmful"]:
+                cells.append("unchecked")
             else:
-                cells.append(f"{_frac(r['detected'], r['checked_harmful'])} det, delay {_num(r['delay_median'])}")
+                parts = [f"{_frac(r['in_time'], r['with_harm'])} in time" if r["with_harm"] else
+                         f"{_frac(r['detected'], r['checked_harmful'])} det"]
+                if r["delay_median"] is not None:
+                    parts.append(f"delay {_num(r['delay_median'])}")
+                if r["pre_fault"]:
+                    parts.append(f"{r['pre_fault']} onset(s) before the fault")
+                cells.append(", ".join(parts))
         out.append(_row([name, *cells]))
     return out
 
@@ -84,7 +91,10 @@ def sweep_summary(sweeps: dict[str, dict[str, Any]], first: str) -> list[str]:
     for name, sw in sweeps.items():
         v = sw["chosen"]
         if v is None:
-            out.append(_row([name, f"none with FA/100 <= {sw['fa_limit']:g}", *["-"] * 8]))
+            why = ("not logged on the tune runs" if not sw["grid"] else
+                   "no checked healthy tune run" if not any(t["checked_healthy"] for t in sw["tune"].values())
+                   else f"none with FA/100 <= {sw['fa_limit']:g}")
+            out.append(_row([name, why, *["-"] * 8]))
             continue
         t, r = sw["tune"][v], sw["report"][v]
         out.append(_row([name, _key(v), _frac(t["hits"], t["harmful"]), _num(t["fa_per_100"], 2),
@@ -119,6 +129,7 @@ def uncaught(summary: dict[str, Any]) -> list[str]:
 def render(summary: dict[str, Any], settings: dict[str, Any]) -> str:
     labels = summary["labels"]
     kinds = sorted({lab["kind"] for lab in labels if lab["outcome"] == "harmful"})
+    sources = sorted({lab["source"] for lab in labels if lab["outcome"] == "harmful"})
     lines = ["# The doctor on its labelled corpus", "",
              f"{summary['runs']} runs; the live doctor evaluated every {settings.get('every', 1)} step(s); tuning "
              f"rule: on the tune half, the threshold catching the most harmful runs (at or before the harm step "
@@ -128,7 +139,8 @@ def render(summary: dict[str, Any], settings: dict[str, Any]) -> str:
              "experiments/health_corpus/README.md.", "", "## Corpus", "", *corpus_table(labels), "",
              "## Live doctor, shipped thresholds (warning and alarm onsets)", "",
              *overall_table(summary["doctor"], "finding"), "", "Per harmful kind:", "",
-             *kind_table(summary["doctor"], kinds, "finding"), "",
+             *kind_table(summary["doctor"], kinds, "finding"), "", "Per source (harmful runs of every kind):", "",
+             *kind_table(summary["doctor_by_source"], sources, "finding"), "",
              "## Raw signals at the doctor's thresholds", "",
              *overall_table({k: v for k, v in summary["signals_shipped"].items() if v}, "signal"), "",
              "Signals without a shipped threshold on these runs: "

@@ -14,8 +14,8 @@ from experiments.health_corpus.pack import pack_corpus, unpack_corpus, verify_tr
 from experiments.health_corpus.score import (
     Onsets,
     Signal,
-    count_onsets,
     doctor_states,
+    onset_steps,
     rates,
     score_run,
     signal_states,
@@ -51,30 +51,30 @@ def test_onsets_equal_health_monitor_on_a_run_whose_finding_clears_and_returns()
             if finding.severity != "info":
                 raised.setdefault(finding.id, []).append(step)
     states, _ = doctor_states(rec, list(range(1, 41)), DEFAULT, {}, [])
-    ours = {fid: count_onsets(s) for fid, s in states.items() if count_onsets(s)[1]}
-    assert ours == {fid: (steps[0], len(steps)) for fid, steps in raised.items()}
-    assert ours["truncation"][1] == 2  # the test sees a clear-and-return, not only a first raise
+    ours = {fid: onset_steps(s) for fid, s in states.items() if onset_steps(s)}
+    assert ours == {fid: tuple(steps) for fid, steps in raised.items()}
+    assert len(ours["truncation"]) == 2  # the test sees a clear-and-return, not only a first raise
 
 
-def test_count_onsets_counts_raises_after_clearing():
-    assert count_onsets([(1, False), (2, True), (3, True), (4, False), (5, True)]) == (2, 2)
-    assert count_onsets([(2, True)]) == (2, 1)
-    assert count_onsets([(1, False)]) == (None, 0)
+def test_onsets_are_raises_after_clearing():
+    assert onset_steps([(1, False), (2, True), (3, True), (4, False), (5, True)]) == (2, 5)
+    assert onset_steps([(2, True)]) == (2,)
+    assert onset_steps([(1, False)]) == ()
 
 
 def test_rates_lead_delay_and_false_alarms():
-    items = [(_label("a", "harmful", harm=20), Onsets(15, 1)),  # lead +5
-             (_label("b", "harmful", harm=20), Onsets(26, 1)),  # lead -6, late
-             (_label("c", "harmful", fault=10), Onsets(13, 2)),  # delay 3
-             (_label("d", "harmful", fault=10), Onsets(None, 0, checked=False)),
-             (_label("e", "healthy", steps=40), Onsets(5, 2, on_steps=10, evaluated=40)),
-             (_label("f", "healthy", steps=60), Onsets(None, 0, on_steps=0, evaluated=60)),
-             (_label("g", "ambiguous", harm=None), Onsets(3, 9))]
+    items = [(_label("a", "harmful", harm=20), Onsets((15,))),  # lead +5
+             (_label("b", "harmful", harm=20), Onsets((26,))),  # lead -6, late
+             (_label("c", "harmful", fault=10), Onsets((4, 13, 17))),  # delay 3 (the onset at 4 is before the fault)
+             (_label("d", "harmful", fault=10), Onsets((), checked=False)),
+             (_label("e", "healthy", steps=40), Onsets((5, 30), on_steps=10, evaluated=40)),
+             (_label("f", "healthy", steps=60), Onsets((), on_steps=0, evaluated=60)),
+             (_label("g", "ambiguous", harm=None), Onsets((3, 5, 7)))]
     r = rates(items)
     assert (r["harmful"], r["checked_harmful"], r["detected"], r["unchecked"]) == (4, 3, 3, 1)
     assert (r["with_harm"], r["in_time"], r["hits"]) == (2, 1, 2)  # c counts as a hit (no harm step, fired)
     assert r["lead_median"] == pytest.approx(-0.5)
-    assert r["delay_median"] == 3
+    assert r["delay_median"] == 3 and r["pre_fault"] == 1
     assert r["fa_per_100"] == pytest.approx(2.0)  # 2 onsets over 100 healthy steps
     assert r["healthy_on_share"] == pytest.approx(0.1)
     assert (r["healthy_fired"], r["checked_healthy"]) == (1, 2)
