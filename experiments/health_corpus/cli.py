@@ -15,7 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.health_corpus.corpus import CorpusRun, experiment_name, load_corpus, testbed_pack_runs, testbed_runs
+from experiments.health_corpus.corpus import (
+    CorpusRun,
+    experiment_name,
+    load_corpus,
+    recovered_as_ambiguous,
+    testbed_pack_runs,
+    testbed_runs,
+)
 from experiments.health_corpus.pack import pack_corpus, unpack_corpus, verify_trimmed
 from experiments.health_corpus.score import score_run, signal_grids, summarize
 from experiments.health_corpus.tables import render
@@ -58,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--every", type=int, default=1, help="evaluate the live doctor every K-th step (default 1)")
     p.add_argument("--hide-ckpt-evals", action="store_true",
                    help="do not show the testbed's checkpoint evaluations to the doctor as held-out records")
+    p.add_argument("--recovered-ambiguous", action="store_true",
+                   help="label a testbed run whose niche fell but was kept at the end ambiguous, not harmful")
     p.add_argument("--out", type=Path, required=True)
     return p
 
@@ -73,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             pack = args.from_pack
         else:
             runs = gather(args.corpus, args.testbed_pack, args.testbed_dir, attach_evals=not args.hide_ckpt_evals)
+            if args.recovered_ambiguous:
+                runs = recovered_as_ambiguous(runs)
             if not runs:
                 print("no runs found: give --corpus, --testbed-pack or --testbed-dir", file=sys.stderr)
                 return 2

@@ -13,6 +13,9 @@ label file: :func:`testbed_runs` labels each finished run from its checkpoint ev
   least the experiment's ``niche_kept_at`` (0.5: "kept");
 - ``ambiguous`` otherwise (never below 0.1, not kept at the end): counted, left out of every rate.
 
+A testbed label also says whether a harmful run ``recovered`` (kept at the end after the fall): on 120-step runs
+the niche often falls below 0.1 early and comes back, so "fell" is not "lost".
+
 Split: even seeds ``tune``, odd seeds ``report``. The testbed runs are read without their training samples (a
 pack has none), so the sample-based checks say "not checked" on them. Their checkpoint evaluations are attached
 as held-out eval records at their step (``eval/mean@1`` ..., as a run with ``eval.every`` = the checkpoint
@@ -126,7 +129,9 @@ def label_testbed_run(run_dir: Path, *, source: str, arm: str, seed: int, niche:
             "kind": "healthy" if outcome == "healthy" else "niche_lost", "fault_step": None,
             "harm_step": harm_step, "steps": 0, "split": "tune" if seed % 2 == 0 else "report",
             "note": f"collapse testbed arm {arm}, seed {seed}: {niche} held-out accuracy by checkpoint "
-                    + ", ".join(f"{s}:{a:.3f}" for s, a in series) + f"; final {final:.3f}"}
+                    + ", ".join(f"{s}:{a:.3f}" for s, a in series) + f"; final {final:.3f}",
+            # beyond the shared schema: a harmful run whose niche came back (kept at the end)
+            "recovered": outcome == "harmful" and final >= kept_at}
 
 
 def eval_record(step: int, ev: dict[str, Any]) -> dict[str, Any]:
@@ -184,6 +189,18 @@ def testbed_pack_runs(pack: Path, name: str, *, attach_evals: bool = True) -> li
     for run in runs:  # the temporary path is gone: name the pack instead
         run.records.path = pack / run.id
     return runs
+
+
+def recovered_as_ambiguous(runs: list[CorpusRun]) -> list[CorpusRun]:
+    """The runs with every harmful run that ``recovered`` relabelled ``ambiguous`` (the stricter reading of
+    harm: the niche was lost, not only dipped)."""
+    out = []
+    for run in runs:
+        if run.label.get("recovered"):
+            run = CorpusRun({**run.label, "outcome": "ambiguous", "note": run.label["note"] + "; recovered: "
+                             "relabelled ambiguous"}, run.records)
+        out.append(run)
+    return out
 
 
 def experiment_name(path: Path) -> str:

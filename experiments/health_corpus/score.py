@@ -321,11 +321,21 @@ def by_kind(items: list[tuple[dict[str, Any], Onsets]], field: str = "kind") -> 
 def choose(tune: dict[float, dict[str, Any]], fa_limit: float = FA_LIMIT) -> float | None:
     """The tuned threshold: among values whose false alarms on the healthy tune runs are known and at most
     ``fa_limit`` per 100 steps, the one with the most harmful tune runs caught (:func:`hit`); ties: fewer false
-    alarms, then the smaller value. ``None`` when no value qualifies."""
+    alarms, then the smaller value. ``None`` when no value qualifies or none that does catches a run."""
     ok = [(v, r) for v, r in tune.items() if r["fa_per_100"] is not None and r["fa_per_100"] <= fa_limit]
-    if not ok:
-        return None
-    return min(ok, key=lambda p: (-p[1]["hits"], p[1]["fa_per_100"], p[0]))[0]
+    best = min(ok, key=lambda p: (-p[1]["hits"], p[1]["fa_per_100"], p[0]), default=None)
+    return best[0] if best is not None and best[1]["hits"] > 0 else None
+
+
+def no_choice_reason(tune: dict[float, dict[str, Any]], fa_limit: float = FA_LIMIT) -> str:
+    """Why :func:`choose` found no threshold."""
+    if not tune:
+        return "not logged on the tune runs"
+    if not any(r["checked_healthy"] for r in tune.values()):
+        return "no checked healthy tune run"
+    if not any(r["fa_per_100"] <= fa_limit for r in tune.values() if r["fa_per_100"] is not None):
+        return f"none with FA/100 <= {fa_limit:g}"
+    return f"none within FA/100 <= {fa_limit:g} catches a harmful tune run"
 
 
 def _split(scores: list[RunScore], split: str) -> list[RunScore]:
@@ -341,7 +351,8 @@ def sweep_table(scores: list[RunScore], pick: Callable[[RunScore], dict[float, O
     chosen = choose(halves["tune"], fa_limit)
     kinds = by_kind([(s.label, pick(s)[chosen]) for s in scores if chosen in pick(s)]) if chosen is not None else {}
     return {"grid": values, "tune": halves["tune"], "report": halves["report"], "chosen": chosen,
-            "fa_limit": fa_limit, "chosen_by_kind": kinds}
+            "fa_limit": fa_limit, "chosen_by_kind": kinds,
+            "why_none": no_choice_reason(halves["tune"], fa_limit) if chosen is None else None}
 
 
 def summarize(scores: list[RunScore]) -> dict[str, Any]:

@@ -41,11 +41,13 @@ def _header(first: str, n_cols: int) -> list[str]:
 
 
 def corpus_table(labels: list[dict[str, Any]]) -> list[str]:
-    """Runs per source, outcome and split."""
+    """Runs per source, kind, outcome and split; harmful testbed runs whose niche was kept at the end."""
     counts = Counter((lab["source"], lab["kind"], lab["outcome"], lab["split"]) for lab in labels)
+    back = Counter((lab["source"], lab["kind"], lab["outcome"]) for lab in labels if lab.get("recovered"))
     keys = sorted({k[:3] for k in counts})
-    out = ["| source | kind | outcome | tune | report |", "|---|---|---|---|---|"]
-    out += [_row([s, k, o, str(counts[(s, k, o, "tune")]), str(counts[(s, k, o, "report")])]) for s, k, o in keys]
+    out = ["| source | kind | outcome | tune | report | of them recovered by the end |", "|---|---|---|---|---|---|"]
+    out += [_row([s, k, o, str(counts[(s, k, o, "tune")]), str(counts[(s, k, o, "report")]),
+                  str(back[(s, k, o)]) if o == "harmful" else "-"]) for s, k, o in keys]
     return out
 
 
@@ -91,10 +93,7 @@ def sweep_summary(sweeps: dict[str, dict[str, Any]], first: str) -> list[str]:
     for name, sw in sweeps.items():
         v = sw["chosen"]
         if v is None:
-            why = ("not logged on the tune runs" if not sw["grid"] else
-                   "no checked healthy tune run" if not any(t["checked_healthy"] for t in sw["tune"].values())
-                   else f"none with FA/100 <= {sw['fa_limit']:g}")
-            out.append(_row([name, why, *["-"] * 8]))
+            out.append(_row([name, sw["why_none"], *["-"] * 8]))
             continue
         t, r = sw["tune"][v], sw["report"][v]
         out.append(_row([name, _key(v), _frac(t["hits"], t["harmful"]), _num(t["fa_per_100"], 2),
@@ -134,8 +133,9 @@ def render(summary: dict[str, Any], settings: dict[str, Any]) -> str:
              f"{summary['runs']} runs; the live doctor evaluated every {settings.get('every', 1)} step(s); tuning "
              f"rule: on the tune half, the threshold catching the most harmful runs (at or before the harm step "
              f"where one is known) with at most {FA_LIMIT:g} false-alarm onsets per 100 healthy steps; ties: fewer "
-             f"false alarms, then the smaller value. Entropy reference: mean of the first {REF_STEPS} logged "
-             "values. Ambiguous runs are left out of every rate. Column meanings: "
+             "false alarms, then the smaller value; no threshold when none within the limit catches a run. A "
+             "deliberate failure's alarm is its first onset from the fault step. Entropy reference: mean of the "
+             f"first {REF_STEPS} logged values. Ambiguous runs are left out of every rate. Column meanings: "
              "experiments/health_corpus/README.md.", "", "## Corpus", "", *corpus_table(labels), "",
              "## Live doctor, shipped thresholds (warning and alarm onsets)", "",
              *overall_table(summary["doctor"], "finding"), "", "Per harmful kind:", "",

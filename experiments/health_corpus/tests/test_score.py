@@ -14,7 +14,9 @@ from experiments.health_corpus.pack import pack_corpus, unpack_corpus, verify_tr
 from experiments.health_corpus.score import (
     Onsets,
     Signal,
+    choose,
     doctor_states,
+    no_choice_reason,
     onset_steps,
     rates,
     score_run,
@@ -110,6 +112,10 @@ def test_sweep_picks_the_most_catching_threshold_within_the_false_alarm_limit():
     assert (report["in_time"], report["with_harm"]) == (1, 1)
     assert report["fa_per_100"] == pytest.approx(5.0)  # the report half's healthy run touches 0.7 (inclusive)
     assert sw["tune"][0.99]["hits"] == 0
+    # a threshold that stays quiet on healthy runs but catches nothing is no tuned threshold
+    quiet = {0.99: sw["tune"][0.99]}
+    assert choose(quiet) is None
+    assert no_choice_reason(quiet) == "none within FA/100 <= 1 catches a harmful tune run"
 
 
 def _ckpt(run_dir: Path, step: int, decade: float) -> None:
