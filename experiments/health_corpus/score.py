@@ -355,16 +355,53 @@ def sweep_table(scores: list[RunScore], pick: Callable[[RunScore], dict[float, O
             "why_none": no_choice_reason(halves["tune"], fa_limit) if chosen is None else None}
 
 
+def detectors(s: RunScore, signal_sweeps: dict[str, Any], doctor_sweeps: dict[str, Any]) -> dict[str, Onsets]:
+    """Every detector of one run: doctor findings (shipped thresholds), raw signals at a shipped threshold, and
+    each swept signal / doctor threshold at its tuned value."""
+    out = {f"doctor {fid}": o for fid, o in s.doctor.items()}
+    out.update({f"{name} (shipped {v:g})": o for name, ship in s.shipped.items() if ship for v, o in [ship]})
+    out.update({f"{name} at {sw['chosen']:g} (tuned)": s.signals[name][sw["chosen"]]
+                for name, sw in signal_sweeps.items() if sw["chosen"] in s.signals[name]})
+    out.update({f"{fid_of} {name}={sw['chosen']:g} (tuned)": s.sweeps[name][sw["chosen"]]
+                for name, sw in doctor_sweeps.items() for fid_of in [DOCTOR_SWEEPS[name][0]]
+                if sw["chosen"] in s.sweeps.get(name, {})})
+    return out
+
+
+def coverage(scores: list[RunScore], signal_sweeps: dict[str, Any], doctor_sweeps: dict[str, Any]
+             ) -> dict[str, dict[str, Any]]:
+    """Per harmful kind: runs, runs caught (:func:`hit`) by some doctor finding at its shipped thresholds, runs
+    caught by any detector (:func:`detectors`), and the detector catching the most runs."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in scores:
+        if s.label["outcome"] != "harmful":
+            continue
+        row = out.setdefault(s.label["kind"], {"runs": 0, "doctor_any": 0, "any": 0, "by": {}})
+        caught = {name for name, o in detectors(s, signal_sweeps, doctor_sweeps).items()
+                  if o.checked and hit(s.label, o)}
+        row["runs"] += 1
+        row["doctor_any"] += any(name.startswith("doctor ") for name in caught)
+        row["any"] += bool(caught)
+        for name in caught:
+            row["by"][name] = row["by"].get(name, 0) + 1
+    for row in out.values():
+        row["best"] = max(sorted(row["by"].items()), key=lambda p: p[1], default=None)
+    return dict(sorted(out.items()))
+
+
 def summarize(scores: list[RunScore]) -> dict[str, Any]:
-    """Every figure the tables show (JSON-ready: float keys become strings in ``tables``)."""
+    """Every figure the tables show."""
     doctor = {fid: by_kind([(s.label, s.doctor[fid]) for s in scores]) for fid in FINDING_IDS}
-    shipped = {name: by_kind([(s.label, s.shipped[name][1]) for s in scores if s.shipped.get(name)])
+    shipped = {name: by_kind(items) if (items := [(s.label, s.shipped[name][1]) for s in scores
+                                                  if s.shipped.get(name)]) else {}
                for name in SIGNALS}
     by_source = {fid: by_kind([(s.label, s.doctor[fid]) for s in scores], "source") for fid in FINDING_IDS}
+    signal_sweeps = {name: sweep_table(scores, lambda s, n=name: s.signals[n]) for name in SIGNALS}
+    doctor_sweeps = {name: sweep_table(scores, lambda s, n=name: s.sweeps.get(n, {})) for name in DOCTOR_SWEEPS}
     return {
         "runs": len(scores), "doctor": doctor, "doctor_by_source": by_source, "signals_shipped": shipped,
-        "signal_sweeps": {name: sweep_table(scores, lambda s, n=name: s.signals[n]) for name in SIGNALS},
-        "doctor_sweeps": {name: sweep_table(scores, lambda s, n=name: s.sweeps.get(n, {})) for name in DOCTOR_SWEEPS},
+        "signal_sweeps": signal_sweeps, "doctor_sweeps": doctor_sweeps,
+        "coverage": coverage(scores, signal_sweeps, doctor_sweeps),
         "labels": [s.label for s in scores], "errors": error_counts(scores),
     }
 

@@ -115,14 +115,14 @@ def sweep_grid_table(name: str, sw: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
-def uncaught(summary: dict[str, Any]) -> list[str]:
-    """Harmful kinds where no doctor finding (shipped thresholds), no raw signal at a shipped threshold and no
-    swept signal or doctor threshold at its chosen value catches any run (``hits`` = 0, both halves)."""
-    kinds = sorted({lab["kind"] for lab in summary["labels"] if lab["outcome"] == "harmful"})
-    blocks = [summary["doctor"], summary["signals_shipped"]]
-    blocks += [{name: sw["chosen_by_kind"]} for part in ("signal_sweeps", "doctor_sweeps")
-               for name, sw in summary[part].items()]
-    return [k for k in kinds if not any(b[name].get(k, {}).get("hits", 0) for b in blocks for name in b)]
+def coverage_table(cov: dict[str, dict[str, Any]]) -> list[str]:
+    """Per harmful kind: runs caught by some doctor finding, by any detector, and the best single detector."""
+    out = ["| kind | harmful runs | caught by a doctor finding | caught by any detector | best detector (runs) |",
+           "|---|---|---|---|---|"]
+    for kind, row in cov.items():
+        best = f"{row['best'][0]} ({row['best'][1]})" if row["best"] else "none"
+        out.append(_row([kind, str(row["runs"]), str(row["doctor_any"]), str(row["any"]), best]))
+    return out
 
 
 def render(summary: dict[str, Any], settings: dict[str, Any]) -> str:
@@ -151,10 +151,15 @@ def render(summary: dict[str, Any], settings: dict[str, Any]) -> str:
     for name, sw in [*summary["signal_sweeps"].items(), *summary["doctor_sweeps"].items()]:
         if sw["grid"]:
             lines += sweep_grid_table(name, sw)
-    missed = uncaught(summary)
+    cov = summary["coverage"]
+    missed = [k for k, row in cov.items() if not row["any"]]
     lines += ["## What no signal catches", "",
-              ("Harmful kinds no doctor finding and no raw signal caught on any run: " + ", ".join(missed))
-              if missed else "Every harmful kind is caught on at least one run by some finding or signal.", ""]
+              "Caught = alarmed at or before the harm step (deliberate failures without one: alarmed from the fault "
+              "step on); detectors: every doctor finding at its shipped thresholds, the raw signals at a shipped "
+              "threshold, and every swept signal or doctor threshold at its tuned value (both halves).", "",
+              *coverage_table(cov), "",
+              ("Kinds no detector catches on any run: " + ", ".join(missed)) if missed else
+              "Every harmful kind is caught on at least one run by some detector.", ""]
     errors = summary.get("errors", {})
     if errors:
         lines += ["## Checks that raised", "", "| what | runs |", "|---|---|",
