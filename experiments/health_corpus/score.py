@@ -12,9 +12,10 @@ the previous evaluated step: the first raise, and each raise after it cleared. T
 
 - ``mei/query`` (MEI, up): ``mei/query > threshold``; the shipped threshold is the run's own (the
   ``mei_first_crossing`` event's, else ``diag.mei.threshold``), as the doctor's ``strategy_collapse`` reads it;
-- ``mei/directions`` (effective directions = participation ratio, down; ``mei/effective_dirs`` in runs from before
-  the rename): value ``< threshold``; no shipped threshold;
-- ``mei/g_over_mei`` (G / MEI, down): value ``< threshold``; no shipped threshold;
+- ``mei/directions`` (effective directions = participation ratio, at most G; down): value ``< threshold``; no
+  shipped threshold;
+- ``mei/g_over_mei`` (G / MEI, down; logged as ``mei/effective_dirs`` by runs from before the rename): value
+  ``< threshold``; no shipped threshold;
 - ``entropy/mean`` (down, relative): value ``< frac x`` the mean of the first :data:`REF_STEPS` logged values
   (on from the :data:`REF_STEPS`-th value on); shipped ``frac`` = ``entropy_collapse_frac``;
 - ``strategy max mass`` (``strategy/problem_max_mass``, else ``strategy/max_mass``; up): value ``>= threshold``;
@@ -60,8 +61,9 @@ class Signal:
 
 SIGNALS: dict[str, Signal] = {
     "mei/query": Signal(("mei/query",), "up"),
-    "mei/directions": Signal(("mei/directions", "mei/effective_dirs"), "down"),
-    "mei/g_over_mei": Signal(("mei/g_over_mei",), "down"),
+    "mei/directions": Signal(("mei/directions",), "down"),
+    # runs from before the rename logged G/MEI as mei/effective_dirs (docs/doctor.md): the same quantity
+    "mei/g_over_mei": Signal(("mei/g_over_mei", "mei/effective_dirs"), "down"),
     "entropy/mean": Signal(("entropy/mean",), "down", relative=True),
     "strategy max mass": Signal(("strategy/problem_max_mass", "strategy/max_mass"), "up", inclusive=True),
 }
@@ -205,17 +207,34 @@ def _round(x: float) -> float:
     return float(f"{x:.4g}")
 
 
+def family(label: dict[str, Any]) -> str:
+    """The model family of a run: its source up to the first "/" (``tiny/failure`` and ``tiny/healthy`` are one
+    model; the testbed's experiments share theirs), the unit within which a raw threshold is comparable."""
+    return str(label["source"]).split("/")[0]
+
+
+def _quantiles(values: list[float]) -> set[float]:
+    pooled = sorted(values)
+    return {_round(pooled[min(len(pooled) - 1, int(q * len(pooled)))]) for q in QUANTILES} if pooled else set()
+
+
 def signal_grids(runs: list[CorpusRun]) -> dict[str, tuple[float, ...]]:
     """Per raw signal, the thresholds swept: fixed grids for the relative entropy rule and the mass (a share),
-    else quantiles (:data:`QUANTILES`, 4 significant digits) of the values pooled over the ``tune`` runs."""
+    else quantiles (:data:`QUANTILES`, 4 significant digits) of the ``tune`` runs' values, pooled over all runs
+    and within each :func:`family` (MEI's scale depends on the model and G, so one family's range can be
+    narrow)."""
     grids: dict[str, tuple[float, ...]] = {}
+    sources = sorted({family(r.label) for r in runs})
     for name, sig in SIGNALS.items():
         if name in FIXED_GRIDS:
             grids[name] = FIXED_GRIDS[name]
             continue
-        pooled = sorted(y for r in runs if r.label["split"] == "tune" for y in signal_series(r.records, sig)[1])
-        grids[name] = tuple(sorted({_round(pooled[min(len(pooled) - 1, int(q * len(pooled)))])
-                                    for q in QUANTILES})) if pooled else ()
+        values = {src: [y for r in runs if r.label["split"] == "tune" and family(r.label) == src
+                        for y in signal_series(r.records, sig)[1]] for src in sources}
+        grid = _quantiles([y for v in values.values() for y in v])
+        for v in values.values():
+            grid |= _quantiles(v)
+        grids[name] = tuple(sorted(grid))
     return grids
 
 
@@ -397,10 +416,13 @@ def summarize(scores: list[RunScore]) -> dict[str, Any]:
                for name in SIGNALS}
     by_source = {fid: by_kind([(s.label, s.doctor[fid]) for s in scores], "source") for fid in FINDING_IDS}
     signal_sweeps = {name: sweep_table(scores, lambda s, n=name: s.signals[n]) for name in SIGNALS}
+    sources = sorted({family(s.label) for s in scores})
+    per_source = {src: {name: sweep_table([s for s in scores if family(s.label) == src],
+                                          lambda s, n=name: s.signals[n]) for name in SIGNALS} for src in sources}
     doctor_sweeps = {name: sweep_table(scores, lambda s, n=name: s.sweeps.get(n, {})) for name in DOCTOR_SWEEPS}
     return {
         "runs": len(scores), "doctor": doctor, "doctor_by_source": by_source, "signals_shipped": shipped,
-        "signal_sweeps": signal_sweeps, "doctor_sweeps": doctor_sweeps,
+        "signal_sweeps": signal_sweeps, "doctor_sweeps": doctor_sweeps, "signal_sweeps_by_source": per_source,
         "coverage": coverage(scores, signal_sweeps, doctor_sweeps),
         "labels": [s.label for s in scores], "errors": error_counts(scores),
     }

@@ -147,7 +147,12 @@ def render(summary: dict[str, Any], settings: dict[str, Any]) -> str:
              + (", ".join(k for k, v in summary["signals_shipped"].items() if not v) or "none") + ".", "",
              "## Threshold sweeps: tuned on tune, reported on report", "",
              *sweep_summary(summary["signal_sweeps"], "raw signal"), "",
-             *sweep_summary(summary["doctor_sweeps"], "doctor threshold"), "", "### Grids", ""]
+             *sweep_summary(summary["doctor_sweeps"], "doctor threshold"), "",
+             "Raw signals tuned within each model family (source up to its first '/'; the family's own tune and "
+             "report halves):", "",
+             *sweep_summary({f"{src}: {name}": sw for src, block in summary["signal_sweeps_by_source"].items()
+                             for name, sw in block.items() if sw["grid"]}, "family: raw signal"), "",
+             "### Grids (all sources pooled)", ""]
     for name, sw in [*summary["signal_sweeps"].items(), *summary["doctor_sweeps"].items()]:
         if sw["grid"]:
             lines += sweep_grid_table(name, sw)
