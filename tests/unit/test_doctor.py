@@ -394,3 +394,26 @@ def test_json_has_no_nan_and_text_names_every_part():
     for part in ("[alarm] Reward-parser failures (parser_failure) at step(s)", "evidence:", "sample [step",
                  "knob:", "not checked:", "confidence"):
         assert part in text, part
+
+
+def test_reward_collapse_whose_last_dip_the_smoothing_flattens_is_dated_at_the_last_step():
+    """The smoothed curve can stay above the half-way mark after the peak while the raw last window is below it:
+    the fall is then dated at the last step (this once raised StopIteration and stopped a live run)."""
+    curve = [1, 0, 1, 0, 0, 1, 1, 0, 1, .5, 1, .5, 1, .5, 0, 1, 0, 1, 1, 1]
+    diag = diagnose_records(records(reward__mean=curve), replace(TH, collapse_drop_frac=0.1))
+    assert all("failed" not in u.reason for u in diag.unchecked)
+
+
+def test_a_check_that_raises_is_reported_not_fatal(monkeypatch, caplog):
+    import importlib
+
+    dg = importlib.import_module("meshrl.doctor.diagnose")  # the module, not the function of that name
+
+    def broken(rec, th):
+        raise StopIteration
+
+    ids_, _ = dg.CHECKS[0]
+    monkeypatch.setitem(dg.CHECKS, 0, (ids_, broken))
+    diag = diagnose_records(records(reward__mean=0.5))
+    reason = next(u.reason for u in diag.unchecked if u.id == ids_[0])
+    assert reason.startswith("the check failed (StopIteration") and "check broken failed" in caplog.text

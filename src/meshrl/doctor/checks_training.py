@@ -60,7 +60,9 @@ def check_reward_collapse(rec: RunRecords, th: Thresholds) -> Result:
     rise, drop = sm[peak_i] - first, sm[peak_i] - last
     if rise < th.collapse_rise_min or drop < th.collapse_drop_frac * rise or peak_i == len(sm) - 1:
         return []
-    fall_i = next(i for i in range(peak_i, len(sm)) if sm[i] <= sm[peak_i] - drop / 2)
+    # The last window's raw mean can sit below every smoothed value after the peak (a final dip the 3-step average
+    # flattens): then the fall is dated at the last step.
+    fall_i = next((i for i in range(peak_i, len(sm)) if sm[i] <= sm[peak_i] - drop / 2), len(sm) - 1)
     evidence = {"metric": key, "first_window": fmt(first), "peak": fmt(sm[peak_i]), "peak_step": xs[peak_i],
                 "last_window": fmt(last), "rise": fmt(rise), "given_back": fmt(drop / rise)}
     held = _eval_fall(rec, th)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,8 @@ from meshrl.doctor.engines import load_run
 from meshrl.doctor.findings import SEVERITIES, Finding, Unchecked
 from meshrl.doctor.records import RunRecords
 from meshrl.doctor.thresholds import DEFAULT, Thresholds
+
+log = logging.getLogger("meshrl")
 
 #: Every check, in report order: (the finding ids it can raise, the function).
 CHECKS = [
@@ -103,7 +106,11 @@ def diagnose_records(rec: RunRecords, thresholds: Thresholds = DEFAULT) -> Diagn
     unchecked: list[Unchecked] = []
     passed: list[str] = []
     for ids, check in CHECKS:
-        result = check(rec, thresholds)
+        try:
+            result = check(rec, thresholds)
+        except Exception as err:  # a broken check is said, never fatal: the live doctor runs inside training
+            log.error("doctor: check %s failed on %s: %s: %s", check.__name__, rec.path, type(err).__name__, err)
+            result = Unchecked(ids[0], f"the check failed ({type(err).__name__}: {err}); please report it")
         if isinstance(result, Unchecked):
             unchecked.append(result)
         elif result:
