@@ -413,7 +413,7 @@ def test_a_check_that_raises_is_reported_not_fatal(monkeypatch, caplog):
         raise StopIteration
 
     ids_, _ = dg.CHECKS[0]
-    monkeypatch.setitem(dg.CHECKS, 0, (ids_, broken))
+    monkeypatch.setattr(dg, "CHECKS", [(ids_, broken), *dg.CHECKS[1:]])
     diag = diagnose_records(records(reward__mean=0.5))
     reason = next(u.reason for u in diag.unchecked if u.id == ids_[0])
     assert reason.startswith("the check failed (StopIteration") and "check broken failed" in caplog.text
