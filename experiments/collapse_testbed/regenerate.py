@@ -30,6 +30,9 @@ COMMITTED: dict[str, tuple[str, list[str]]] = {
     "audit": ("testbed_audit_results.md", ["--unpack", "data/testbed_audit.json.gz", "--summarize-only"]),
     "readinglist": ("testbed_readinglist_results.md",
                     ["--unpack", "data/testbed_readinglist.json.gz", "--summarize-only", "--preset", "readinglist"]),
+    # GRPO, forking tokens and the coach-guided arms for 120 steps (preset long)
+    "long": ("testbed_long_results.md",
+             ["--unpack", "data/testbed_long.json.gz", "--summarize-only", "--preset", "long"]),
 }
 
 
