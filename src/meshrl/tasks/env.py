@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
 
-from meshrl.tasks._spec import coerce_value
+from meshrl.tasks._spec import split_spec
 from meshrl.tasks.base import Problem, Task
 
 BUILTIN_TOOLSETS = ("calculator", "python")
@@ -42,12 +41,7 @@ def split_env_spec(spec: str) -> tuple[str, dict[str, Any], str]:
     if not sep or not data:
         raise ValueError(f"task spec {spec!r}: an environment needs its problems as a last option data=SPEC "
                          "(e.g. data=jsonl:problems.jsonl?problem=question&answer=answer)")
-    options: dict[str, Any] = {}
-    for part in head.split("&") if head else []:
-        key, eq, value = part.partition("=")
-        if not eq or not key:
-            raise ValueError(f"task spec {spec!r}: option {part!r} is not of the form key=value")
-        options[unquote(key)] = coerce_value(unquote(value))
+    _, options = split_spec(f"env:{env}?{head}")  # the options before data=, parsed as any task spec's
     return env, options, data
 
 
