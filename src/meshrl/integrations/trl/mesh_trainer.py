@@ -105,6 +105,20 @@ class MeshGRPOTrainer(GRPOTrainer):
         self._mesh_capture: list[torch.Tensor] | None = None
         self._mesh_rewards: torch.Tensor | None = None
         self._mesh_ref_model = self._reference_model() if self._needs_own_reference() else None
+        colocated = getattr(self.args, "use_vllm", False) and self.args.vllm_mode == "colocate"
+        if colocated and not torch.cuda.is_available():
+            self.vllm_generation.sync_weights = self._sync_vllm_by_reload
+
+    def _sync_vllm_by_reload(self) -> None:
+        """Colocated vLLM on a CPU: TRL's sync calls the engine model's ``load_weights`` directly, which vLLM's CPU
+        build cannot take once it has repacked its linear weights for oneDNN / sgl-kernel (they become empty
+        parameters without a ``weight_loader``: ``AttributeError``). The same tensors, named and gathered by TRL
+        (LoRA merged), go in through ``collective_rpc("reload_weights")`` instead, as meshrl's own vLLM backend does
+        (meshrl.rollout.vllm_backend)."""
+        gen = self.vllm_generation
+        weights = [(name, param.detach().clone()) for name, param in gen._iter_named_params()]  # clone: LoRA unmerges
+        gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        gen.llm.reset_prefix_cache()
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def _correct_reward_index(self) -> int:
