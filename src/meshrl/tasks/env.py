@@ -78,15 +78,16 @@ class EnvTask(Task):
     def label_strategy(self, completion: str) -> str | None:
         """The tool pattern of an episode's model turns (``meshrl.trainer.episodes.transcript``): ``direct`` when
         no turn called a tool, the tool's name when one tool was called, ``mixed`` for several; None when a
-        ``<tool_call>`` block names no tool of this task (not parsed, not guessed)."""
-        import re
+        ``<tool_call>`` block does not pass the episodes' own strict parser (not guessed)."""
+        from meshrl.agents import parse_tool_calls
 
-        if "<tool_call>" not in completion:
-            return "direct"
-        called = set(re.findall(r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"]+)"', completion))
-        known = [s["function"]["name"] for s in self.schemas]
-        if not called or not called <= set(known):
+        parsed = parse_tool_calls(completion, {s["function"]["name"]: s["function"]["parameters"]
+                                               for s in self.schemas})
+        if parsed.failure is not None:
             return None
+        called = {call.name for call in parsed.calls}
+        if not called:
+            return "direct"
         return called.pop() if len(called) == 1 else "mixed"
 
     def coach_strategies(self, problem: Problem) -> list[str] | None:
