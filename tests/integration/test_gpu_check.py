@@ -80,3 +80,26 @@ def test_resolve_device_never_falls_back_silently():
             resolve_device("cuda")
     with pytest.raises(ValueError, match="use cpu, cuda, cuda:N or auto"):
         resolve_device("cuda:x")
+
+
+def test_gpu_smoke_cases_pass_on_cpu(tmp_path):
+    """The device smoke script's cases are valid runs: on a CPU every one trains its steps (a case failing here is a
+    broken case, not a device bug). A handful here; the script runs them all on a GPU."""
+    import gpu_smoke
+
+    out = tmp_path / "smoke.json"
+    assert gpu_smoke.main(["--device", "cpu", "--only", "grpo,grpo_kl,mesh,tools", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [r["case"] for r in results] == ["grpo", "grpo_kl", "mesh", "tools"]
+    assert all(r["ok"] and r["steps"] == 2 for r in results)
+    assert gpu_smoke.main(["--device", "cpu", "--only", "grpo", "--json", str(out)]) == 0
+
+
+def test_gpu_smoke_reports_a_failing_case(tmp_path, monkeypatch):
+    import gpu_smoke
+
+    monkeypatch.setitem(gpu_smoke.CASES, "broken", ["recipe=no_such_recipe"])
+    out = tmp_path / "smoke.json"
+    assert gpu_smoke.main(["--device", "cpu", "--only", "broken", "--json", str(out)]) == 1
+    (res,) = json.loads(out.read_text())
+    assert not res["ok"] and "no_such_recipe" in res["error"]

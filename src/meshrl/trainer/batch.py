@@ -27,6 +27,14 @@ class MicroBatch:
     response_mask: torch.Tensor  # [n, T] float 0/1
     prompt_len: int  # P
 
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch on ``device`` (itself when already there): the loss combines the mask and the response
+        ids with the model's logits, so on a GPU they must live beside them."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        return MicroBatch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
+                          self.response_ids.to(device), self.response_mask.to(device), self.prompt_len)
+
     @property
     def num_tokens(self) -> int:
         """Response tokens the loss reads (the model's own: environment tokens are masked)."""
@@ -89,7 +97,10 @@ def response_logits(
     ctx = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
     with ctx:
         if share_prompts:
-            logits = shared_prompt_logits(model, mb, device, pack=pack, buckets=max(1, length_buckets))
+            # The sharing's bookkeeping (distinct prompts, packing, index maps) runs on the host; the model's passes
+            # and the logits they return are on ``device``.
+            logits = shared_prompt_logits(model, mb.to(torch.device("cpu")), device, pack=pack,
+                                          buckets=max(1, length_buckets))
             if logits is not None:
                 return logits.float()
         return _one_pass_logits(model, mb, device).float()

@@ -41,10 +41,15 @@ class PolicyForward:
             prompts = ([self._bare_prompt(data.problems[j]) for j in idx] if bare
                        else [data.prompt_ids[j] for j in idx])
             masks = [data.model_mask(j) for j in idx] if getattr(data, "response_masks", None) else None
-            yield idx, collate(prompts, [data.response_ids[j] for j in idx], self.pad_id, masks)
+            yield idx, collate(prompts, [data.response_ids[j] for j in idx], self.pad_id, masks).to(self.device)
 
     def collate(self, prompts: list[list[int]], responses: list[list[int]]) -> MicroBatch:
-        return collate(prompts, responses, self.pad_id)
+        return collate(prompts, responses, self.pad_id).to(self.device)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the policy lives (``train.device``): every micro-batch is placed there."""
+        return next(self.model.parameters()).device
 
     @torch.no_grad()
     def logps(self, model: torch.nn.Module, data: Any) -> list[torch.Tensor]:
