@@ -45,6 +45,9 @@ from meshrl.testbed.traces import STRATEGIES, reference_trace
 
 WARM_VERSION = "testbed-add-warm-v2"  # bump when data, format or training loop change the weights
 MARKER = "warm_start.json"
+#: Warm starts shipped with the package (the demo's: ``meshrl demo`` then needs no 3-8 minute warm start, and every
+#: machine starts from the same weights). ``scripts/ship_warm_start.py`` rebuilds them when the settings change.
+SHIPPED = Path(__file__).parent / "shipped"
 DEFAULT_STEPS = 700
 COACH_TEMPLATES = ("wrapped", "plain")
 #: task family -> (problem sampler, mix parser, procedure prior or None = uniform, budget)
@@ -108,12 +111,14 @@ def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps
     """Return the directory of a warm-started testbed model, training it first if it is not cached.
 
     Args:
-        out_dir: where to put the model; default ``cache_root() / f"warm_{hash}"``. An existing complete
+        out_dir: where to put the model; default: the copy shipped with the package when it was made with these
+            settings (:data:`SHIPPED`), else ``cache_root() / f"warm_{hash}"``. An existing complete
             directory made with the same settings is reused (a different one raises ``ValueError``).
         seed: model init, data order and procedure draws (same seed and settings -> same weights).
         steps: optimiser steps of ``batch_size`` examples.
         preset: a ``meshrl.models.TINY_PRESETS`` name.
-        force: retrain even if a cached copy exists (it is replaced atomically).
+        force: retrain even if a cached or shipped copy exists (a cached one is replaced atomically; the
+            shipped one, :data:`SHIPPED`, is never written).
         lr: peak AdamW learning rate (see :func:`lr_at` for the schedule).
         coach_fraction: coach-prefixed examples per plain example (0 turns them off); they are extra.
         coach_templates: system-prompt forms of the coach examples, each drawn uniformly
@@ -135,7 +140,10 @@ def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps
     settings = warm_settings(seed=seed, steps=steps, preset=preset, batch_size=batch_size, lr=lr,
                              coach_fraction=coach_fraction, coach_templates=tuple(coach_templates), mix=mix,
                              task=task, coach_variants=coach_variants)
-    target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / f"warm_{settings_hash(settings)}"
+    name = f"warm_{settings_hash(settings)}"
+    if out_dir is None and not force and _complete(SHIPPED / name, settings):
+        return SHIPPED / name  # made with exactly these settings, shipped with the package
+    target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / name
     if not force and _complete(target, settings):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
