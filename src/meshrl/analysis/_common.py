@@ -85,12 +85,14 @@ def _check_head(model: torch.nn.Module, h: torch.Tensor, logits: torch.Tensor) -
 
 
 def sequence_logprobs(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum, n_tokens)``, each ``[n]``: ``sum_t log softmax(logits_t / T)[y_t]`` over each response.
+                      temperature: float = 1.0, model_masks: list[list[int] | None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum, n_tokens)``, each ``[n]``: ``sum_t log softmax(logits_t / T)[y_t]`` over each response (over the
+    model's own tokens where ``model_masks`` marks them: a tool's output in an episode is context, not sampled).
 
     Uses :func:`collate` / :func:`response_logits` / :func:`token_logprobs` (temperature 0 counts as 1).
     """
-    mb = collate(prompts, responses, pad_id)
+    mb = collate(prompts, responses, pad_id, model_masks)
     with torch.no_grad():
         lp = token_logprobs(response_logits(model, mb), mb.response_ids, temperature)
     mask = mb.response_mask.to(lp.device)

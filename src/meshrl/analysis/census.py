@@ -10,7 +10,16 @@ Input rows (JSONL, e.g. a run's ``samples.jsonl`` or any file written the same w
 - ``truncated`` (optional bool): when it is ``false`` the response ended with an eos token that
   decoding dropped, so ``eos_ids(model, tokenizer)[0]`` (the tokenizer's eos) is appended to the
   completion's tokens; when it is ``true`` or absent nothing is appended;
-- ``system`` (optional str): a system prompt the rollout was sampled under (e.g. a wrapped coach prefix).
+- ``system`` (optional str): a system prompt the rollout was sampled under (e.g. a wrapped coach prefix);
+- ``prompt_ids`` and ``response_ids`` (optional, together; lists of token ids): the exact tokens, used instead
+  of re-encoding ``prompt`` / ``completion`` (``truncated`` and ``system`` are then not read). The trainer
+  writes them for multi-turn episodes (``env:`` tasks), with
+- ``model_mask`` (optional, with the ids; 0/1 per response token): 1 on the tokens the model sampled, 0 on the
+  environment's (tool output): the scores and sequence log-probs cover the model's tokens only, as the
+  trainer's update does, while the forward still reads the tool output as context;
+- ``strategy_label`` (optional str or null): a parser's strategy label (the trainer writes the task's
+  ``label_strategy``: a procedure, or a tool pattern on a tool-using task). Where every rollout of a group
+  has one, the group also reports the labels' masses and how well the geometric partition agrees with them.
 
 Completion tokens are ``tokenizer.encode(completion, add_special_tokens=False)``: a re-tokenisation of
 the decoded text, which can differ from the sampled ids where decoding is not invertible (special tokens
@@ -64,6 +73,10 @@ class RolloutRow:
     key: tuple
     truncated: bool | None
     system: str | None
+    prompt_ids: list[int] | None = None
+    response_ids: list[int] | None = None
+    model_mask: list[int] | None = None
+    strategy_label: str | None = None
 
 
 def _row_problem(rec: dict[str, Any], group_key: Sequence[str]) -> str | None:
@@ -84,6 +97,35 @@ def _row_problem(rec: dict[str, Any], group_key: Sequence[str]) -> str | None:
         return f"field 'truncated' must be true or false, got {rec['truncated']!r:.40}"
     if rec.get("system") is not None and not isinstance(rec["system"], str):
         return f"field 'system' must be a string, got {type(rec['system']).__name__}"
+    if rec.get("strategy_label") is not None and not isinstance(rec["strategy_label"], str):
+        return f"field 'strategy_label' must be a string or null, got {type(rec['strategy_label']).__name__}"
+    return _ids_problem(rec)
+
+
+def _is_id_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
+
+
+def _ids_problem(rec: dict[str, Any]) -> str | None:
+    """Why the exact-token fields of ``rec`` cannot be used, or ``None``."""
+    has = [name for name in ("prompt_ids", "response_ids") if name in rec]
+    if "model_mask" in rec and len(has) < 2:
+        return "field 'model_mask' needs 'prompt_ids' and 'response_ids'"
+    if not has:
+        return None
+    if len(has) == 1:
+        return f"field {has[0]!r} needs its partner ('prompt_ids' and 'response_ids' go together)"
+    for name in has:
+        if not _is_id_list(rec[name]):
+            return f"field {name!r} must be a list of token ids (integers >= 0)"
+    if not rec["prompt_ids"]:
+        return "field 'prompt_ids' is empty"
+    mask = rec.get("model_mask")
+    if mask is not None:
+        if not isinstance(mask, list) or any(m not in (0, 1) or isinstance(m, bool) for m in mask):
+            return "field 'model_mask' must be a list of 0/1"
+        if len(mask) != len(rec["response_ids"]):
+            return f"field 'model_mask' has {len(mask)} entries for {len(rec['response_ids'])} response ids"
     return None
 
 
@@ -116,14 +158,19 @@ def read_rollout_rows(
             skipped.append({"line": n, "reason": why})
             continue
         key = tuple(rec.get(name) for name in group_key)
-        valid.append(RolloutRow(n, rec["prompt"], rec["completion"], key, rec.get("truncated"), rec.get("system")))
+        valid.append(RolloutRow(n, rec["prompt"], rec["completion"], key, rec.get("truncated"), rec.get("system"),
+                                rec.get("prompt_ids"), rec.get("response_ids"), rec.get("model_mask"),
+                                rec.get("strategy_label")))
     return valid, skipped, source
 
 
 def tokenize_rollout(tok: Any, row: RolloutRow, eos: int) -> tuple[list[int], list[int]]:
-    """``(prompt ids, response ids)`` of one row, re-tokenised as the module docstring says."""
+    """``(prompt ids, response ids)`` of one row: its exact ids when it has them, else re-tokenised as the module
+    docstring says."""
     from meshrl.models import encode_prompt
 
+    if row.prompt_ids is not None and row.response_ids is not None:
+        return list(row.prompt_ids), list(row.response_ids)
     prompt = encode_prompt(tok, row.prompt, system=row.system)
     response = list(tok.encode(row.completion, add_special_tokens=False))
     if row.truncated is False:
@@ -131,11 +178,12 @@ def tokenize_rollout(tok: Any, row: RolloutRow, eos: int) -> tuple[list[int], li
     return prompt, response
 
 
-def full_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int
+def full_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+                   model_masks: list[list[int] | None] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``(input_ids, attention_mask, response_mask)`` ``[n, L]`` in the layout of
     :func:`meshrl.diagnostics.fisher_scores` (right padding keeps every row's positions ``0..len-1``
-    without position ids)."""
+    without position ids). ``model_masks`` (episodes): the response mask keeps only each row's 1s."""
     width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     am = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -144,11 +192,15 @@ def full_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id:
         ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         am[i, : len(p) + len(r)] = 1
         rm[i, len(p) : len(p) + len(r)] = 1
+        mask = model_masks[i] if model_masks is not None else None
+        if mask is not None:
+            rm[i, len(p) : len(p) + len(r)] = torch.tensor(mask, dtype=rm.dtype)
     return ids, am, rm
 
 
 def group_scores(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], pad_id: int, *,
-                 temperature: float, params: list[str] | None, sketch_dim: int | None, seed: int) -> torch.Tensor:
+                 temperature: float, params: list[str] | None, sketch_dim: int | None, seed: int,
+                 model_masks: list[list[int] | None] | None = None) -> torch.Tensor:
     """``[G, P]`` exact Fisher scores of one group, or ``[G, k]`` count sketches.
 
     With ``sketch_dim`` the rollouts are scored one at a time and each exact row is sketched with the same
@@ -157,7 +209,7 @@ def group_scores(model: torch.nn.Module, prompts: list[list[int]], responses: li
     from meshrl.diagnostics import fisher_scores
 
     device = next(model.parameters()).device
-    ids, am, rm = (t.to(device) for t in full_sequences(prompts, responses, pad_id))
+    ids, am, rm = (t.to(device) for t in full_sequences(prompts, responses, pad_id, model_masks))
     if sketch_dim is None:
         return fisher_scores(model, ids, am, rm, temperature=temperature, params=params)
     rows = [fisher_scores(model, ids[i : i + 1], am[i : i + 1], rm[i : i + 1], temperature=temperature,
@@ -183,6 +235,26 @@ def _group_record(key: dict[str, Any], lines: list[int], labels: torch.Tensor, m
     }
 
 
+def parser_label_figures(given: list[str | None], partition: list[int]) -> dict[str, Any]:
+    """A group's parser labels beside its geometric partition (empty unless every rollout has a label).
+
+    ``label_mass``: each label's share of the group; ``max_label_mass``: the largest; ``label_purity``: the share
+    of rollouts whose epsilon-strategy's most common label is their own (1 = every geometric strategy holds one
+    label; low = the partition mixes labels); ``label_split``: the share of labels spread over more than one
+    epsilon-strategy (high = the geometry separates what the parser calls one strategy).
+    """
+    if not given or any(g is None for g in given):
+        return {}
+    mass = {lab: given.count(lab) / len(given) for lab in sorted(set(given))}  # type: ignore[arg-type]
+    by_part: dict[int, list[str]] = {}
+    for lab, part in zip(given, partition, strict=True):
+        by_part.setdefault(part, []).append(lab)  # type: ignore[arg-type]
+    agree = sum(max(v.count(x) for x in set(v)) for v in by_part.values())
+    parts_of = {lab: {p for g2, p in zip(given, partition, strict=True) if g2 == lab} for lab in mass}
+    return {"label_mass": mass, "max_label_mass": max(mass.values()), "label_purity": agree / len(given),
+            "label_split": sum(len(v) > 1 for v in parts_of.values()) / len(parts_of)}
+
+
 def _summary(groups: list[dict[str, Any]]) -> dict[str, Any]:
     ns = [g["n_strategies"] for g in groups]
     hist: dict[str, int] = {}
@@ -198,7 +270,17 @@ def _summary(groups: list[dict[str, Any]]) -> dict[str, Any]:
         "max_count_mass_mean": finite_stats([g["max_count_mass"] for g in groups])[0],
         "max_prob_mass_mean": finite_stats([g["max_prob_mass"] for g in groups])[0],
         "n_strategies_hist": hist,
+        **_label_summary(groups),
     }
+
+
+def _label_summary(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    labelled = [g for g in groups if "label_mass" in g]
+    if not labelled:
+        return {}
+    return {"labelled_groups": len(labelled),
+            "max_label_mass_mean": finite_stats([g["max_label_mass"] for g in labelled])[0],
+            "label_purity_mean": finite_stats([g["label_purity"] for g in labelled])[0]}
 
 
 def _by_step(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -277,14 +359,16 @@ def census(
             for r, p in zip(members, prompts, strict=True):
                 if not p:
                     raise ValueError(f"{source}:{r.line}: field 'prompt' encodes to no tokens")
+            masks = [r.model_mask for r in members] if any(r.model_mask for r in members) else None
             U = group_scores(model, prompts, responses, pad, temperature=float(temperature), params=names,
-                             sketch_dim=sketch_dim, seed=seed)
+                             sketch_dim=sketch_dim, seed=seed, model_masks=masks)
             _, k_tilde = coupling_kernel(U)
             labels = epsilon_partition(k_tilde, float(eps)).cpu()
-            seq_logp, _ = sequence_logprobs(model, prompts, responses, pad, float(temperature))
+            seq_logp, _ = sequence_logprobs(model, prompts, responses, pad, float(temperature), masks)
             masses = strategy_masses(labels, seq_logp)
-            groups.append(_group_record(dict(zip(group_key, key, strict=True)), [r.line for r in members],
-                                        labels, masses, k_tilde.cpu()))
+            record = _group_record(dict(zip(group_key, key, strict=True)), [r.line for r in members], labels,
+                                   masses, k_tilde.cpu())
+            groups.append({**record, **parser_label_figures([r.strategy_label for r in members], labels.tolist())})
             advance()
     out: dict[str, Any] = {
         "model": str(model_spec),

@@ -117,4 +117,30 @@ def _write_samples(writer: JsonlWriter, trainer: Trainer, step: int) -> None:
                "group_id": data.group_ids[i]}
         if strategy >= 0:  # the coach text the rollout was conditioned on, so it can be re-scored as sampled
             row.update(trainer.sampler.conditioning(p, strategy))
+        row.update(_exact_tokens(data, i))
+        label = _strategy_label(trainer.task, data, i)
+        if label is not None:
+            row["strategy_label"] = label
         writer.write(row)
+
+
+def _exact_tokens(data: Any, i: int) -> dict[str, Any]:
+    """An episode's exact ids and model-token mask (``meshrl census`` scores the tokens the model sampled, never a
+    re-tokenised transcript with the tool output in it); nothing for a single-turn rollout."""
+    if not data.response_masks:
+        return {}
+    response = list(data.response_ids[i])
+    mask = data.model_mask(i)
+    return {"prompt_ids": list(data.prompt_ids[i]), "response_ids": response,
+            "model_mask": list(mask) if mask is not None else [1] * len(response)}
+
+
+def _strategy_label(task: Any, data: Any, i: int) -> str | None:
+    """The task parser's strategy label of row ``i`` (a procedure; the tool pattern of an episode), None without
+    a parser. Episodes are labelled from their transcript (``label_texts``), never from the text with the tool
+    output in it."""
+    if not getattr(task, "strategies", ()):
+        return None
+    if data.label_texts:
+        return task.label_strategy(data.label_texts[i]) if len(data.label_texts) == len(data) else None
+    return None if data.response_masks else task.label_strategy(data.texts[i])

@@ -138,8 +138,8 @@ class StepData:
     # (tool output) between its turns; every loss term, metric and MEI reads only the 1s. Empty, or None for a
     # row: every response token is the model's (single-turn rollouts).
     response_masks: list[list[int] | None] = field(default_factory=list)
-    # Multi-turn episodes: what the strategy labeller reads per sampled row (the model's turns, tool calls
-    # included: EnvTask labels the tool pattern); empty: the texts. Read once per sampling round, not extended.
+    # Multi-turn episodes: what the strategy labeller reads per row (the model's turns, tool calls included:
+    # EnvTask labels the tool pattern); empty: the texts. Kept rows carry theirs into the step's batch.
     label_texts: list[str] = field(default_factory=list)
     rewards: torch.Tensor | None = None  # shaped reward [N]
     advantages: torch.Tensor | None = None  # [N]
@@ -156,6 +156,8 @@ class StepData:
                      "strategy_ids", "scores", "rollout_logps"):
             getattr(self, name).extend(getattr(other, name)[i] for i in keep)
         self.forced_tokens.extend(other.forced_tokens[i] if other.forced_tokens else 0 for i in keep)
+        if other.label_texts:
+            self.label_texts.extend(other.label_texts[i] for i in keep)
 
     def __len__(self) -> int:
         return len(self.texts)
