@@ -73,6 +73,7 @@ class MismatchMonitor:
         self.rollout: list[list[float] | None] = []
         self.skip: set[int] = set()
         self.old: dict[int, torch.Tensor] = {}
+        self.mask: dict[int, torch.Tensor] = {}
         self.data: Any = None
         self.announced = False
 
@@ -80,7 +81,7 @@ class MismatchMonitor:
         self.data = data
         self.rollout = list(getattr(data, "rollout_logps", []) or [])
         self.skip = set(skip)
-        self.old = {}
+        self.old, self.mask = {}, {}
 
     def rows(self, idx: list[int]) -> list[list[float] | None]:
         """The sampler's log-probs of step rows ``idx`` over the whole vocabulary (:func:`sampler_logps`; None
@@ -88,24 +89,28 @@ class MismatchMonitor:
         return whole_vocab_rows(self.data, self.rollout, self.skip, idx)
 
     def observe(self, idx: list[int], old: torch.Tensor, mask: torch.Tensor) -> None:
-        """Keep ``old [n, T]`` of each row of ``idx`` the first time the row is seen this step."""
-        lengths = mask.sum(-1).long().tolist()
+        """Keep ``old [n, T]`` and the loss ``mask`` of each row of ``idx`` the first time the row is seen this step,
+        over the row's whole response: an episode's mask has 0s on the tool's output between the model's turns,
+        where the sampler's log-probs are placeholders, so only the 1s are compared."""
         for k, j in enumerate(idx):
             if j not in self.old:
-                self.old[j] = old[k, : lengths[k]].detach().float().cpu()
+                n = len(self.data.response_ids[j]) if self.data is not None else int(mask[k].sum())
+                self.old[j] = old[k, :n].detach().float().cpu()
+                self.mask[j] = mask[k, :n].detach().float().cpu()
 
     def finish(self) -> dict[str, float]:
         """``mismatch/*`` over every observed row with sampler log-probs of the same length ({} when none)."""
         idx = list(range(len(self.rollout)))
-        pairs = [(self.old[j], r) for j, r in zip(idx, self.rows(idx), strict=True)
-                 if r is not None and j in self.old and len(r) == self.old[j].shape[0] and len(r) > 0]
+        both = [(j, (self.old[j], r)) for j, r in zip(idx, self.rows(idx), strict=True)
+                if r is not None and j in self.old and len(r) == self.old[j].shape[0] and len(r) > 0]
+        observed, pairs = [j for j, _ in both], [p for _, p in both]
         if not pairs:
             return {}
         width = max(len(r) for _, r in pairs)
         old = torch.zeros(len(pairs), width)
         mask = torch.zeros(len(pairs), width)
-        for i, (o, _) in enumerate(pairs):
-            old[i, : o.shape[0]], mask[i, : o.shape[0]] = o, 1.0
+        for i, (j, (o, _)) in enumerate(zip(observed, pairs, strict=True)):
+            old[i, : o.shape[0]], mask[i, : o.shape[0]] = o, self.mask[j]
         rollout, _ = rows_tensor([r for _, r in pairs], old)
         return logprob_mismatch_stats(old, rollout, mask)
 
