@@ -40,21 +40,22 @@ from meshrl.trainer import load_config, train
 TRL_ARMS = ("trl", "trl+mei", "trl+mei_fwd", "mesh", "mesh+mei")
 
 
-def timed_run(model: str, task: str, steps: int, group: int, tokens: int, mei: bool) -> list[dict]:
+def timed_run(model: str, task: str, steps: int, group: int, tokens: int, mei: bool,
+              extra: tuple[str, ...] = ()) -> list[dict]:
     cfg = load_config(overrides=[
         f"model={model}", f"task={task}", f"steps={steps}", "seed=0", "log.progress=false",
         "rollout.prompts_per_step=4", f"rollout.group_size={group}", f"rollout.max_new_tokens={tokens}",
-        "train.micro_batch_size=16", "checkpoint.every=1000", f"diag.mei.every={1 if mei else 0}",
+        "train.micro_batch_size=16", "checkpoint.every=1000", f"diag.mei.every={1 if mei else 0}", *extra,
     ])
     with tempfile.TemporaryDirectory() as d:
         return list(train(cfg, Path(d) / "run"))  # read the records before the directory goes
 
 
 def meshrl_engine(args) -> None:
-    timed_run(args.model, args.task, 1, args.group_size, args.tokens, mei=True)  # warm-up (imports, caches)
+    timed_run(args.model, args.task, 1, args.group_size, args.tokens, True, tuple(args.set))  # warm-up
     rows = {}
     for mei in (False, True, False, True):  # interleaved to spread machine-load drift over both arms
-        hist = timed_run(args.model, args.task, args.steps, args.group_size, args.tokens, mei)[1:]
+        hist = timed_run(args.model, args.task, args.steps, args.group_size, args.tokens, mei, tuple(args.set))[1:]
         rows.setdefault(mei, []).extend(hist)
     for key in ("time/train_s", "time/step_s"):
         base = statistics.median(r[key] for r in rows[False])
@@ -180,7 +181,7 @@ def trl_engine(args) -> None:
         mei = rows[arm]["mei_s"]
         share = 100 * statistics.median(m / s for m, s in zip(mei, rows[arm]["step_s"], strict=True))
         how = {(): "", (1.0,): "  (MEI hooked)", (0.0,): "  (MEI fallback: own forward)"}[tuple(rows[arm]["hooked"])]
-        print(f"{arm:9s} median step {med[arm]:.3f}s  vs {base}: {100 * (med[arm] / med[base] - 1):+6.2f}%  "
+        print(f"{arm:11s} median step {med[arm]:.3f}s  vs {base}: {100 * (med[arm] / med[base] - 1):+6.2f}%  "
               f"MEI code {statistics.median(mei):.4f}s/step = {share:.2f}% of a step{how}")
 
 
@@ -195,6 +196,9 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=None, help="meshrl 16, trl 4")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--set", action="append", default=[], help="meshrl engine: extra config overrides, e.g. "
+                    "train.skip_zero_advantage=false (MEI's step runs every row serially; without MEI the default "
+                    "skips zero-advantage rows, so the default comparison includes losing that skip)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     trl = args.engine == "trl"
