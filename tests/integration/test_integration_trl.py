@@ -292,6 +292,8 @@ def test_mei_callback_matches_diagnostics_and_stops(world, tmp_path):
                           train_dataset=Dataset.from_list(rows), processing_class=world["tok"])
     cb = MEICallback(threshold=0.0, patience=2, on_warning="checkpoint_and_stop").attach(trainer)
     out = trainer._generate_and_score_completions(first_batch(trainer))
+    trainer.current_gradient_accumulation_steps = 1
+    trainer._compute_loss(trainer.model, out)  # plain TRL: MEI reads the LM head's input of the loss forward
     logits = trainer.model(input_ids=torch.cat([out["prompt_ids"], out["completion_ids"]], 1),
                            attention_mask=torch.cat([out["prompt_mask"], out["completion_mask"]], 1)).logits
     width = out["completion_ids"].size(1)

@@ -4,7 +4,8 @@ Layer 2: imports torch, numpy and ``meshrl.algos`` only; no trainer state. Every
 its formula (docs/method.md §1.1, §1.2), its source and its tensor shapes; bad inputs raise ``ValueError``
 naming the argument.
 
-- :mod:`~meshrl.diagnostics.features`: ``bias_features`` (``[B, V]``) and ``head_gram`` (``[B, B]``,
+- :mod:`~meshrl.diagnostics.features`: ``bias_features`` (``[B, V]``, from logits, or ``bias_features_from_hidden``
+  from final hidden states and the unembedding) and ``head_gram`` (``[B, B]``,
   exact kernel trick or TensorSketch) from aligned logits / tokens / hidden states.
 - :mod:`~meshrl.diagnostics.fisher`: ``fisher_scores`` (``[B, P]`` exact per-rollout scores of a
   causal LM, or their count sketch), the ``full`` feature map and the input of the coupling kernel.
@@ -14,7 +15,7 @@ naming the argument.
   ``strategy_masses``.
 """
 
-from meshrl.diagnostics.features import bias_features, head_gram
+from meshrl.diagnostics.features import bias_features, bias_features_from_hidden, head_gram
 from meshrl.diagnostics.fisher import count_sketch, fisher_scores
 from meshrl.diagnostics.kernel import (
     coupling_kernel,
@@ -41,6 +42,7 @@ __all__ = [
     "SCOPES",
     "STATS",
     "bias_features",
+    "bias_features_from_hidden",
     "count_sketch",
     "coupling_kernel",
     "epsilon_partition",

@@ -94,6 +94,65 @@ def bias_features(
     return phi
 
 
+def bias_features_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """:func:`bias_features` of the logits ``z_t = h_t W^T + b`` of final hidden states, without forming them.
+
+    For trainers whose fused LM head never materialises logits: only the masked-in positions are projected
+    through the unembedding, ``chunk_size`` positions at a time, so the transient memory is
+    ``chunk_size x V`` and prompt, padding and tool positions cost nothing. Same feature map,
+    ``phi_i = sum_t m_t (e_{y_t} - softmax(z_t / T))``, computed in float32 (float64 kept).
+
+    Args:
+        hidden: ``[B, T, D]`` final hidden states, aligned with ``tokens`` (``z_t`` scores ``tokens[:, t]``).
+        weight: ``[V, D]`` unembedding matrix; bias: ``[V]`` or ``None``.
+        tokens, mask, temperature, chunk_size: as in :func:`bias_features`.
+    Returns:
+        ``[B, V]`` features.
+    """
+    check_tensor("hidden", hidden, ndim=3)
+    check_tensor("weight", weight, ndim=2, finite=False)  # the model's own parameters; a full scan per call
+    if weight.shape[1] != hidden.shape[2]:
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not project hidden size {hidden.shape[2]}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias shape {tuple(bias.shape)} != ({weight.shape[0]},) (the rows of weight)")
+    check_tensor("tokens", tokens, ndim=2)
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
+    if tuple(tokens.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} != hidden shape[:2] {tuple(hidden.shape[:2])}")
+    m = check_mask("mask", mask, tokens.float(), "tokens").bool()
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if not (isinstance(chunk_size, int) and chunk_size >= 1):
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    V = weight.shape[0]
+    rows, cols = _flat_positions(m)
+    used = tokens[rows, cols].long()
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= V):
+        raise ValueError(f"tokens under mask must lie in [0, {V}) (the rows of weight)")
+    dt = _compute_dtype(hidden)
+    with torch.no_grad():
+        w = weight.to(dt)
+        b = None if bias is None else bias.to(dt)
+        phi = torch.zeros(hidden.shape[0], V, dtype=dt, device=hidden.device)
+        phi.index_put_((rows, used), torch.ones(rows.numel(), dtype=dt, device=hidden.device), accumulate=True)
+        for s in range(0, rows.numel(), chunk_size):
+            r, c = rows[s : s + chunk_size], cols[s : s + chunk_size]
+            z = hidden[r, c].to(dt) @ w.T
+            if b is not None:
+                z += b
+            phi.index_add_(0, r, torch.softmax(z / temperature, dim=-1), alpha=-1.0)
+    return phi
+
+
 def _flat_positions(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column indices ``[N]`` of the masked-in positions, in row-major order."""
     rows, cols = m.nonzero(as_tuple=True)

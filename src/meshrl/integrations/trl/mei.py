@@ -6,9 +6,21 @@ per query (the ``num_generations`` completions of one dataset row) and, when the
 the query MEI stays above a calibrated threshold (``meshrl mei calibrate``) for ``patience`` checks.
 
 TRL 1.16 computes log-probs with a fused LM head and never materialises logits, and the bias map needs
-the whole softmax, so the callback runs one extra no-grad forward of the generation batch every ``every``
-generation batches, ``batch_size`` rows at a time (memory ``batch_size x completion length x vocab``).
-It needs the batch, so it is attached to the trainer, which adds it as a callback too::
+the whole softmax. The callback therefore reads the LM head's *input* from TRL's own forward
+(:mod:`meshrl.integrations.trl.head_capture`: a hook on the backbone, the completion positions' hidden states)
+and projects only the completion tokens through the head, every ``every`` generation batches:
+
+- from the no-grad forward over the whole generation batch that TRL (old log-probs, when importance sampling
+  needs them) or ``MeshGRPOTrainer`` (the balancing weights' log-probs) runs while generating: the metrics come
+  with the batch;
+- otherwise from the loss forward of each micro-batch, on its first pass (the weights are those of generation:
+  without old log-probs, TRL runs all micro-batches of a generation batch within one optimiser step); the
+  metrics come with the batch's last micro-batch, before that step's log.
+
+Where the head's input cannot be read (DeepSpeed / FSDP, vision-language models, logits that the model rescales or
+soft-caps; logged once), it runs its own no-grad forward of the generation batch, ``batch_size`` rows at a time
+(memory ``batch_size x completion length x vocab``), as it also does for a micro-batch whose forward did not show
+the expected hidden states. It needs the batch, so it is attached to the trainer, which adds it as a callback too::
 
     MEICallback(threshold="threshold.json", on_warning="stop").attach(trainer)
 
@@ -27,14 +39,60 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 
 from meshrl.diagnostics import bias_features, mei_key, mei_metrics
+from meshrl.integrations.trl.head_capture import HeadUnsupported, HiddenCapture, Recording
 from meshrl.integrations.trl.options import check_trl_version
 from meshrl.trainer import load_threshold  # a number or a `meshrl mei calibrate` JSON, checked
 
 log = logging.getLogger("meshrl")
 ON_WARNING = ("log", "stop", "checkpoint", "checkpoint_and_stop")
+ROWS_KEY = "mei_rows"  # each row's index in its generation batch; TRL's shuffle and split carry it to the loss
+
+
+def _model_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    """The completion tokens the policy wrote: padding and, in tool-using runs, tool output masked out."""
+    mask = batch["completion_mask"]
+    return mask if "tool_mask" not in batch else mask * batch["tool_mask"]
+
+
+class GenerationForward:
+    """The first no-grad policy forward inside one generation call, as recorded by :class:`HiddenCapture`."""
+
+    def __init__(self) -> None:
+        self.record: Recording | None = None
+        self.input_ids: torch.Tensor | None = None
+        self.attention_mask: torch.Tensor | None = None
+
+    def features(self, callback: MEICallback, out: dict[str, Any]) -> torch.Tensor | None:
+        """The batch's features, or ``None`` unless the forward scored exactly ``out``'s sequences."""
+        hidden = self.record.hidden() if self.record is not None else None
+        if hidden is None:
+            return None
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        att = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        if not (torch.equal(self.input_ids, ids) and torch.equal(self.attention_mask, att)):
+            return None  # another forward of the call (MeshGRPOTrainer's bare prompts): the loss is read instead
+        return callback.capture.features(hidden, out["completion_ids"], _model_tokens(out), callback._temperature())
+
+
+class PendingBatch:
+    """Features of one generation batch filled micro-batch by micro-batch from the loss forwards."""
+
+    def __init__(self, out: dict[str, Any], rows: int) -> None:
+        self.out = out
+        self.filled = torch.zeros(rows, dtype=torch.bool)
+        self.phi: torch.Tensor | None = None
+
+    def add(self, rows: torch.Tensor, phi: torch.Tensor) -> bool:
+        """Store the rows' features; ``True`` once every row of the batch has them."""
+        if self.phi is None:
+            self.phi = phi.new_zeros(self.filled.numel(), phi.shape[1])
+        self.phi[rows.to(self.phi.device)] = phi
+        self.filled[rows.cpu()] = True
+        return bool(self.filled.all())
 
 
 class MEICallback(TrainerCallback):
@@ -46,7 +104,7 @@ class MEICallback(TrainerCallback):
         patience: warn when the query MEI is above the threshold on this many consecutive checks.
         on_warning: ``log``; ``stop`` (``control.should_training_stop``); ``checkpoint``
             (``control.should_save``); ``checkpoint_and_stop``.
-        batch_size: rows per extra forward (``None``: ``per_device_train_batch_size``).
+        batch_size: rows per forward of the fallback (``None``: ``per_device_train_batch_size``).
     """
 
     feature = "bias"
@@ -67,6 +125,10 @@ class MEICallback(TrainerCallback):
         self.above, self.first_cross, self.warned, self._act = 0, None, False, False
         self.events: list[dict[str, Any]] = []
         self.last: dict[str, float] = {}
+        self.capture: HiddenCapture | None = None  # None: the fallback, an own forward per checked batch
+        self._generation: GenerationForward | None = None
+        self._pending: PendingBatch | None = None
+        self._notes: set[str] = set()
 
     # ---- wiring ---------------------------------------------------------------------------------------------
     def attach(self, trainer) -> MEICallback:
@@ -78,25 +140,102 @@ class MEICallback(TrainerCallback):
             raise ValueError(f"MEICallback.attach needs a trl GRPOTrainer, got {type(trainer).__name__}")
         self.threshold = load_threshold(self.threshold_spec, self.feature, trainer.num_generations)
         self.trainer = trainer
-        original = trainer._generate_and_score_completions
+        try:
+            self.capture = HiddenCapture(trainer)
+        except HeadUnsupported as e:
+            self._note(f"MEICallback: {e}; MEI runs its own no-grad forward of each checked generation batch")
+        # Instance attributes shadow the class methods TRL calls (self._generate_and_score_completions, ...).
+        generate = trainer._generate_and_score_completions
 
-        def generate_and_score(inputs):  # the instance attribute shadows the class method TRL calls
-            out = original(inputs)
-            if trainer.model.training:
-                self._on_batch(out)
+        def generate_and_score(inputs):
+            due = trainer.model.training and self._due()
+            self._generation = GenerationForward() if due and self._generation_forward_usable() else None
+            try:
+                out = generate(inputs)
+                generation, self._generation = self._generation, None
+            finally:
+                self._generation = None
+            if due:
+                self._on_batch(out, generation)
             return out
 
         trainer._generate_and_score_completions = generate_and_score
+        if self.capture is not None:
+            self._wrap_forwards(trainer)
         trainer.add_callback(self)
         return self
 
-    # ---- per batch --------------------------------------------------------------------------------------------
-    def _on_batch(self, out: dict[str, Any]) -> None:
-        self.checks += 1
-        if (self.checks - 1) % self.every:
-            return
+    def _wrap_forwards(self, trainer) -> None:
+        per_token_logps, compute_loss = trainer._get_per_token_logps_and_entropies, trainer._compute_loss
+
+        def logps_recorded(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            gen = self._generation
+            if gen is None or gen.record is not None or torch.is_grad_enabled() or not self.capture.is_policy(model):
+                return per_token_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            gen.input_ids, gen.attention_mask = input_ids, attention_mask
+            with self.capture.recording(input_ids.size(0), input_ids.size(1), logits_to_keep) as gen.record:
+                return per_token_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+        def loss_recorded(model, inputs):
+            pending, rows = self._pending, inputs.get(ROWS_KEY)
+            if pending is None or rows is None or not trainer.model.training or pending.filled[rows.cpu()].all():
+                return compute_loss(model, inputs)
+            ids = inputs["completion_ids"]
+            with self.capture.recording(ids.size(0), inputs["prompt_ids"].size(1) + ids.size(1), ids.size(1)) as rec:
+                loss = compute_loss(model, inputs)
+            hidden = rec.hidden()
+            if hidden is None:
+                self._note(f"MEICallback: a loss forward did not show the LM head's input ({rec.error or 'rows'}); "
+                           "such micro-batches get their own no-grad forward")
+                phi = self.features(inputs)
+            else:
+                phi = self.capture.features(hidden, ids, _model_tokens(inputs), self._temperature())
+            if pending.add(rows, phi):
+                self._pending = None
+                self._publish(pending.phi, pending.out)
+            return loss
+
+        trainer._get_per_token_logps_and_entropies = logps_recorded
+        trainer._compute_loss = loss_recorded
+
+    def _generation_forward_usable(self) -> bool:
+        """Whether the first policy forward of a generation call scores the batch under the policy's weights.
+
+        TRL computes old log-probs (first) when ``gradient_accumulation_steps`` is not a multiple of
+        ``steps_per_generation x num_iterations`` or vLLM importance sampling is on; otherwise, with a PEFT
+        adapter and ``beta != 0``, its first policy forward is the reference (adapter off), which must not count.
+        """
         trainer = self.trainer
-        phi = trainer.accelerator.gather(self.features(out))
+        if self.capture is None:
+            return False
+        every = trainer.args.steps_per_generation * trainer.num_iterations
+        old = trainer.args.gradient_accumulation_steps % every != 0 or (
+            trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+        return old or trainer.beta == 0.0 or not is_peft_model(trainer.accelerator.unwrap_model(trainer.model))
+
+    # ---- per batch --------------------------------------------------------------------------------------------
+    def _due(self) -> bool:
+        self.checks += 1
+        return (self.checks - 1) % self.every == 0
+
+    def _on_batch(self, out: dict[str, Any], generation: GenerationForward | None) -> None:
+        if self.capture is None:
+            self._publish(self.features(out), out)
+            return
+        phi = generation.features(self, out) if generation is not None else None
+        if phi is not None:
+            self._publish(phi, out)
+            return
+        if self._pending is not None:
+            self._note("MEICallback: a generation batch was replaced before all its rows passed through the loss; "
+                       "its MEI is skipped")
+        rows = out["completion_ids"].size(0)
+        out[ROWS_KEY] = torch.arange(rows, device=out["completion_ids"].device)
+        self._pending = PendingBatch(out, rows)
+
+    def _publish(self, local_phi: torch.Tensor, out: dict[str, Any]) -> None:
+        trainer = self.trainer
+        phi = trainer.accelerator.gather(local_phi)
         # Gathered rows are process-major, as in TRL's own gathers: a query is num_generations consecutive rows.
         query_ids = torch.arange(phi.shape[0]) // trainer.num_generations
         prefix_ids = trainer.accelerator.gather(out["strategy_ids"]).cpu() if "strategy_ids" in out else None
@@ -107,12 +246,21 @@ class MEICallback(TrainerCallback):
             if not math.isnan(value):
                 trainer._metrics["train"][key].append(value)
 
+    def _temperature(self) -> float:
+        return self.trainer.temperature if self.trainer.temperature > 0 else 1.0
+
+    def _note(self, message: str) -> None:
+        if message not in self._notes:
+            self._notes.add(message)
+            log.info(message)
+
     def features(self, out: dict[str, Any]) -> torch.Tensor:
-        """``[B, V]`` bias features of the local completions (prompt tokens, padding and tool tokens masked)."""
+        """``[B, V]`` bias features of the local completions (prompt tokens, padding and tool tokens masked) from
+        the callback's own no-grad forward (the fallback where the LM head's input cannot be recorded)."""
         trainer = self.trainer
         prompt_ids, prompt_mask = out["prompt_ids"], out["prompt_mask"]
         completion_ids, completion_mask = out["completion_ids"], out["completion_mask"]
-        mask = completion_mask if "tool_mask" not in out else completion_mask * out["tool_mask"]
+        mask = _model_tokens(out)
         size = self.batch_size or trainer.args.per_device_train_batch_size
         width = completion_ids.size(1)
         rows = []
@@ -122,7 +270,7 @@ class MEICallback(TrainerCallback):
                 att = torch.cat([prompt_mask[s:s + size], completion_mask[s:s + size]], 1)
                 logits = trainer.model(input_ids=ids, attention_mask=att, logits_to_keep=width + 1).logits[:, :-1]
                 rows.append(bias_features(logits, completion_ids[s:s + size], mask[s:s + size],
-                                          temperature=trainer.temperature if trainer.temperature > 0 else 1.0))
+                                          temperature=self._temperature()))
         return torch.cat(rows).float()
 
     def metrics(self, phi: torch.Tensor, query_ids, prefix_ids=None) -> dict[str, float]:
