@@ -288,15 +288,16 @@ def child_meshrl(args: argparse.Namespace) -> dict:
     trainer.engine.backward = marker.wrap(trainer.engine.backward, "update")
     trainer.optimizer.step = marker.wrap(trainer.optimizer.step, "optimizer")
     trainer.backend.sync_weights = marker.wrap(trainer.backend.sync_weights, "sync")
-    lengths = []
+    lengths, update_s = [], []
     for k in range(1, args.steps + 1):
         marker.step = k
         mark(k, "step")
-        trainer.step()
+        metrics = trainer.step()
         lengths.append(sum(len(r) for r in trainer.last_data.response_ids) / max(len(trainer.last_data), 1))
+        update_s.append(metrics["time/train_s"])
     mark(args.steps + 1, "end")
     out = {"engine": type(trainer.engine).__name__, "reference_model": trainer.ref_model is not None,
-           "response_len_mean": sum(lengths) / len(lengths)}
+           "response_len_mean": sum(lengths) / len(lengths), "update_s": update_s}
     trainer.close()
     return out
 
