@@ -84,6 +84,8 @@ BF16 = 2**-6  # bf16 autocast: the head's weight gradient to a few bf16 rounding
       "rollout.temperature=0.8", "train.update_workers=1"], FP32),
     (["recipe=grpo", "train.autocast_bf16=true", "train.update_workers=1"], BF16),
     (["recipe=grpo_js", "algo.js_mode=exact", "train.update_workers=1"], FP32),  # reads the whole logits
+    # LoRA: the head sits under peft's wrapper; the reference is the adapter-free base
+    (["recipe=grpo_kl", "train.lora_r=4", "train.update_workers=1"], FP32),
 ])
 def test_a_chunked_head_update_equals_the_whole_logits_update(tmp_path, extra: list[str], tol: float) -> None:
     plain = Trainer(load_config(overrides=[*TINY, *extra, "train.head_chunk=0"]), tmp_path / "plain")
