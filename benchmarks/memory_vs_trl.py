@@ -39,6 +39,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -179,27 +180,38 @@ def summarise(samples: list[Sample], steps: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- driver
 def run_side(side: str, args: argparse.Namespace) -> dict:
-    """Run ``--side side`` in a subprocess, sample its tree until it ends; the summary plus the child's report."""
+    """Run ``--side side`` in a subprocess, sample its tree until it ends; the summary plus the child's report.
+    Interrupted (Ctrl-C, SIGTERM to the driver), the child is stopped and the steps it finished are summarised
+    (``complete`` False)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, *child_args(args)]
     load0 = os.getloadavg()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
     sampler = TreeSampler(proc.pid, args.interval).start()
     report: dict = {}
+    interrupted = False
     assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(MARK):
-            _, step, phase = line.split()
-            sampler.step, sampler.phase = int(step), phase
-        elif line.startswith(RESULT):
-            report = json.loads(line[len(RESULT) :])
-        elif args.verbose:
-            print(f"[{side}] {line}", end="")
+    try:
+        for line in proc.stdout:
+            if line.startswith(MARK):
+                _, step, phase = line.split()
+                sampler.step, sampler.phase = int(step), phase
+                if phase == "step":
+                    print(f"[{side}] step {step} at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
+            elif line.startswith(RESULT):
+                report = json.loads(line[len(RESULT) :])
+            elif args.verbose:
+                print(f"[{side}] {line}", end="")
+    except KeyboardInterrupt:
+        interrupted = True
+        proc.terminate()
     rc = proc.wait()
     sampler.stop()
-    if rc != 0 or not report:
+    if not interrupted and (rc != 0 or not report):
         raise RuntimeError(f"--side {side} failed (exit {rc}); rerun it alone to see its error: {' '.join(cmd)}")
-    out = summarise(sampler.samples, args.steps)
+    done = args.steps if not interrupted else sampler.step - 1  # the step under way when stopped is not whole
+    out = summarise([s for s in sampler.samples if s.step <= done or s.step > args.steps], max(done, 1))
     out.update(report)
+    out["complete"], out["steps_done"] = not interrupted, done
     out["load_before"], out["load_after"] = list(load0), list(os.getloadavg())
     out["series"] = [(round(s.t, 2), s.step, s.phase, s.pss["Pss"]) for s in sampler.samples]
     return out
@@ -237,6 +249,8 @@ def print_table(results: dict[str, dict], args: argparse.Namespace) -> None:
     if "meshrl" in results and "trl" in results:
         print(f"ratio meshrl / TRL peak: {results['meshrl']['peak_gb'] / results['trl']['peak_gb']:.2f}x")
     for name, r in results.items():
+        if not r["complete"]:
+            print(f"{name}: INTERRUPTED after {r['steps_done']} of {args.steps} steps (figures over those)")
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r["per_phase_peak_gb"].items())
         print(f"{name} per-phase peak GB: {phases}")
         steps = " ".join(fmt(v, ".2f") for v in r["per_step_peak_gb"].values())
@@ -376,12 +390,17 @@ def main() -> None:
         report = child_meshrl(args) if args.side == "meshrl" else child_trl(args)
         print(f"{RESULT} {json.dumps(report)}", file=sys.__stdout__, flush=True)
         return
-    results = {side: run_side(side, args) for side in args.sides.split(",") if side}
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the side under way, as Ctrl-C does
+    results: dict[str, dict] = {}
+    for side in (s for s in args.sides.split(",") if s):
+        results[side] = run_side(side, args)
+        if args.json:  # after each side: an interrupted run keeps what it measured
+            meta = {k: v for k, v in vars(args).items() if k not in ("json", "side")}
+            args.json.write_text(json.dumps({"args": meta, "cpus": os.cpu_count(), "sides": results}, indent=1,
+                                            default=str))
+        if not results[side]["complete"]:
+            break
     print_table(results, args)
-    if args.json:
-        meta = {k: v for k, v in vars(args).items() if k not in ("json", "side")}
-        args.json.write_text(json.dumps({"args": meta, "cpus": os.cpu_count(), "sides": results}, indent=1,
-                                        default=str))
 
 
 if __name__ == "__main__":
