@@ -15,6 +15,8 @@ pipe through one shared-memory segment each).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -31,6 +33,29 @@ log = logging.getLogger("meshrl")
 
 
 _FORK_UNSAFE: list[str] = []  # why forking is no longer safe in this process (see forbid_fork)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere, e.g. musl or macOS)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the kernel (glibc ``malloc_trim(0)``; nothing where it is missing).
+
+    A forked process shares its parent's pages until either writes one. glibc keeps freed memory (a finished
+    decode's buffers, float32 weights once moved to shared memory) resident in its arenas; a child forked
+    with those pages maps them, and the parent's next reuse of them makes the child's copy its own: memory
+    counted twice for nothing. Trimming before a fork leaves nothing free to inherit; a worker that trims
+    after each call holds only what it uses while it idles (e.g. while the parent runs the update).
+    Memory management only: no value changes."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def forbid_fork(reason: str) -> None:
@@ -113,6 +138,7 @@ def _worker_main(conn, fn: Callable, parent: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _PARENTS_SIGNALS)
     torch.set_num_threads(1)
+    release_free_heap()  # what the parent had freed need not stay mapped here
     while True:
         try:
             if not _next_request(conn, parent):
@@ -124,6 +150,7 @@ def _worker_main(conn, fn: Callable, parent: int) -> None:
             reply = ("ok", fn(*args))
         except Exception:  # noqa: BLE001 - every failure goes back to the parent with its traceback
             reply = ("error", traceback.format_exc())
+        release_free_heap()  # idle between calls with only what is in use
         try:
             conn.send(reply)
         except OSError:  # the parent closed the pipe (interrupted while this worker ran): nothing to report to
@@ -159,6 +186,7 @@ class ForkPool:
             raise RuntimeError("worker processes need the 'fork' start method on Linux")
         check_shared_memory(model)
         model.share_memory()
+        release_free_heap()  # e.g. the weights' private pages just freed: not to be inherited
         self.model, self.params, self.name = model, list(model.parameters()), name
         ctx = mp.get_context("fork")
         self.conns, self.procs = [], []

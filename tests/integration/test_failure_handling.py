@@ -86,7 +86,8 @@ def test_nan_log_probs_take_the_nonfinite_skip_path(tmp_path, monkeypatch, worke
     monkeypatch.setattr(loss, "token_logprobs", nan_logprobs)
     run = tmp_path / "run"
     with pytest.raises(NonFiniteAbort, match="failure.max_nonfinite=2"):
-        train(_cfg("failure.max_nonfinite=2", f"train.update_workers={workers}", steps=4), run)
+        # train.head_chunk=0: the whole-logits path, the one poisoned here (test_head_chunks.py poisons the other)
+        train(_cfg("failure.max_nonfinite=2", f"train.update_workers={workers}", "train.head_chunk=0", steps=4), run)
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2] and all(m["skipped/nonfinite"] == 1.0 for m in metrics)
     events = [e["event"] for e in read_jsonl(run / "events.jsonl")]

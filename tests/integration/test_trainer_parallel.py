@@ -416,7 +416,7 @@ def test_a_non_finite_log_prob_skips_the_step_with_or_without_skipping(tmp_path,
     monkeypatch.setattr(forward, "token_logprobs", poisoned)
     for flag in ("true", "false"):
         t = _trainer(tmp_path, flag, "train.update_workers=1", "train.micro_batch_size=16",
-                     f"train.skip_zero_advantage={flag}")
+                     f"train.skip_zero_advantage={flag}", "train.head_chunk=0")  # the whole-logits path
         data, _ = t.sampler.run(0, 0)
         _some_zero_advantages(data, 2, zero_groups=(0,))  # rows 0-3 would run forward only
         before = [p.detach().clone() for p in t.model.parameters()]

@@ -119,9 +119,19 @@ def _single_threaded_torch() -> None:
         set_threads(1)
 
 
+def _release_free_heap() -> None:
+    """The parent's free C heap pages dropped from this child (:func:`meshrl.forkpool.release_free_heap`), so that
+    the parent's later reuse of them does not leave a private copy here."""
+    forkpool = sys.modules.get("meshrl.forkpool")
+    release = getattr(forkpool, "release_free_heap", None)
+    if release is not None:
+        release()
+
+
 def _serve(score_fn: Callable[[str, Any], Any], request_fd: int, reply_fd: int) -> None:
     _close_pool_pipes()
     _single_threaded_torch()
+    _release_free_heap()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):

@@ -81,6 +81,8 @@ class TrainConfig:
                                               "block-diagonal mask")
     length_buckets: int = setting(2, ge=1, help="other models: response-length groups per micro-batch, each "
                                                 "padded to its longest")
+    head_chunk: int = setting(512, ge=0, help="tokens per chunk of the output head for log-probs and entropies, "
+                                           "recomputed in the backward (0 = the whole [n, T, V] logits at once)")
     update_workers: int = setting(0, ge=0, help="CPU: processes sharing each micro-batch (0 = one per torch thread, "
                                                 "up to 16M trainable parameters; 1 = one process)")
     skip_zero_advantage: bool = setting(True, help="rows with advantage 0 run forward only when their gradient is "

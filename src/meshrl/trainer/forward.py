@@ -24,12 +24,36 @@ class PolicyForward:
         self.micro_batch_size = cfg.train.micro_batch_size
         self._train = cfg.train
         self._bare_prompt = bare_prompt  # problem -> its prompt ids without a coach prefix
+        self.head_chunk = cfg.train.head_chunk
 
     def logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """Response logits ``[n, T, V]`` of ``model`` with the configured autocast and prompt sharing."""
         tc = self._train
         return response_logits(model, mb, tc.autocast_bf16, share_prompts=tc.share_prompts,
                                pack=tc.pack_responses, length_buckets=tc.length_buckets)
+
+    def chunks_head(self, model: torch.nn.Module) -> bool:
+        """Whether :meth:`token_terms` computes ``model``'s head in chunks (``train.head_chunk`` > 0 and a head that
+        can be set aside), instead of from the whole logits."""
+        from meshrl.trainer.head import output_head
+
+        return self.head_chunk > 0 and output_head(model) is not None
+
+    def token_terms(self, model: torch.nn.Module, mb: MicroBatch,
+                    entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs ``[n, T]`` (with a graph when grad is enabled) and, with ``entropy``, detached
+        entropies ``[n, T]`` of the responses under ``model``: from chunks of the head (:mod:`meshrl.trainer.head`,
+        never the whole logits) when :meth:`chunks_head`, else from :meth:`logits`. Equal up to float rounding."""
+        if not self.chunks_head(model):
+            logits = self.logits(model, mb)
+            logp = token_logprobs(logits, mb.response_ids, self.temperature)
+            return logp, token_entropy(logits.detach(), self.temperature) if entropy else None
+        from meshrl.trainer.head import chunked_token_terms, head_set_aside
+
+        with head_set_aside(model) as head:
+            hidden = self.logits(model, mb)  # the same layout, the head's input in place of its output
+        return chunked_token_terms(hidden, mb.response_ids, head, chunk=self.head_chunk, entropy=entropy,
+                                   autocast_bf16=self._train.autocast_bf16, temperature=self.temperature)
 
     def micro_batches(self, rows: list[int], data: Any, *, bare: bool = False) -> Iterator[tuple[list[int],
                                                                                                 MicroBatch]]:
@@ -56,7 +80,7 @@ class PolicyForward:
         """Per-row log-probs ``[T_i]`` of each response under ``model`` (old policy or reference)."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(data)
         for idx, mb in self.micro_batches(list(range(len(data))), data):
-            lp = token_logprobs(self.logits(model, mb), mb.response_ids, self.temperature)
+            lp, _ = self.token_terms(model, mb, entropy=False)
             for k, j in enumerate(idx):
                 out[j] = lp[k, : len(data.response_ids[j])].cpu()
         return out
@@ -94,10 +118,11 @@ class PolicyForward:
     @torch.no_grad()
     def response_terms(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs and entropies ``[n, T]`` of a micro-batch under the policy, without a graph."""
-        logits = self.logits(self.model, mb)
-        return token_logprobs(logits, mb.response_ids, self.temperature), token_entropy(logits, self.temperature)
+        logp, entropy = self.token_terms(self.model, mb)
+        assert entropy is not None
+        return logp, entropy
 
     def seq_logp(self, mb: MicroBatch) -> torch.Tensor:
         """Per-row sum of response log-probs under the policy, with a graph."""
-        logp = token_logprobs(self.logits(self.model, mb), mb.response_ids, self.temperature)
+        logp, _ = self.token_terms(self.model, mb, entropy=False)
         return (logp * mb.response_mask).sum(-1)

@@ -65,6 +65,13 @@ def pad_rows(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def extra_loss_overridden(plugins: Any) -> bool:
+    """Whether an enabled plug-in overrides ``extra_loss`` (which reads the whole logits)."""
+    from meshrl.trainer.plugins import Plugin
+
+    return any(getattr(type(p), "extra_loss", None) is not Plugin.extra_loss for p in getattr(plugins, "active", []))
+
+
 class Objective:
     """The recipe's loss (``meshrl.algos``) with the run's plug-ins, for the policy's forward ``forward``."""
 
@@ -72,29 +79,35 @@ class Objective:
         self.recipe, self.plugins, self.forward, self.mismatch = recipe, plugins, forward, mismatch
         self.temperature = cfg.rollout.temperature
         self.norm_len = cfg.rollout.max_new_tokens
+        # The whole logits are needed past the log-probs and entropies by exact JS and a plug-in's extra_loss.
+        self.reads_logits = (recipe.js_coef > 0 and recipe.js_mode == "exact") or extra_loss_overridden(plugins)
 
     def micro_loss(self, rows: list[int], mb: MicroBatch, inputs: UpdateInputs,
                    on_logits: Callable[[list[int], torch.Tensor, MicroBatch], None] | None = None) -> MicroLoss:
         """Forward and loss of micro-batch ``rows``; ``on_logits`` sees the detached logits (MEI collection)."""
         rec, temp = self.recipe, self.temperature
-        logits = self.forward.logits(self.forward.model, mb)
-        logp = token_logprobs(logits, mb.response_ids, temp)
+        logits = None
+        if on_logits is not None or self.reads_logits or not self.forward.chunks_head(self.forward.model):
+            logits = self.forward.logits(self.forward.model, mb)
+            logp, entropy = token_logprobs(logits, mb.response_ids, temp), token_entropy(logits.detach(), temp)
+        else:  # nothing but the log-probs and entropies reads the logits: never hold them whole
+            logp, entropy = self.forward.token_terms(self.forward.model, mb)
+            assert entropy is not None
         mask = mb.response_mask
         if not bool(torch.isfinite(logp.detach()[mask > 0]).all()):  # skipped as a non-finite loss is
             nan = torch.tensor(float("nan"))
-            return MicroLoss(False, nan, {}, (logp * mask).sum(-1),
-                             (logp.detach(), token_entropy(logits.detach(), temp), None))
-        if on_logits is not None:
+            return MicroLoss(False, nan, {}, (logp * mask).sum(-1), (logp.detach(), entropy, None))
+        if on_logits is not None and logits is not None:
             on_logits(rows, logits.detach(), mb)
-        entropy = token_entropy(logits.detach(), temp)
         js_mat = None
-        if rec.js_coef > 0 and rec.js_mode == "exact":
+        if rec.js_coef > 0 and rec.js_mode == "exact" and logits is not None:
             with torch.no_grad():
                 ref_logits = self.forward.reference_logits(mb)
             t = temp if temp > 0 else 1.0
             js_mat = js_divergence(logits / t, ref_logits / t)
         total, stats = self.token_loss(rows, mask, inputs, logp, entropy, js_mat)
-        total = self.plugins.extra_loss(mb, logits, total, stats)  # e.g. plugins.distill
+        if logits is not None:
+            total = self.plugins.extra_loss(mb, logits, total, stats)  # e.g. plugins.distill
         values = (logp.detach(), entropy, None if js_mat is None else js_mat.detach())
         return MicroLoss(True, total, stats, (logp * mask).sum(-1), values)
 

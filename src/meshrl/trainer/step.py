@@ -93,6 +93,9 @@ class Trainer:
             self.mei.begin(len(data))
         # 3. the update
         metrics = self.update(data, collect_mei) if len(data) else {"skipped/empty_batch": 1.0}
+        # AdamW has read the gradients: drop them now rather than at the next update's zero_grad, so that the
+        # next rollout (and the checkpoint between) does not hold a weights-sized buffer nobody reads.
+        self.optimizer.zero_grad(set_to_none=True)
         # 4. diagnostics
         metrics.update(self.mismatch_metrics())
         if collect_mei:

@@ -1,0 +1,135 @@
+"""train.head_chunk: log-probs and entropies from the output head in chunks (logits recomputed in the backward)
+equal the plain path's, whole logits at once: values, gradients, the update's metrics and weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshrl.testing import TINY_RUN
+from meshrl.trainer import Trainer, load_config, token_entropy, token_logprobs
+from meshrl.trainer.head import chunked_token_terms, head_set_aside, output_head
+
+
+@pytest.mark.parametrize("autocast_bf16", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_terms_equal_the_whole_logits(autocast_bf16: bool, temperature: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    n, t, h, v = 3, 7, 16, 50
+    head = torch.nn.Linear(h, v, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(v, h, generator=g))
+    tokens = torch.randint(0, v, (n, t), generator=g)
+    hidden = torch.randn(n, t, h, generator=g, requires_grad=True)
+    weights = torch.randn(n, t, generator=g)  # a loss that weights every token differently
+
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else torch.autocast("cpu", enabled=False)
+    with ctx:
+        logits = head(hidden)
+    logits = logits.float()
+    want_lp, want_ent = token_logprobs(logits, tokens, temperature), token_entropy(logits, temperature)
+    (want_lp * weights).sum().backward()
+    want_dh, want_dw = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+
+    lp, ent = chunked_token_terms(hidden, tokens, head, chunk=5, autocast_bf16=autocast_bf16,
+                                  temperature=temperature)  # 21 tokens: chunks of 5, 5, 5, 5, 1
+    assert ent is not None and not ent.requires_grad and lp.requires_grad
+    (lp * weights).sum().backward()
+    torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(hidden.grad, want_dh, atol=1e-6, rtol=1e-5)
+    # The head's weight gradient sums over tokens: under autocast the whole path rounds that sum to bf16 once,
+    # the chunked path once per chunk (then adds in float32), so the two agree to a few roundings of bf16 (2^-8).
+    tol = 2**-6 * float(want_dw.abs().max()) if autocast_bf16 else 1e-6
+    torch.testing.assert_close(head.weight.grad, want_dw, atol=tol, rtol=1e-5)
+    with torch.no_grad():
+        lp2, ent2 = chunked_token_terms(hidden, tokens, head, chunk=4, autocast_bf16=autocast_bf16,
+                                        temperature=temperature, entropy=False)
+    assert ent2 is None and not lp2.requires_grad
+    torch.testing.assert_close(lp2, want_lp.detach(), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="train.head_chunk"):
+        chunked_token_terms(hidden, tokens, head, chunk=0, autocast_bf16=False)
+
+
+def test_the_head_set_aside_comes_back_tied() -> None:
+    from meshrl.models import load_model
+
+    model, _ = load_model("tiny", seed=0)
+    head, name = output_head(model)
+    assert name == "lm_head" and head.weight is model.get_input_embeddings().weight
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        with head_set_aside(model) as aside:
+            hidden = model(input_ids=ids).logits
+            assert aside is head and hidden.shape[-1] == model.config.hidden_size
+        assert model.lm_head is head
+        torch.testing.assert_close(model(input_ids=ids).logits, want)
+        torch.testing.assert_close(head(hidden), want)
+
+
+TINY = [*TINY_RUN, "rollout.max_new_tokens=8", "optim.lr=1e-4"]
+
+
+FP32 = 1e-6  # float32 forward: gradients and weights to ~1e-6
+BF16 = 2**-6  # bf16 autocast: the head's weight gradient to a few bf16 roundings of its scale (see above)
+
+
+@pytest.mark.parametrize(("extra", "tol"), [
+    (["recipe=grpo", "train.update_workers=1"], FP32),  # serial engine: every row's backward here
+    (["recipe=grpo", "train.update_workers=2", "train.micro_batch_size=8"], FP32),  # parts over a forked worker
+    # reference and old-policy log-probs (no grad), several micro- and mini-batches, tempered sampling
+    (["recipe=grpo_kl", "train.ppo_epochs=2", "train.mini_batches=2", "train.micro_batch_size=3",
+      "rollout.temperature=0.8", "train.update_workers=1"], FP32),
+    (["recipe=grpo", "train.autocast_bf16=true", "train.update_workers=1"], BF16),
+    (["recipe=grpo_js", "algo.js_mode=exact", "train.update_workers=1"], FP32),  # reads the whole logits
+    # LoRA: the head sits under peft's wrapper; the reference is the adapter-free base
+    (["recipe=grpo_kl", "train.lora_r=4", "train.update_workers=1"], FP32),
+])
+def test_a_chunked_head_update_equals_the_whole_logits_update(tmp_path, extra: list[str], tol: float) -> None:
+    plain = Trainer(load_config(overrides=[*TINY, *extra, "train.head_chunk=0"]), tmp_path / "plain")
+    chunked = Trainer(load_config(overrides=[*TINY, *extra, "train.head_chunk=5"]), tmp_path / "chunked")
+    try:
+        assert chunked.forward.chunks_head(chunked.model) and not plain.forward.chunks_head(plain.model)
+        data, _ = plain.sampler.run(0, 0)
+        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(0))
+        m_plain, m_chunked = plain.update(data), chunked.update(data)
+        scale = max(float(p.grad.abs().max()) for p in plain.model.parameters() if p.grad is not None)
+        lr = plain.cfg.optim.lr
+        for p, q in zip(plain.model.parameters(), chunked.model.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, atol=tol * scale if tol == BF16 else tol, rtol=1e-5)
+            # AdamW's first step moves a weight by ~lr * sign(grad): a bf16-rounded gradient near 0 may flip it
+            torch.testing.assert_close(q, p, atol=2 * lr if tol == BF16 else tol, rtol=1e-5)
+        assert m_plain.keys() == m_chunked.keys()
+        for key, value in m_plain.items():
+            # grad/norm sums the gradients above, so it carries their tolerance
+            rel = tol if key == "grad/norm" and tol == BF16 else 1e-5
+            assert m_chunked[key] == pytest.approx(value, rel=rel, abs=1e-6), key
+    finally:
+        plain.close()
+        chunked.close()
+
+
+def test_a_non_finite_log_prob_from_a_chunk_skips_the_step(tmp_path, monkeypatch) -> None:
+    from meshrl.trainer import head
+
+    real = head._chunk_terms
+
+    def poisoned(*args):
+        logp, entropy = real(*args)
+        return logp * float("nan"), entropy
+
+    monkeypatch.setattr(head, "_chunk_terms", poisoned)
+    t = Trainer(load_config(overrides=[*TINY, "train.head_chunk=5", "train.update_workers=1"]), tmp_path / "nan")
+    try:
+        data, _ = t.sampler.run(0, 0)
+        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(0))
+        before = [p.detach().clone() for p in t.model.parameters()]
+        metrics = t.update(data)
+        assert metrics["skipped/nonfinite"] == 1.0
+        assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters(), strict=True))
+    finally:
+        t.close()
