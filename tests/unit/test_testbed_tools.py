@@ -99,9 +99,9 @@ def test_the_prompt_is_compact_and_keeps_a_coach_plan(task):
     problem = make_problem("add", 457, 8)
     plain = tok.decode(task.encode_prompt(tok, task.format_prompt(problem)))
     assert plain == f"<s>system\n{TOOLS_LINE}</s>\n<s>user\n457+8</s>\n<s>assistant\n" and len(plain) < 70
-    coached = tok.decode(task.encode_prompt(tok, "457+8", system="Answer directly."))
-    assert coached.startswith(f"<s>system\nAnswer directly.\n{TOOLS_LINE}</s>")
-    assert task.coach_strategies(problem) == ["Call the calculator tool first.", "Answer directly."]
+    coached = tok.decode(task.encode_prompt(tok, "457+8", system="Answer directly, without tools."))
+    assert coached.startswith(f"<s>system\nAnswer directly, without tools.\n{TOOLS_LINE}</s>")
+    assert task.coach_strategies(problem) == ["Call the calculator tool first.", "Answer directly, without tools."]
 
 
 @pytest.mark.parametrize("pattern", ["calculator", "direct"])

@@ -49,7 +49,9 @@ EVAL_SHARE = 8  # one pair in EVAL_SHARE is reserved for the eval split
 TOOL_NAME = "calculator"
 TOOLS_LINE = "tools: calculator(x)"
 #: the rule coach's tool plans (Mesh): short, because every conditioned rollout reads one
-COACH_PLANS: dict[str, str] = {"calculator": "Call the calculator tool first.", "direct": "Answer directly."}
+COACH_PLANS: dict[str, str] = {"calculator": "Call the calculator tool first.",
+                               "direct": "Answer directly, without tools."}  # >= 3 words: Mesh's prefix check
+OPEN_CALL = "<tool_call>"
 MAX_TURN_TOKENS = 72  # rollout.max_new_tokens: the longest call (68 characters) plus eos, with room
 MAX_TOTAL_TOKENS = 120  # call + tool response (about 30 tokens) + answer, with room
 
@@ -193,6 +195,16 @@ class ToolsTestbed(EnvTask):
     def coach_strategies(self, problem: Problem | None = None) -> list[str]:
         """The rule coach's tool plans, the same for every problem: call the calculator first; answer directly."""
         return [COACH_PLANS["calculator"], COACH_PLANS["direct"]]
+
+    def response_opening(self, problem: Problem, prefix: str) -> str:
+        """What a coach-guided episode (``plugins.coach_guide``) forces at the start of its first model turn: the
+        calculator plan opens a tool call (``<tool_call>``, the rest of the call is the model's); the direct plan
+        has nothing to force (``""``: those rollouts are free)."""
+        if prefix == COACH_PLANS["calculator"]:
+            return OPEN_CALL
+        if prefix == COACH_PLANS["direct"]:
+            return ""
+        raise ValueError(f"testbed:tools: {prefix!r} is not one of the coach's tool plans {list(COACH_PLANS.values())}")
 
     def encode_prompt(self, tokenizer: Any, text: str, *, system: str | None = None,
                       assistant_prefix: str | None = None) -> list[int]:
