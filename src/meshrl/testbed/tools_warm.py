@@ -38,7 +38,7 @@ from meshrl.testbed.tools_task import COACH_PLANS, TOOL_NAME, ToolsTestbed, calc
 from meshrl.testbed.warm import MARKER, _complete, _optimise, _publish, cache_root, settings_hash
 
 TOOLS_WARM_VERSION = "testbed-tools-warm-v1"  # bump when data, format or training loop change the weights
-DEFAULT_TOOLS_STEPS = 700
+DEFAULT_TOOLS_STEPS = 1000
 PATTERNS = ("direct", TOOL_NAME)
 
 
@@ -71,7 +71,7 @@ def tools_warm_settings(*, seed: int, steps: int, preset: str, batch_size: int, 
 
 
 def tools_warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps: int = DEFAULT_TOOLS_STEPS,
-                     preset: str = "tiny:small", force: bool = False, batch_size: int = 32, lr: float = 3e-3,
+                     preset: str = "tiny:small", force: bool = False, batch_size: int = 64, lr: float = 3e-3,
                      coach_fraction: float = 0.1, tool_share: float = 0.5, mix: Any = None,
                      threads: int | None = None, progress: bool = True) -> Path:
     """Return the directory of a warm-started ``testbed:tools`` model, training it first if it is not cached.
