@@ -70,7 +70,7 @@ class ToolsSettings:
     report_n: int = 4  # episodes per problem
     task: str = "testbed:tools"
     warm_seed: int = 0
-    warm_steps: int = 1000
+    warm_recipe: str = "two-stage"  # meshrl.testbed.tools_warm.default_tools_warm_start (STAGE1, STAGE2)
     extra: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -85,7 +85,7 @@ class ToolsSettings:
 
 #: settings that change what a finished run means; resuming with other values would mix two experiments
 PINNED = ("steps", "prompts_per_step", "group_size", "lr", "ppo_epochs", "mini_batches", "ckpt_every",
-          "report_problems", "report_n", "task", "warm_seed", "warm_steps", "extra")
+          "report_problems", "report_n", "task", "warm_seed", "warm_recipe", "extra")
 
 
 def check_resumable(out: Path, s: ToolsSettings) -> None:
@@ -181,12 +181,12 @@ def measure_checkpoints(run_dir: Path, s: ToolsSettings, seed: int) -> list[int]
 def run_experiment(out: Path, s: ToolsSettings, *, progress: bool = False) -> Path:
     """Every (arm, seed) of ``s`` into ``out/runs/ARM/seed_S``, seeds outermost (a partial experiment has every
     arm at its first seeds); then ``summarize``."""
-    from meshrl.testbed.tools_warm import tools_warm_start
+    from meshrl.testbed.tools_warm import default_tools_warm_start
 
     check_resumable(out, s)
     out.mkdir(parents=True, exist_ok=True)
     with experiment_lock(out):
-        model_path = tools_warm_start(seed=s.warm_seed, steps=s.warm_steps, threads=1, progress=progress)
+        model_path = default_tools_warm_start(seed=s.warm_seed, threads=1, progress=progress)
         write_settings(out, s, model_path)
         warm = out / "warm_report.json"
         if not warm.is_file():
@@ -247,16 +247,22 @@ def results_markdown(results: dict[str, Any]) -> str:
                      f"{_mean_sd([f['mul']['accuracy'] for f in finals])} | "
                      f"{_mean_sd([f['add']['tool_share'] or 0.0 for f in finals])} | {_mean_sd(mul_share)} | "
                      f"{sum(v < 0.1 for v in mul_share)} |")
-    lines += ["", "Tool share on the niche (mul) by step, mean over seeds:", ""]
+    for metric, title in (("tool_share", "Tool share"), ("accuracy", "Accuracy")):
+        lines += ["", f"{title} on the niche (mul) by step (0 = the warm start), mean over seeds:", ""]
+        lines += _by_step(runs, warm, metric)
+    return "\n".join(lines) + "\n"
+
+
+def _by_step(runs: dict[str, Any], warm: dict[str, Any] | None, metric: str) -> list[str]:
     steps = sorted({int(k) for seeds in runs.values() for rep in seeds.values() for k in rep})
-    lines += ["| arm | " + " | ".join(["0", *map(str, steps)]) + " |", "|---" * (len(steps) + 2) + "|"]
+    lines = ["| arm | " + " | ".join(["0", *map(str, steps)]) + " |", "|---" * (len(steps) + 2) + "|"]
     for arm, seeds in runs.items():
-        cells = [_fmt(warm["mul"]["tool_share"]) if warm else "-"]
+        cells = [_fmt(warm["mul"][metric]) if warm else "-"]
         for step in steps:
-            vals = [rep[str(step)]["mul"]["tool_share"] or 0.0 for rep in seeds.values() if str(step) in rep]
+            vals = [rep[str(step)]["mul"][metric] or 0.0 for rep in seeds.values() if str(step) in rep]
             cells.append(_fmt(statistics.mean(vals)) if vals else "-")
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _fmt(value: float | None) -> str:

@@ -34,3 +34,18 @@ def test_two_steps_on_testbed_tools(tmp_path):
     model_, tok, _ = load_policy(str(tmp_path / "run" / "checkpoints" / "step_000002"))
     report = tool_report(model_, tok, task, task.problems("eval"), n=2, seed=0)
     assert report["all"]["n"] == 8 and report["add"]["n"] + report["mul"]["n"] == 8
+
+
+def test_a_continued_warm_start_records_its_lineage(tmp_path):
+    import pytest
+    from safetensors.torch import load_file
+
+    first = tools_warm_start(tmp_path / "a", steps=2, preset="tiny", batch_size=4, threads=1, progress=False)
+    second = tools_warm_start(tmp_path / "b", steps=1, preset="tiny", batch_size=4, lr=1e-3, threads=1,
+                              progress=False, init=first)
+    lineage = warm_info(second)["settings"]["init"]
+    assert lineage["path"] == str(first) and lineage["steps"] == 2 and "init" not in lineage
+    a, b = (load_file(str(d / "model.safetensors")) for d in (first, second))
+    assert any(not (a[k] == b[k]).all() for k in a)  # trained on from the first stage's weights
+    with pytest.raises(ValueError, match="is not a warm start directory"):
+        tools_warm_start(tmp_path / "c", steps=1, preset="tiny", init=tmp_path / "nowhere", progress=False)

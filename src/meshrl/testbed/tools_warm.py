@@ -17,7 +17,9 @@ A few extra examples (``coach_fraction`` per plain one) carry a rule-coach tool 
 system message and follow it, so that Mesh's conditioned rollouts follow their plan.
 
 Cached on disk as :func:`meshrl.testbed.warm.warm_start` does (same cache root, marker and atomic publish), under
-a hash of every setting that changes the weights.
+a hash of every setting that changes the weights. The default (:func:`default_tools_warm_start`) is two stages:
+the second continues the first at a lower learning rate (``init=``), because a fresh model learns the call format
+quickly and copying digits (the operands into the call, the tool's result into the answer) only much later.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from meshrl.testbed.tools_task import COACH_PLANS, TOOL_NAME, ToolsTestbed, calc
 from meshrl.testbed.warm import MARKER, _complete, _optimise, _publish, cache_root, settings_hash
 
 TOOLS_WARM_VERSION = "testbed-tools-warm-v1"  # bump when data, format or training loop change the weights
-DEFAULT_TOOLS_STEPS = 1000
+DEFAULT_TOOLS_STEPS = 700
 PATTERNS = ("direct", TOOL_NAME)
 
 
@@ -63,28 +65,46 @@ def reference_episode(task: ToolsTestbed, tokenizer: Any, renderer: Any, problem
 
 
 def tools_warm_settings(*, seed: int, steps: int, preset: str, batch_size: int, lr: float, coach_fraction: float,
-                        tool_share: float, mix: Any = None) -> dict[str, Any]:
-    """Everything that determines the weights (and names the cache directory)."""
-    return {"version": TOOLS_WARM_VERSION, "task": "testbed:tools", "seed": int(seed), "steps": int(steps),
-            "preset": preset, "batch_size": int(batch_size), "lr": float(lr), "coach_fraction": float(coach_fraction),
-            "tool_share": float(tool_share), "mix": parse_mix(mix), "coach_plans": dict(COACH_PLANS)}
+                        tool_share: float, mix: Any = None, init: dict[str, Any] | None = None,
+                        coach_plans: dict[str, str] | None = None) -> dict[str, Any]:
+    """Everything that determines the weights (and names the cache directory); ``init``: the recorded settings of
+    the warm start this one continues from (``None``: a fresh model)."""
+    settings = {"version": TOOLS_WARM_VERSION, "task": "testbed:tools", "seed": int(seed), "steps": int(steps),
+                "preset": preset, "batch_size": int(batch_size), "lr": float(lr),
+                "coach_fraction": float(coach_fraction), "tool_share": float(tool_share), "mix": parse_mix(mix),
+                "coach_plans": dict(coach_plans or COACH_PLANS)}
+    if init is not None:
+        settings["init"] = init
+    return settings
 
 
 def tools_warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps: int = DEFAULT_TOOLS_STEPS,
-                     preset: str = "tiny:small", force: bool = False, batch_size: int = 64, lr: float = 3e-3,
+                     preset: str = "tiny:small", force: bool = False, batch_size: int = 32, lr: float = 3e-3,
                      coach_fraction: float = 0.1, tool_share: float = 0.5, mix: Any = None,
-                     threads: int | None = None, progress: bool = True) -> Path:
+                     threads: int | None = None, progress: bool = True, init: str | os.PathLike | None = None,
+                     coach_plans: dict[str, str] | None = None) -> Path:
     """Return the directory of a warm-started ``testbed:tools`` model, training it first if it is not cached.
 
     ``tool_share``: the probability that an example is a calculator episode (else a direct answer), on every
     type; ``coach_fraction``: coach-conditioned examples per plain one (extra). The other arguments as
     :func:`meshrl.testbed.warm.warm_start`'s (``out_dir``, ``seed``, ``steps``, ``preset``, ``force``,
-    ``batch_size``, ``lr`` with its warm-up / stable / decay schedule, ``mix``, ``threads``, ``progress``)."""
+    ``batch_size``, ``lr`` with its warm-up / stable / decay schedule, ``mix``, ``threads``, ``progress``).
+
+    ``init``: a warm start directory to continue from instead of a fresh model (its settings are recorded in this
+    one's, so the lineage names the cache directory); ``coach_plans``: the plan texts of the coach examples
+    (default :data:`COACH_PLANS`, the texts the trainer's Mesh recipes use)."""
     if steps < 0 or batch_size < 1 or not 0 <= coach_fraction < 1 or lr <= 0 or not 0 <= tool_share <= 1:
         raise ValueError(f"bad tools warm-start settings: steps={steps}, batch_size={batch_size}, lr={lr}, "
                          f"coach_fraction={coach_fraction}, tool_share={tool_share}")
+    init_settings = None
+    if init is not None:
+        marker = Path(init).expanduser() / MARKER
+        if not marker.is_file():
+            raise ValueError(f"tools warm start: init={init} is not a warm start directory (no {MARKER})")
+        init_settings = {**json.loads(marker.read_text())["settings"], "path": str(Path(init).expanduser())}
     settings = tools_warm_settings(seed=seed, steps=steps, preset=preset, batch_size=batch_size, lr=lr,
-                                   coach_fraction=coach_fraction, tool_share=tool_share, mix=mix)
+                                   coach_fraction=coach_fraction, tool_share=tool_share, mix=mix, init=init_settings,
+                                   coach_plans=coach_plans)
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / f"tools_{settings_hash(settings)}"
     if not force and _complete(target, settings):
         return target
@@ -108,7 +128,12 @@ def _train(out: Path, settings: dict[str, Any], *, threads: int | None, progress
     torch.set_num_threads(n_threads)
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
-        model, tok = build_tiny(settings["preset"], seed=settings["seed"])
+        if "init" in settings:  # a continued warm start
+            from meshrl.models import load_model
+
+            model, tok = load_model(settings["init"]["path"])
+        else:
+            model, tok = build_tiny(settings["preset"], seed=settings["seed"])
         losses = _optimise(model, EpisodeExamples(tok, settings), settings, progress=progress)
         model.eval()
         model.save_pretrained(out)
@@ -170,3 +195,18 @@ def pad_episodes(rows: list[tuple[list[int], list[int], list[int]]], pad: int
         attention[i, : len(seq)] = 1
         labels[i, len(prompt): len(seq)] = torch.tensor([t if m else -100 for t, m in zip(response, mask, strict=True)])
     return ids, attention, labels
+
+
+#: The default warm start, in two stages: a fresh model taught the episodes (700 steps of 32 at lr 3e-3), which
+#: learns the call format and only begins to copy digits (operands into the call, the tool's result into the
+#: answer); then 1000 more steps of 32 at lr 1e-3 from it. The first stage's coach examples used the direct plan's
+#: earlier text "Answer directly." (refused by Mesh's prefix check: fewer than 3 words); the second teaches the
+#: current ``COACH_PLANS``. Both stages are recorded in the result's settings (``init``).
+STAGE1 = {"steps": 700, "batch_size": 32, "lr": 3e-3, "coach_plans": {**COACH_PLANS, "direct": "Answer directly."}}
+STAGE2 = {"steps": 1000, "batch_size": 32, "lr": 1e-3}
+
+
+def default_tools_warm_start(*, seed: int = 0, threads: int | None = None, progress: bool = True) -> Path:
+    """The two-stage default warm start (:data:`STAGE1`, :data:`STAGE2`), each stage cached."""
+    first = tools_warm_start(seed=seed, threads=threads, progress=progress, **STAGE1)
+    return tools_warm_start(seed=seed, threads=threads, progress=progress, init=first, **STAGE2)
