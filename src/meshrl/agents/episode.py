@@ -173,7 +173,7 @@ def run_episodes(backend: RolloutBackend, prompt_ids: list[list[int]], env_facto
                  tokenizer, params: SamplingParams, limits: EpisodeLimits, seed: int, *,
                  tools: Sequence[Callable[..., Any]] = (), reset_kwargs: Sequence[dict[str, Any]] | None = None,
                  envs: Sequence[Any] | None = None, chat_template_kwargs: dict | None = None,
-                 tool_workers: int = 8) -> list[Episode]:
+                 tool_workers: int = 8, openings: Sequence[Sequence[int]] | None = None) -> list[Episode]:
     """Run ``params.n`` episodes per prompt (prompt-major: the ``n`` of prompt 0 first), see the module docstring.
 
     ``env_factory`` makes one environment per episode (TRL's convention; ``None``: only standalone ``tools``),
@@ -185,14 +185,19 @@ def run_episodes(backend: RolloutBackend, prompt_ids: list[list[int]], env_facto
     After each turn the episodes' tool calls run in up to ``tool_workers`` threads, one episode per thread (an
     episode's own calls in order, as its environment's state may depend on it); results are recorded in episode
     order, so the outcome does not depend on which thread finishes first.
+
+    ``openings[i]`` (coach-guided exploration, ``plugins.coach_guide``): token ids every episode of prompt ``i``
+    starts its first model turn with, forced rather than sampled (:func:`first_turn`). They count as the model's
+    tokens (mask 1), within the turn's ``max_new_tokens``; a guided episode has no engine log-probs (``None``),
+    since the engine did not choose its opening. An empty opening is a free episode.
     """
     if tool_workers < 1:
         raise ValueError(f"tool_workers must be >= 1, got {tool_workers}")
     episodes = _make_episodes(prompt_ids, params.n, env_factory, tools, reset_kwargs, envs)
     renderer = ToolResponseRenderer(tokenizer, chat_template_kwargs)
     with ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="episode-tools") as pool:
-        first = backend.generate(prompt_ids, _turn_params(params, params.n, limits.max_total_tokens),
-                                 seed=turn_seed(seed, 0))
+        first = first_turn(backend, prompt_ids, _turn_params(params, params.n, limits.max_total_tokens), seed,
+                           openings)
         _check_rows(first, len(episodes), "turn 1")
         _advance(episodes, first, tokenizer, renderer, limits, pool)
         turn = 1
@@ -207,6 +212,44 @@ def run_episodes(backend: RolloutBackend, prompt_ids: list[list[int]], env_facto
         if episode.env is not None:
             episode.env_reward = environment_reward(episode.env)
     return episodes
+
+
+def first_turn(backend: RolloutBackend, prompt_ids: list[list[int]], params: SamplingParams, seed: int,
+               openings: Sequence[Sequence[int]] | None) -> Rollouts:
+    """The first model turn of every episode (prompt-major, ``params.n`` per prompt). Without openings: one
+    ``generate`` call with seed ``turn_seed(seed, 0)``. With them, one call per opening length ``L`` from
+    ``prompt + opening`` with ``max_new_tokens - L`` new tokens (seed ``turn_seed(seed, 0) + 7919 L``, so the free
+    prompts keep the plain call's seed), the opening put back in front of each response; a guided row's
+    log-probs are ``None``."""
+    if not openings or not any(openings):
+        return backend.generate(prompt_ids, params, seed=turn_seed(seed, 0))
+    if len(openings) != len(prompt_ids):
+        raise ValueError(f"openings has {len(openings)} entries for {len(prompt_ids)} prompts")
+    by_len: dict[int, list[int]] = {}
+    for i, opening in enumerate(openings):
+        if len(opening) >= params.max_new_tokens:
+            raise ValueError(f"the opening of prompt {i} is {len(opening)} tokens, not less than the turn's "
+                             f"max_new_tokens={params.max_new_tokens}")
+        by_len.setdefault(len(opening), []).append(i)
+    rows: dict[int, list[tuple[list[int], bool, list[float] | None]]] = {}
+    for length, members in sorted(by_len.items()):
+        out = backend.generate([list(prompt_ids[i]) + list(openings[i]) for i in members],
+                               replace(params, max_new_tokens=params.max_new_tokens - length),
+                               seed=turn_seed(seed, 0) + 7919 * length)
+        for r, index in enumerate(out.prompt_index):
+            i = members[index]
+            logps = list(out.engine_logprobs[r]) if out.engine_logprobs is not None and not length else None
+            rows.setdefault(i, []).append((list(openings[i]) + list(out.response_ids[r]), out.truncated[r], logps))
+    merged = Rollouts(engine_logprobs=[])
+    for i in range(len(prompt_ids)):
+        for response, truncated, logps in rows.get(i, []):
+            merged.prompt_index.append(i)
+            merged.prompt_ids.append(list(prompt_ids[i]))
+            merged.response_ids.append(response)
+            merged.texts.append("")  # unused: each turn is decoded from its ids (_take_turn)
+            merged.truncated.append(truncated)
+            merged.engine_logprobs.append(logps)  # type: ignore[arg-type]  (None: a guided row)
+    return merged
 
 
 def _turn_params(params: SamplingParams, n: int, room: int) -> SamplingParams:

@@ -1,13 +1,16 @@
 """The collapse testbed: a task family with known strategies and real niches, and its warm start.
 
-Importing this package registers the tasks ``testbed:add`` and ``testbed:audit`` with ``meshrl.tasks`` (the
-engine does not import the testbed; a command that wants the task imports ``meshrl.testbed`` first).
+Importing this package registers the tasks ``testbed:add``, ``testbed:audit`` and ``testbed:tools`` with
+``meshrl.tasks`` (the engine does not import the testbed; a command that wants the task imports ``meshrl.testbed``
+first).
 
 * :class:`AddTestbed` (``load_task("testbed:add")``): ``a+b`` with a three-digit ``a`` and a two-digit
   ``b``, three written procedures (column ``c``, tens-then-ones ``t``, round-and-adjust ``r``) and three
   problem types on which different procedures win (``meta["type"]``). Strict reward with a length budget.
 * :class:`AuditTestbed` (``load_task("testbed:audit")``): the second family, same procedures, a niche
   (problems with a carry) that only the rare, longest procedure ``c`` may solve (the audit rule).
+* :class:`ToolsTestbed` (``load_task("testbed:tools")``, ``meshrl.testbed.tools_task``): the tool-use family,
+  strategies are tool patterns (``direct`` / ``calculator``); only the calculator solves the ``mul`` niche.
 * :func:`label_strategy`, :func:`reference_trace`: the parser and the reference traces.
 * :func:`warm_start`: a small built-in model taught all three procedures, cached on disk.
 * :func:`strategy_shares`, :func:`forced_accuracy`, :func:`coached_shares`: ground-truth shares, per-type
@@ -45,6 +48,7 @@ from meshrl.testbed.task import (
     prefix_strategy,
     problem_type,
 )
+from meshrl.testbed.tools_task import ToolsTestbed
 from meshrl.testbed.traces import (
     STRATEGIES,
     STRATEGY_NAMES,
@@ -67,6 +71,7 @@ __all__ = [
     "STRATEGIES",
     "STRATEGY_NAMES",
     "TYPES",
+    "ToolsTestbed",
     "AddTestbed",
     "AuditTestbed",
     "applicable_prefixes",

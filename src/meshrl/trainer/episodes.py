@@ -16,24 +16,28 @@ from typing import Any
 
 
 def sample_episodes(task: Any, backend: Any, tokenizer: Any, prompts: list[list[int]], problems: list[Any],
-                    params: Any, seed: int, encode_with: Callable[[int, str], list[int]]
-                    ) -> tuple[list[dict[str, Any]], list[Any]]:
+                    params: Any, seed: int, encode_with: Callable[[int, str], list[int]],
+                    openings: list[list[int]] | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """``params.n`` episodes per prompt: ``(rows, episodes)``. An environment whose ``reset`` returns text gets it
     appended to its episode's user message (TRL's convention): ``encode_with(prompt_index, observation)`` builds
-    that episode's prompt, and every episode then runs from its own prompt."""
+    that episode's prompt, and every episode then runs from its own prompt. ``openings[i]`` (``plugins.coach_guide``)
+    are the token ids forced at the start of the first model turn of prompt ``i``'s episodes (row ``forced``: their
+    count; the update treats them as the coach's, off-policy)."""
     from meshrl.agents import run_episodes, start_environments
 
-    envs, episode_prompts, n = None, prompts, params.n
+    envs, episode_prompts, n, episode_openings = None, prompts, params.n, openings
     if task.factory is not None:
         envs, observations = start_environments(task.factory, [task.reset_kwargs(p) for p in problems], params.n)
         if any(obs is not None for obs in observations):
             episode_prompts = [encode_with(i // params.n, obs or "") for i, obs in enumerate(observations)]
+            episode_openings = [openings[i // params.n] for i in range(len(observations))] if openings else None
             n = 1
     episodes = run_episodes(backend, episode_prompts, None, tokenizer, replace(params, n=n), task.limits, seed,
-                            tools=task.tools, envs=envs)
+                            tools=task.tools, envs=envs, openings=episode_openings)
     rows = [{"prompt_index": i // params.n, "prompt_ids": list(e.prompt_ids), "response_ids": list(e.ids),
              "text": e.final_text, "truncated": e.truncated,
-             "logps": None if e.engine_logprobs is None else list(e.engine_logprobs), "forced": 0,
+             "logps": None if e.engine_logprobs is None else list(e.engine_logprobs),
+             "forced": len(openings[i // params.n]) if openings else 0,
              "model_mask": list(e.model_mask), "env_reward": e.env_reward, "transcript": transcript(tokenizer, e)}
             for i, e in enumerate(episodes)]
     return rows, episodes
@@ -48,7 +52,7 @@ def transcript(tokenizer: Any, episode: Any) -> str:
 def check_episodic_config(cfg: Any) -> None:
     """Settings that cannot act on multi-turn episodes, refused by key before any rollout."""
     p = cfg.plugins
-    for name in ("coach_guide", "luffy", "ssd", "opsd", "remix", "calib"):
+    for name in ("luffy", "ssd", "opsd", "remix", "calib"):  # coach_guide forces the first turn's opening
         section = getattr(p, name, None)
         if section is not None and getattr(section, "enabled", False):
             raise ValueError(f"plugins.{name}.enabled: not available with a tool-using task (env:...): it reads "

@@ -261,7 +261,9 @@ class RolloutStep:
         key = (problem.id, strategy)
         if key not in self._opening_cache:
             text = self.task.response_opening(problem, self.prefixes[problem.id][strategy])
-            self._opening_cache[key] = (opening_ids(self.tokenizer, text, self.cfg.rollout.max_new_tokens), text)
+            # an empty opening (a task's plan with nothing to force, e.g. "answer directly") is a free rollout
+            ids = opening_ids(self.tokenizer, text, self.cfg.rollout.max_new_tokens) if text else []
+            self._opening_cache[key] = (ids, text)
         return self._opening_cache[key]
 
     def _prompt_tokens(self, problem, strategy: int) -> int:
@@ -308,22 +310,24 @@ class RolloutStep:
         params = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                                 top_p=ro.top_p, n=n)
         prompts = [self.prompt_ids(chosen[j], self._prompt_arm(k)) for j, k in arms]
-        if self.guided:  # each coach arm's responses start with the coach's opening
-            from meshrl.trainer.plugins.coach_guide import generate_guided
-
-            openings = [self.opening(chosen[j], k) for j, k in arms]
-            rows = generate_guided(self.backend, prompts, openings, params, seed=seed)
-        elif getattr(self.task, "episodic", False):  # tool-using episodes (meshrl.trainer.episodes)
+        if getattr(self.task, "episodic", False):  # tool-using episodes (meshrl.trainer.episodes)
             from meshrl.trainer.episodes import sample_episodes
 
             def encode_with(i: int, observation: str) -> list[int]:
                 j, k = arms[i]
-                extra = self.conditioning(chosen[j], k) if k >= 0 else {}
+                extra = self.conditioning(chosen[j], self._prompt_arm(k)) if self._prompt_arm(k) >= 0 else {}
                 return self._encode(self.tokenizer, self.task.format_prompt(chosen[j]) + observation, **extra)
 
+            # coach-guided: each coach arm's first model turn starts with the coach's opening
+            openings = [self.opening(chosen[j], k)[0] for j, k in arms] if self.guided else None
             rows, episodes = sample_episodes(self.task, self.backend, self.tokenizer, prompts,
-                                             [chosen[j] for j, _ in arms], params, seed, encode_with)
+                                             [chosen[j] for j, _ in arms], params, seed, encode_with, openings)
             self.episodes.extend(episodes)
+        elif self.guided:  # each coach arm's responses start with the coach's opening
+            from meshrl.trainer.plugins.coach_guide import generate_guided
+
+            openings = [self.opening(chosen[j], k) for j, k in arms]
+            rows = generate_guided(self.backend, prompts, openings, params, seed=seed)
         else:
             rows = sampled_rows(self.backend.generate(prompts, params, seed=seed))
         data = StepData()

@@ -161,6 +161,7 @@ def guide_step_stats(task: Any, data: Any) -> dict[str, float]:
     from meshrl.trainer.rollout_step import strategy_figures
 
     forced = list(data.forced_tokens) or [0] * len(data)
+    texts = data.label_texts or data.texts  # a tool-using episode is labelled by its model turns
     guided = [s for s, f in zip(data.scores, forced, strict=True) if f]
     free = [i for i, f in enumerate(forced) if not f]
     out = {"guide/rows": float(len(guided))}
@@ -168,6 +169,6 @@ def guide_step_stats(task: Any, data: Any) -> dict[str, float]:
         out["guide/score_guided"] = sum(guided) / len(guided)
     if free:
         out["guide/score_free"] = sum(data.scores[i] for i in free) / len(free)
-        out.update(strategy_figures(task, [(data.texts[i], data.scores[i], data.problems[i]) for i in free],
+        out.update(strategy_figures(task, [(texts[i], data.scores[i], data.problems[i]) for i in free],
                                     prefix="free/"))
     return out
