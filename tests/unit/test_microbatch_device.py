@@ -26,6 +26,7 @@ class _Cfg:
 
     class train:  # noqa: N801
         micro_batch_size = 2
+        head_chunk = 0
 
 
 class _Data:

@@ -20,7 +20,7 @@ def tool_report(model: Any, tokenizer: Any, task: ToolsTestbed, problems: list[A
     """The per-type figures of the module docstring for ``problems`` (``n`` episodes each, seeded)."""
     from meshrl.agents import run_episodes
     from meshrl.rollout import SamplingParams, make_backend
-    from meshrl.trainer.episodes import transcript
+    from meshrl.trainer import transcript
 
     if n < 1 or not problems:
         raise ValueError(f"tool_report needs problems and n >= 1, got {len(problems)} problems, n={n}")

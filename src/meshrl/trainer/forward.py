@@ -73,7 +73,8 @@ class PolicyForward:
     @property
     def device(self) -> torch.device:
         """Where the policy lives (``train.device``): every micro-batch is placed there."""
-        return next(self.model.parameters()).device
+        param = next(self.model.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")  # a parameter-free stand-in: the host
 
     @torch.no_grad()
     def logps(self, model: torch.nn.Module, data: Any) -> list[torch.Tensor]:
