@@ -28,16 +28,13 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from meshrl.testbed.tools_task import COACH_PLANS, TOOL_NAME, ToolsTestbed, calculator, parse_mix, sample_problems
-from meshrl.testbed.warm import MARKER, _complete, _optimise, _publish, cache_root, settings_hash
+from meshrl.testbed.warm import MARKER, build_cached, cache_root, settings_hash, train_and_save
 
 TOOLS_WARM_VERSION = "testbed-tools-warm-v1"  # bump when data, format or training loop change the weights
 DEFAULT_TOOLS_STEPS = 700
@@ -106,44 +103,19 @@ def tools_warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0,
                                    coach_fraction=coach_fraction, tool_share=tool_share, mix=mix, init=init_settings,
                                    coach_plans=coach_plans)
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / f"tools_{settings_hash(settings)}"
-    if not force and _complete(target, settings):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        info = _train(tmp, settings, threads=threads, progress=progress)
-        (tmp / MARKER).write_text(json.dumps({"settings": settings, **info}, indent=2) + "\n")
-        os.chmod(tmp, 0o755)
-        _publish(tmp, target, force=force)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_cached(target, settings, lambda out: _train(out, settings, threads=threads, progress=progress),
+                        force=force)
 
 
 def _train(out: Path, settings: dict[str, Any], *, threads: int | None, progress: bool) -> dict[str, Any]:
-    from meshrl.models import build_tiny
+    from meshrl.models import build_tiny, load_model
 
-    old_threads = torch.get_num_threads()
-    n_threads = threads or min(4, os.cpu_count() or 1)
-    torch.set_num_threads(n_threads)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    try:
+    def make_model():
         if "init" in settings:  # a continued warm start
-            from meshrl.models import load_model
+            return load_model(settings["init"]["path"])
+        return build_tiny(settings["preset"], seed=settings["seed"])
 
-            model, tok = load_model(settings["init"]["path"])
-        else:
-            model, tok = build_tiny(settings["preset"], seed=settings["seed"])
-        losses = _optimise(model, EpisodeExamples(tok, settings), settings, progress=progress)
-        model.eval()
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-    finally:
-        torch.set_num_threads(old_threads)
-    tail = losses[-max(1, len(losses) // 10):]
-    return {"seconds": round(time.perf_counter() - t0, 2), "cpu_seconds": round(time.process_time() - cpu0, 2),
-            "threads": n_threads, "params": sum(p.numel() for p in model.parameters()),
-            "final_loss": round(sum(tail) / len(tail), 5) if tail else None}
+    return train_and_save(out, settings, make_model, EpisodeExamples, threads=threads, progress=progress)
 
 
 class EpisodeExamples:

@@ -144,12 +144,19 @@ def warm_start(out_dir: str | os.PathLike | None = None, *, seed: int = 0, steps
     if out_dir is None and not force and _complete(SHIPPED / name, settings):
         return SHIPPED / name  # made with exactly these settings, shipped with the package
     target = Path(out_dir).expanduser() if out_dir is not None else cache_root() / name
+    return build_cached(target, settings, lambda out: _train(out, settings, threads=threads, progress=progress),
+                        force=force)
+
+
+def build_cached(target: Path, settings: dict[str, Any], train_into: Any, *, force: bool) -> Path:
+    """``target`` when it holds a warm start made with ``settings`` (and not ``force``); else ``train_into(tmp)``
+    (returns the training figures) in a temporary directory beside it, the marker written, published atomically."""
     if not force and _complete(target, settings):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        info = _train(tmp, settings, threads=threads, progress=progress)
+        info = train_into(tmp)
         (tmp / MARKER).write_text(json.dumps({"settings": settings, **info}, indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is for every user of the machine
         _publish(tmp, target, force=force)
@@ -195,14 +202,21 @@ def _publish(tmp: Path, target: Path, *, force: bool) -> None:
 def _train(out: Path, settings: dict[str, Any], *, threads: int | None, progress: bool) -> dict[str, Any]:
     from meshrl.models import build_tiny
 
+    return train_and_save(out, settings, lambda: build_tiny(settings["preset"], seed=settings["seed"]), _Examples,
+                          threads=threads, progress=progress)
+
+
+def train_and_save(out: Path, settings: dict[str, Any], make_model: Any, make_examples: Any, *,
+                   threads: int | None, progress: bool) -> dict[str, Any]:
+    """Teacher-force ``make_model()``'s ``(model, tokenizer)`` on ``make_examples(tokenizer, settings)`` with
+    :func:`_optimise`, save both into ``out``; the figures recorded beside the weights (time, threads, loss)."""
     old_threads = torch.get_num_threads()
     n_threads = threads or min(4, os.cpu_count() or 1)
     torch.set_num_threads(n_threads)
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
-        model, tok = build_tiny(settings["preset"], seed=settings["seed"])
-        data = _Examples(tok, settings)
-        losses = _optimise(model, data, settings, progress=progress)
+        model, tok = make_model()
+        losses = _optimise(model, make_examples(tok, settings), settings, progress=progress)
         model.eval()
         model.save_pretrained(out)
         tok.save_pretrained(out)
