@@ -1,8 +1,10 @@
 """MEI overhead in the training loop: step time with MEI against the same run without it.
 
 ``--engine meshrl`` (default): meshrl's trainer with ``diag.mei.every=1`` against ``0``. Both runs use the same
-seed, so they sample the same rollouts and do the same update; the only difference is the bias-feature
-computation from the logits the update already has.
+seed, so they sample the same rollouts and do the same update; the only difference is MEI: its bias features,
+summed by the sampler while it samples (``native``/``hf``: ``time/rollout_s``) or, where it has none, computed
+from the update's logits with the update's first epoch in one process (``time/train_s``), and the metrics.
+``time/step_s`` holds both.
 
 ``--engine trl``: TRL's ``GRPOTrainer`` built exactly as ``throughput_vs_trl.py`` builds it (its
 ``trl_trainer``), in five arms: plain; plain + ``MEICallback``; plain + ``MEICallback`` forced onto its
@@ -57,7 +59,7 @@ def meshrl_engine(args) -> None:
     for mei in (False, True, False, True):  # interleaved to spread machine-load drift over both arms
         hist = timed_run(args.model, args.task, args.steps, args.group_size, args.tokens, mei, tuple(args.set))[1:]
         rows.setdefault(mei, []).extend(hist)
-    for key in ("time/train_s", "time/step_s"):
+    for key in ("time/rollout_s", "time/train_s", "time/step_s"):
         base = statistics.median(r[key] for r in rows[False])
         with_mei = statistics.median(r[key] for r in rows[True])
         overhead = 100 * (with_mei / base - 1)
@@ -197,8 +199,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], help="meshrl engine: extra config overrides, e.g. "
-                    "train.skip_zero_advantage=false (MEI's step runs every row serially; without MEI the default "
-                    "skips zero-advantage rows, so the default comparison includes losing that skip)")
+                    "train.skip_zero_advantage=false (where MEI comes from the update's forward, its first epoch runs "
+                    "every row serially, and without MEI the default skips zero-advantage rows)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     trl = args.engine == "trl"

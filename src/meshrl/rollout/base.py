@@ -7,6 +7,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 log = logging.getLogger("meshrl")
 
 
@@ -52,6 +54,12 @@ class Rollouts:
     (``meshrl.trainer.batch.token_logprobs``), so that the two can be compared token for token (the mismatch
     diagnostic and ``plugins.rollout_corr``, docs/plugins.md). ``native`` and ``hf`` return exactly this;
     ``vllm`` returns what its ``logprobs_mode`` says (see :mod:`meshrl.rollout.vllm_backend`).
+
+    ``engine_features`` (only when ``generate(..., features=True)`` asked a backend that
+    :attr:`RolloutBackend.returns_features`; else None): per sample, the ``bias`` feature map of MEI,
+    ``phi = sum_t (e_{y_t} - softmax(z_t / T))`` over its response tokens (float32 numpy ``[V]``, ``T = 1`` for
+    greedy; :func:`meshrl.diagnostics.bias_features`), summed by the sampler from the distributions it drew
+    from, so that the trainer need not recompute them from its update's logits.
     """
 
     prompt_index: list[int] = field(default_factory=list)
@@ -60,6 +68,7 @@ class Rollouts:
     texts: list[str] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     engine_logprobs: list[list[float]] | None = None
+    engine_features: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -72,10 +81,15 @@ class RolloutBackend(ABC):
     # True when the log-probs a backend returns are taken under the truncated (top-p / top-k) distribution it
     # sampled from; False when they are over the whole tempered vocabulary (the in-process samplers).
     logprobs_truncated: bool = False
+    # True when ``generate(..., features=True)`` fills ``Rollouts.engine_features`` (the in-process samplers).
+    returns_features: bool = False
 
     @abstractmethod
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int) -> Rollouts:
-        """Sample ``params.n`` responses for each prompt; the same seed gives the same samples."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int,
+                 features: bool = False) -> Rollouts:
+        """Sample ``params.n`` responses for each prompt; the same seed gives the same samples. ``features``:
+        also return each sample's MEI features (``Rollouts.engine_features``) when :attr:`returns_features`;
+        the samples do not depend on it."""
 
     @abstractmethod
     def sync_weights(self, model) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 
@@ -86,6 +87,8 @@ class InProcessBackend(RolloutBackend):
     model is a no-op.
     """
 
+    returns_features = True  # both in-process samplers hold the whole tempered distribution of every step
+
     def __init__(self, model, tokenizer, *, batch_size: int | None = None, autocast: str | None = None):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
@@ -120,9 +123,10 @@ class InProcessBackend(RolloutBackend):
         return [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(n)]
 
     def _append(self, result: Rollouts, jobs: list[tuple[int, list[int]]], rows: list[list[int]],
-                logps: list[list[float]] | None = None) -> None:
+                logps: list[list[float]] | None = None, features: np.ndarray | None = None) -> None:
         """Add raw generated rows (which may run past eos) to ``result``, cut at the first eos, with the
-        sampler's log-probs of the kept tokens when ``logps`` (one list per row, aligned with ``rows``) is given."""
+        sampler's log-probs of the kept tokens when ``logps`` (one list per row, aligned with ``rows``) is given,
+        and each row's MEI features when ``features`` (``[rows, V]``, already summed over the kept tokens) is."""
         for k, ((index, prompt), tokens) in enumerate(zip(jobs, rows, strict=True)):
             response, truncated = cut_at_eos(tokens, self.eos)
             result.prompt_index.append(index)
@@ -131,6 +135,8 @@ class InProcessBackend(RolloutBackend):
             result.truncated.append(truncated)
             if result.engine_logprobs is not None and logps is not None:
                 result.engine_logprobs.append([float(x) for x in logps[k][: len(response)]])
+            if result.engine_features is not None and features is not None:
+                result.engine_features.append(features[k])
 
     def _finish(self, result: Rollouts) -> Rollouts:
         result.texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
@@ -143,33 +149,46 @@ class HFGenerateBackend(InProcessBackend):
 
     name = "hf"
 
-    def _generate_batch(self, prompts: list[list[int]], config: GenerationConfig,
-                        temperature: float) -> tuple[list[list[int]], list[list[float]]]:
-        """Raw generated tokens per row (may run past eos: padding, or eos repeated when pad == eos) and their
+    def _generate_batch(self, prompts: list[list[int]], config: GenerationConfig, temperature: float,
+                        features: bool = False) -> tuple[list[list[int]], list[list[float]], np.ndarray | None]:
+        """Raw generated tokens per row (may run past eos: padding, or eos repeated when pad == eos), their
         log-probs ``log softmax(logits / T)[y]`` from the step's raw logits (``output_logits``; ``T = 1`` when
         greedy): the tempered distribution before the top-p cut, as the trainer scores it and as
-        :func:`meshrl.rollout.native.sample_with_logprobs` returns it. (``output_scores`` would be the processed
-        scores, with the top-p tail at -inf.)"""
+        :func:`meshrl.rollout.native.sample_with_logprobs` returns it (``output_scores`` would be the processed
+        scores, with the top-p tail at -inf), and with ``features`` each row's MEI ``bias`` features
+        ``sum_t (e_{y_t} - softmax(z_t / T))`` over its tokens up to and including its first eos (``[rows, V]``
+        float32; :func:`meshrl.diagnostics.bias_features`)."""
         input_ids, mask = left_pad(prompts, self.pad_id, self.device)
         with self._autocast():
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
         tokens = out.sequences[:, input_ids.shape[1] :]
         t = temperature if temperature > 0 else 1.0
+        eos = torch.tensor(self.eos, device=tokens.device)
+        running = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)  # no eos before this step
+        phi = None
         # One step at a time: only the sampled token's log-prob is kept, never a [n, steps, V] copy.
-        steps = [torch.log_softmax(step.float() / t, dim=-1).gather(-1, tokens[:, i : i + 1])[:, 0]
-                 for i, step in enumerate(out.logits[: tokens.shape[1]])]
+        steps = []
+        for i, step in enumerate(out.logits[: tokens.shape[1]]):
+            logp_all = torch.log_softmax(step.float() / t, dim=-1)
+            steps.append(logp_all.gather(-1, tokens[:, i : i + 1])[:, 0])
+            if features:
+                phi = torch.zeros_like(logp_all) if phi is None else phi
+                phi -= torch.where(running[:, None], logp_all.exp(), 0.0)
+                phi.scatter_add_(1, tokens[:, i : i + 1], running[:, None].float())
+                running &= ~torch.isin(tokens[:, i], eos)
         logps = torch.stack(steps, dim=1) if steps else torch.zeros(tokens.shape, dtype=torch.float32)
-        return tokens.tolist(), logps.tolist()
+        return tokens.tolist(), logps.tolist(), None if phi is None else phi.cpu().numpy()
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int,
+                 features: bool = False) -> Rollouts:
         jobs = self._jobs(prompt_ids, params.n)
         step = self.batch_size or max(len(jobs), 1)
         config = generation_config(params, self.eos, self.pad_id)
         config.return_dict_in_generate, config.output_logits = True, True  # the sampler's log-probs (raw logits)
-        result = Rollouts(engine_logprobs=[])
+        result = Rollouts(engine_logprobs=[], engine_features=[] if features else None)
         with eval_mode(self.model), torch.inference_mode(), seeded(seed, self.device):
             for start in range(0, len(jobs), step):
                 chunk = jobs[start : start + step]
-                rows, logps = self._generate_batch([p for _, p in chunk], config, params.temperature)
-                self._append(result, chunk, rows, logps)
+                rows, logps, phi = self._generate_batch([p for _, p in chunk], config, params.temperature, features)
+                self._append(result, chunk, rows, logps, phi)
         return self._finish(result)

@@ -8,7 +8,9 @@ around small matmuls, and it keeps computing every row until the longest one end
 * writes keys/values into a preallocated cache (no per-step concatenation);
 * drops finished rows from the batch (compacting the cache once enough rows have ended), so a step
   costs the rows still running, not the longest one;
-* samples from ``softmax(logits / T)`` with optional top-p, exactly the distribution the trainer scores.
+* samples from ``softmax(logits / T)`` with optional top-p, exactly the distribution the trainer scores;
+  asked (``generate(..., features=True)``), it also sums MEI's ``bias`` features of every row from that
+  distribution (``Rollouts.engine_features``), so that the trainer's update need not recompute them.
 * on a CPU, splits the rows over forked decoders (:mod:`meshrl.forkpool`): small decode
   matmuls use one BLAS thread however many torch has, so separate processes are what uses the other cores.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,10 +65,20 @@ def sample_with_logprobs(logits: torch.Tensor, params: SamplingParams,
     with probability ``p_v / sum(p)`` (it is how ``torch.multinomial`` draws one sample). ``noise [n, V]``
     supplies the ``E``; without it they come from torch's global generator.
     """
+    tokens, logp, _ = sample_with_probs(logits, params, noise, full_probs=False)
+    return tokens, logp
+
+
+def sample_with_probs(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None = None, *,
+                      full_probs: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(tokens, logp, probs)``: :func:`sample_with_logprobs` plus the whole-vocabulary distribution the
+    log-prob is taken under, ``softmax(logits / T)`` ``[n, V]`` in float32 (``T = 1`` when greedy; before any
+    top-p/top-k cut), which the ``bias`` features of MEI need (:func:`meshrl.diagnostics.bias_features`); None
+    without ``full_probs``. The draw does not depend on ``full_probs``."""
     if params.greedy:
         tokens = logits.argmax(-1)
-        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
-        return tokens, logp
+        logp_all = torch.log_softmax(logits.float(), dim=-1)
+        return tokens, logp_all.gather(-1, tokens[:, None])[:, 0], logp_all.exp() if full_probs else None
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     full = probs
     if params.top_k > 0:  # top-k, then top-p over what it kept: vLLM's rule
@@ -81,7 +94,7 @@ def sample_with_logprobs(logits: torch.Tensor, params: SamplingParams,
     if noise is None:
         noise = torch.rand_like(probs).clamp_min_(2.0**-25).log_().neg_()
     tokens = (probs / noise).argmax(-1)
-    return tokens, full.gather(-1, tokens[:, None])[:, 0].log()
+    return tokens, full.gather(-1, tokens[:, None])[:, 0].log(), full if full_probs else None
 
 
 class RowNoise:
@@ -231,6 +244,15 @@ def _add_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: to
     return torch.addmm(x if bias is None else x + bias, a, weight.t())
 
 
+def _add_bias_features(phi: torch.Tensor, slot_row: torch.Tensor, running: torch.Tensor, tokens: torch.Tensor,
+                       probs: torch.Tensor) -> None:
+    """``phi[slot_row[s]] += e_{tokens[s]} - probs[s]`` for the running slots ``s`` (in place): one step of
+    :func:`meshrl.diagnostics.bias_features` on the output rows of the decoder's (compacted) slots."""
+    delta = torch.where(running[:, None], probs, 0.0).neg_()
+    delta.scatter_add_(1, tokens[:, None], running[:, None].to(delta.dtype))
+    phi.index_add_(0, slot_row, delta)
+
+
 def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     """``(distinct prompts in first-seen order, index of each input prompt among them)``."""
     index: dict[tuple[int, ...], int] = {}
@@ -278,7 +300,7 @@ class NativeDecodeBackend(InProcessBackend):
         device = self.device
         ids, mask = left_pad(prompts, self.pad_id, device)
         with eval_mode(self.model), torch.inference_mode(), self._autocast():
-            tokens, _, step_logits = self._decode_batch(prompts, params, record_logits=True, stop_at_eos=False)
+            tokens, _, step_logits, _ = self._decode_batch(prompts, params, record_logits=True, stop_at_eos=False)
             full = torch.cat([ids, tokens], dim=1)
             full_mask = torch.cat([mask, torch.ones_like(tokens)], dim=1)
             pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
@@ -296,12 +318,17 @@ class NativeDecodeBackend(InProcessBackend):
 
     @torch.no_grad()
     def _decode_batch(self, prompts: list[list[int]], params: SamplingParams, *, noise: RowNoise | None = None,
-                      first_row: int = 0, record_logits: bool = False,
-                      stop_at_eos: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                      first_row: int = 0, record_logits: bool = False, stop_at_eos: bool = True,
+                      features: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
         """Sampled tokens ``[rows, max_new_tokens]`` (eos, then pad after a row ends) for the prompts, whose
         rows are ``first_row, first_row + 1, ...`` of the call (for ``noise``), their log-probs (float32, same
         shape, 0 after a row ends; :func:`sample_with_logprobs`); with ``record_logits`` also the logits of
-        every step (``stop_at_eos=False`` keeps every row running)."""
+        every step (``stop_at_eos=False`` keeps every row running); with ``features`` the ``bias`` features of
+        MEI of every row, ``phi = sum_t (e_{y_t} - softmax(z_t / T))`` over its response tokens (up to and
+        including its eos; ``[rows, V]`` float32, else None): a step adds ``e_y - p`` for the rows still
+        running, from the distribution it samples from anyway, so the features cost one ``[rows, V]`` update a
+        step and no forward pass. The draw does not depend on ``features``."""
         device = self.device
         distinct, inverse = distinct_prompts(prompts)
         ids, mask = left_pad(distinct, self.pad_id, device)
@@ -317,13 +344,16 @@ class NativeDecodeBackend(InProcessBackend):
         running = torch.ones(n, dtype=torch.bool, device=device)  # False: ended, awaiting compaction
         eos = torch.tensor(self.eos if stop_at_eos else [], dtype=torch.long, device=device)
         recorded: list[torch.Tensor] = []
+        phi = torch.zeros((n, logits.shape[-1]), dtype=torch.float32, device=device) if features else None
         sampled = noise is not None and not params.greedy
         plan = noise.plan(slot_row + first_row) if sampled else None
         for t in range(steps):
             if record_logits:
                 recorded.append(logits.float())
             step_noise = noise.draw(plan, t) if sampled else None
-            tokens, logp = sample_with_logprobs(logits, params, step_noise)
+            tokens, logp, probs = sample_with_probs(logits, params, step_noise, full_probs=features)
+            if phi is not None:  # the tokens of the rows running before this step are theirs (eos included)
+                _add_bias_features(phi, slot_row, running, tokens, probs)
             out[slot_row[running], t] = tokens[running]
             out_logp[slot_row, t] = logp  # finished slots write past their eos, which is cut off
             running &= ~torch.isin(tokens, eos)
@@ -336,7 +366,7 @@ class NativeDecodeBackend(InProcessBackend):
                 plan = noise.plan(slot_row + first_row) if sampled else None
             logits = dec.decode(tokens, pos, width + t)
             pos = pos + 1
-        return out, out_logp, recorded
+        return out, out_logp, recorded, phi
 
     def _shards(self, start: int, stop: int) -> list[tuple[int, int]]:
         """Split rows ``[start, stop)`` into contiguous ``(first, end)`` ranges, one per decoder, cut at
@@ -348,14 +378,17 @@ class NativeDecodeBackend(InProcessBackend):
         return [(a, min(b, stop)) for a, b in zip(cuts, cuts[1:], strict=False) if a < min(b, stop)]
 
     def _decode_shard(self, prompts: list[list[int]], params: SamplingParams, seed: int, first_row: int,
-                      vocab: int) -> tuple[list[list[int]], list[list[float]]]:
-        """Token rows of one shard and their log-probs; runs here or in a pool worker (hence eval mode and the
-        thread-local contexts, and plain lists, which cross the pipe without shared-memory tensor handles)."""
+                      vocab: int, features: bool = False
+                      ) -> tuple[list[list[int]], list[list[float]], np.ndarray | None]:
+        """Token rows of one shard, their log-probs and (``features``) their MEI features ``[rows, V]``; runs
+        here or in a pool worker (hence eval mode and the thread-local contexts, and plain lists and a numpy
+        array, which cross the pipe without shared-memory tensor handles)."""
         self.model.eval()
         with torch.inference_mode(), self._autocast():
             noise = RowNoise(seed, vocab, self.device)
-            tokens, logps, _ = self._decode_batch(prompts, params, noise=noise, first_row=first_row)
-            return tokens.tolist(), logps.tolist()
+            tokens, logps, _, phi = self._decode_batch(prompts, params, noise=noise, first_row=first_row,
+                                                       features=features)
+            return tokens.tolist(), logps.tolist(), None if phi is None else phi.cpu().numpy()
 
     def _decoders(self, n_shards: int):
         """The pool for ``n_shards`` shards (started or restarted on demand), or None to decode here."""
@@ -379,18 +412,20 @@ class NativeDecodeBackend(InProcessBackend):
             self._pool.close()
             self._pool = None
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int,
+                 features: bool = False) -> Rollouts:
         jobs = self._jobs(prompt_ids, params.n)
         if not self._verified and jobs:
             distinct = distinct_prompts(list(prompt_ids))[0][:3]
             self.verify(distinct + distinct[:1])  # a repeated prompt exercises the shared prefill
         step = self.batch_size or max(len(jobs), 1)
         vocab = base_model(self.model).lm_head.out_features
-        result = Rollouts(engine_logprobs=[])
+        result = Rollouts(engine_logprobs=[], engine_features=[] if features else None)
         with eval_mode(self.model):
             for start in range(0, len(jobs), step):
                 stop = min(start + step, len(jobs))
-                shards = [([p for _, p in jobs[a:b]], params, seed, a, vocab) for a, b in self._shards(start, stop)]
+                shards = [([p for _, p in jobs[a:b]], params, seed, a, vocab, features)
+                          for a, b in self._shards(start, stop)]
                 pool = self._decoders(len(shards))
                 outputs = None
                 if pool is not None:
@@ -400,8 +435,9 @@ class NativeDecodeBackend(InProcessBackend):
                         log.warning("native decode: %s; decoding this batch in one process", err)
                 if outputs is None:
                     outputs = [self._decode_shard(*args) for args in shards]
-                self._append(result, jobs[start:stop], [row for rows, _ in outputs for row in rows],
-                             [row for _, lps in outputs for row in lps])
+                self._append(result, jobs[start:stop], [row for rows, _, _ in outputs for row in rows],
+                             [row for _, lps, _ in outputs for row in lps],
+                             np.concatenate([phi for _, _, phi in outputs]) if features else None)
         return self._finish(result)
 
 

@@ -170,7 +170,9 @@ class VLLMBackend(RolloutBackend):
             skip_special_tokens=True,
         )
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int,
+                 features: bool = False) -> Rollouts:
+        # ``features`` is not served (returns_features is False): vLLM returns no whole-vocabulary distributions.
         # One SamplingParams per prompt so that each prompt gets its own seeded generator.
         sampling = [self._sampling_params(params, seed + i) for i in range(len(prompt_ids))]
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]

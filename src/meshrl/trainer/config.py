@@ -186,7 +186,8 @@ class MeshConfig:
 
 @dataclass
 class MeiConfig:
-    every: int = setting(0, ge=0, help="compute MEI every K steps from the update's own logits (0 = off)")
+    every: int = setting(0, ge=0, help="compute MEI every K steps (0 = off), from the sampler's distributions "
+                       "(native, hf), else from the update's logits")
     feature: str = setting("bias", choices=("bias", "head"),
                            help="feature map: bias (online); head (offline: meshrl mei calibrate, census)")
     threshold: str | float | None = setting(None, help="a number, or threshold.json from `meshrl mei calibrate`; "

@@ -1,9 +1,15 @@
-"""MEI in the training loop: features from the logits the update already computes, threshold warnings.
+"""MEI in the training loop: the ``bias`` features of the step's rollouts, threshold warnings.
 
-The ``bias`` feature map needs only the logits of the training forward (no second forward pass), so the
-monitor is fed from inside the loss computation during the first PPO epoch, when every rollout passes
-through exactly once. The ``head`` and ``full`` maps need hidden states or per-sample gradients and are
-offered offline (``meshrl mei calibrate``, ``meshrl census``).
+The ``bias`` feature map, ``phi_i = sum_t (e_{y_t} - softmax(z_t / T))``, needs only the distributions the
+rollouts were sampled from. The in-process samplers (``native``, ``hf``) sum it while they sample
+(``Rollouts.engine_features``), at the cost of one ``[rows, V]`` add per decode step, and the monitor takes
+those; the update then runs as it would without MEI (worker processes, zero-advantage rows skipped). Where some
+row has no sampler features (``vllm``, multi-turn episodes, reused or off-policy rows, coach-guided openings),
+the monitor is fed from inside the loss computation during the first PPO epoch instead, when every rollout
+passes through exactly once, which makes that epoch run every row whole in one process
+(:class:`meshrl.trainer.update.StepPlan`). The source is logged whenever it changes. The ``head`` and ``full``
+maps need hidden states or per-sample gradients and are offered offline (``meshrl mei calibrate``,
+``meshrl census``).
 """
 
 from __future__ import annotations
@@ -52,12 +58,30 @@ class MeiMonitor:
         self.temperature = cfg.rollout.temperature
         self.above, self.first_cross, self.warned = 0, None, False
         self._phi: torch.Tensor | None = None
+        self._source: str | None = None  # the features' source last logged
 
     def active(self, step_idx: int) -> bool:
         return self.every > 0 and step_idx % self.every == 0
 
-    def begin(self, n_rows: int) -> None:
+    def begin(self, n_rows: int, features: torch.Tensor | None = None, reason: str | None = None) -> bool:
+        """Start a step's MEI over ``n_rows`` rows: from the sampler's ``features [n_rows, V]`` when given, else
+        from the update's forward (``reason``: why, logged when the source changes). True when the update must
+        feed the monitor (:meth:`add_logits`)."""
         self._phi, self._n = None, n_rows
+        if features is not None:
+            if features.shape[0] != n_rows:
+                raise ValueError(f"MEI: sampler features for {features.shape[0]} rows, the step has {n_rows}")
+            self._phi = features.float()
+            self._log_source("MEI features from the rollout (the sampler's distributions)")
+            return False
+        if reason is not None:
+            self._log_source(f"MEI features from the update's forward: {reason}")
+        return True
+
+    def _log_source(self, source: str) -> None:
+        if source != self._source:
+            log.info("%s", source)
+            self._source = source
 
     def add(self, idx: list[int], logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
             temperature: float) -> None:

@@ -126,6 +126,11 @@ class StepData:
     # The sampler's own log-prob of each response token (Rollouts.engine_logprobs), None for a row that has none
     # (a backend without them, an off-policy trace): compared with the update's in the mismatch diagnostic.
     rollout_logps: list[list[float] | None] = field(default_factory=list)
+    # The sampler's MEI ``bias`` features of each row (Rollouts.engine_features: float32 [V]), None for a row that
+    # has none (not asked for this step, a backend or an episode without them, an off-policy trace or a forced
+    # opening). They describe the policy that sampled the row, so the trainer takes them once, at the update that
+    # follows the sampling (:meth:`take_rollout_features`); a batch reused later carries none.
+    rollout_features: list[np.ndarray | None] = field(default_factory=list)
     # Where the sampler's log-probs are taken under its truncated distribution (vLLM, rollout.top_p < 1): per row,
     # log of the tempered mass its top-p set keeps at each response token, under the policy at the update's start
     # (set by the update; None otherwise). ``rollout_logps + rollout_log_kept`` is then the sampler's log-prob over
@@ -155,12 +160,25 @@ class StepData:
         for name in ("prompt_ids", "response_ids", "texts", "truncated", "problems", "group_ids", "query_ids",
                      "strategy_ids", "scores", "rollout_logps"):
             getattr(self, name).extend(getattr(other, name)[i] for i in keep)
+        self.rollout_features.extend(other.rollout_features[i] if i < len(other.rollout_features) else None
+                                     for i in keep)
         self.forced_tokens.extend(other.forced_tokens[i] if other.forced_tokens else 0 for i in keep)
         if other.label_texts:
             self.label_texts.extend(other.label_texts[i] for i in keep)
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def take_rollout_features(self) -> tuple[torch.Tensor | None, int]:
+        """``(features [rows, V] float32, rows without)``: the sampler's features of every row stacked, or None
+        when some row has none; every row's entry becomes None (they belong to the sampling policy, which the
+        update is about to change)."""
+        feats = [self.rollout_features[i] if i < len(self.rollout_features) else None for i in range(len(self))]
+        self.rollout_features = [None] * len(self)
+        missing = sum(f is None for f in feats)
+        if missing or not feats:
+            return None, missing
+        return torch.from_numpy(np.stack(feats).astype(np.float32, copy=False)), 0
 
     def model_mask(self, row: int) -> list[int] | None:
         """Row ``row``'s model-token mask (``response_masks``), or None when all its tokens are the model's."""
@@ -199,6 +217,7 @@ class RolloutStep:
         self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
         self.last = StepData()
         self.episodes: list[Any] = []  # this step's tool-using episodes (an env task), for their metrics
+        self._features: dict[str, bool] = {}  # ``features=True`` for the backend on a step that computes MEI
 
     def conditioning(self, problem, strategy: int) -> dict[str, str]:
         """``{"system": text}`` or ``{"assistant_prefix": text}``: the coach prefix of a rollout, wrapped in
@@ -327,9 +346,9 @@ class RolloutStep:
             from meshrl.trainer.plugins.coach_guide import generate_guided
 
             openings = [self.opening(chosen[j], k) for j, k in arms]
-            rows = generate_guided(self.backend, prompts, openings, params, seed=seed)
+            rows = generate_guided(self.backend, prompts, openings, params, seed=seed, **self._features)
         else:
-            rows = sampled_rows(self.backend.generate(prompts, params, seed=seed))
+            rows = sampled_rows(self.backend.generate(prompts, params, seed=seed, **self._features))
         data = StepData()
         # One advantage group per query, unless each prefix group (the bare one included) is its own.
         per_query = self.cfg.mesh.adv_unit == "query" or self.prefixes is None
@@ -344,6 +363,7 @@ class RolloutStep:
             data.strategy_ids.append(k)
             data.group_ids.append(positions[j] if per_query else (positions[j], k))
             data.rollout_logps.append(None if row["logps"] is None else list(row["logps"]))
+            data.rollout_features.append(row.get("features"))
             data.forced_tokens.append(int(row["forced"]))
             if "model_mask" in row:
                 data.response_masks.append(list(row["model_mask"]))
@@ -366,6 +386,7 @@ class RolloutStep:
         rounds = self.cfg.dynamic_sampling.max_rounds if rec.dynamic_sampling else 1
         batch, sampled, kept_groups, dropped = StepData(), 0, 0, 0
         self.episodes = []
+        self._features = {"features": True} if self.features_wanted(step) else {}
         sampled_reward = 0.0  # shaped reward of every sampled rollout, kept or filtered
         start, drawn = cursor, 0
         for rnd in range(rounds):
@@ -403,6 +424,13 @@ class RolloutStep:
             batch.stats.update(episode_metrics(self.episodes))
         return batch, cursor
 
+    def features_wanted(self, step: int) -> bool:
+        """Whether step ``step`` asks the backend for the rows' MEI features: MEI's ``bias`` map is computed at
+        this step (``diag.mei.every``) and the backend can return them (``returns_features``)."""
+        mc = self.cfg.diag.mei
+        return (mc.every > 0 and step % mc.every == 0 and mc.feature == "bias"
+                and bool(getattr(self.backend, "returns_features", False)))
+
     def advantages(self, rewards: torch.Tensor, group_ids: list[Any]) -> torch.Tensor:
         """The recipe's advantage estimator (``Recipe.advantage``, looked up in ``meshrl.algos``) over the groups."""
         scale = "none" if self.recipe.adv_scale == "none" else "std"
@@ -425,5 +453,6 @@ def sampled_rows(out: Any) -> list[dict[str, Any]]:
     order = sorted(range(len(out.prompt_index)), key=lambda r: out.prompt_index[r])  # stable: sample order kept
     return [{"prompt_index": out.prompt_index[r], "prompt_ids": list(out.prompt_ids[r]),
              "response_ids": list(out.response_ids[r]), "text": out.texts[r], "truncated": bool(out.truncated[r]),
-             "logps": None if out.engine_logprobs is None else list(out.engine_logprobs[r]), "forced": 0}
+             "logps": None if out.engine_logprobs is None else list(out.engine_logprobs[r]), "forced": 0,
+             "features": None if out.engine_features is None else out.engine_features[r]}
             for r in order]

@@ -88,11 +88,15 @@ class Trainer:
         self.dirty = True  # from here on the trainer's state changes
         for g in self.optimizer.param_groups:  # a pure function of the step: a resume continues it exactly
             g["lr"] = lr_at(self.cfg.optim, self.step_idx, self.cfg.steps)
+        # The sampler's MEI features (taken every step: they belong to the policy the update is about to change).
+        rollout_phi, missing = data.take_rollout_features()
         collect_mei = bool(self.mei and self.mei.active(self.step_idx) and len(data))
+        mei_from_update = False
         if collect_mei:
-            self.mei.begin(len(data))
+            reason = None if rollout_phi is not None else self.mei_fallback_reason(data, missing)
+            mei_from_update = self.mei.begin(len(data), rollout_phi, reason)
         # 3. the update
-        metrics = self.update(data, collect_mei) if len(data) else {"skipped/empty_batch": 1.0}
+        metrics = self.update(data, mei_from_update) if len(data) else {"skipped/empty_batch": 1.0}
         # AdamW has read the gradients: drop them now rather than at the next update's zero_grad, so that the
         # next rollout (and the checkpoint between) does not hold a weights-sized buffer nobody reads.
         self.optimizer.zero_grad(set_to_none=True)
@@ -118,6 +122,14 @@ class Trainer:
             **self.sampler.rewards.pop_stats(),
         })
         return metrics
+
+    def mei_fallback_reason(self, data: StepData, missing: int) -> str:
+        """Why this step's MEI features come from the update's forward instead of the sampler."""
+        if not getattr(self.backend, "returns_features", False):
+            return f"rollout backend {getattr(self.backend, 'name', type(self.backend).__name__)!r} returns none"
+        if getattr(self.task, "episodic", False):
+            return "multi-turn episodes carry no sampler features"
+        return f"{missing} of {len(data)} rows have no sampler features (reused, off-policy or coach-guided rows)"
 
     def mismatch_metrics(self) -> dict[str, float]:
         out = self.mismatch.finish()

@@ -27,9 +27,11 @@ and the PartsEngine, per mini-batch (:meth:`PartsEngine.backward`):
 ==========================================================  =================================================
 the mini-batch                                              path
 ==========================================================  =================================================
-MEI's first epoch, strategy balancing, a plug-in with       serial (every row's logits and graph here)
-``whole_micro_batch``, multi-turn episodes (environment
-tokens masked: ``StepData.response_masks``)
+MEI's first epoch fed from the update (rows without the    serial (every row's logits and graph here)
+sampler's features: :mod:`meshrl.trainer.mei_monitor`),
+strategy balancing, a plug-in with ``whole_micro_batch``,
+multi-turn episodes (environment tokens masked:
+``StepData.response_masks``)
 two or more parts (``update_workers`` >= 2; one when the     parts: over the workers, or all here in turn when
 workers cannot start at the run's first update)             they died (one thread, bitwise the same)
 one part, zero-advantage skip, a row with advantage 0       parts: one part here, zero rows forward only
@@ -66,7 +68,7 @@ log = logging.getLogger("meshrl")
 class StepPlan:
     """What one step's update computes besides the loss, decided before it starts (replaces mutable flags)."""
 
-    collect_mei: bool = False  # feed the MEI monitor from the first epoch's forward
+    collect_mei: bool = False  # feed the MEI monitor from the first epoch's forward (no sampler features)
     balance: bool = False  # strategy-balancing weights are set this step (their term needs every row's graph)
 
     def every_row_here(self, epoch: int, whole_micro_batches: bool) -> bool:

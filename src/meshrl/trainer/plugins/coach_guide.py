@@ -102,7 +102,7 @@ def opening_ids(tokenizer: Any, text: str, max_new_tokens: int) -> list[int]:
 
 
 def generate_guided(backend: Any, prompts: list[list[int]], openings: list[tuple[list[int], str]], params: Any, *,
-                    seed: int) -> list[dict[str, Any]]:
+                    seed: int, features: bool = False) -> list[dict[str, Any]]:
     """Sample ``params.n`` responses per prompt, each forced to start with its ``openings`` entry, ``(token ids,
     text)`` (``([], "")``: a free rollout).
 
@@ -110,7 +110,8 @@ def generate_guided(backend: Any, prompts: list[list[int]], openings: list[tuple
     tokens); the free call keeps ``seed``, so without openings this samples exactly what one plain call does.
     Returns one record per sample in prompt-major order (``prompt_index``, ``prompt_ids`` without the opening,
     ``response_ids`` and ``text`` with it, ``truncated``, ``logps``: the sampler's log-probs, None for guided
-    rows, whose opening the sampler did not choose, and ``forced``: the opening's token count).
+    rows, whose opening the sampler did not choose, ``forced``: the opening's token count, and ``features``: the
+    sampler's MEI features when ``features`` asks for them, None for guided rows, whose opening they would miss).
     """
     by_len: dict[int, list[int]] = {}
     for i, (op, _) in enumerate(openings):
@@ -118,15 +119,17 @@ def generate_guided(backend: Any, prompts: list[list[int]], openings: list[tuple
     rows: dict[int, list[dict[str, Any]]] = {}
     for length, members in sorted(by_len.items()):
         p = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - length)
-        out = backend.generate([prompts[i] + openings[i][0] for i in members], p, seed=seed + 7919 * length)
+        out = backend.generate([prompts[i] + openings[i][0] for i in members], p, seed=seed + 7919 * length,
+                               **({"features": True} if features else {}))
         for r, ai in enumerate(out.prompt_index):
             i = members[ai]
             op, op_text = openings[i]
             logps = None if out.engine_logprobs is None or op else list(out.engine_logprobs[r])
+            feats = None if out.engine_features is None or op else out.engine_features[r]
             rows.setdefault(i, []).append({
                 "prompt_index": i, "prompt_ids": list(out.prompt_ids[r][: len(out.prompt_ids[r]) - len(op)]),
                 "response_ids": op + list(out.response_ids[r]), "text": op_text + out.texts[r],
-                "truncated": bool(out.truncated[r]), "logps": logps, "forced": len(op)})
+                "truncated": bool(out.truncated[r]), "logps": logps, "forced": len(op), "features": feats})
     return [rec for i in range(len(prompts)) for rec in rows.get(i, [])]
 
 

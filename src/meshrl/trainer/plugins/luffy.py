@@ -76,6 +76,8 @@ class Luffy(Plugin):
                 data.response_ids[i], data.texts[i], data.truncated[i] = ids, text, False
                 if i < len(data.rollout_logps):
                     data.rollout_logps[i] = None  # a trace was not sampled: no sampler log-probs
+                if i < len(data.rollout_features):
+                    data.rollout_features[i] = None  # nor sampler features (MEI scores it in the update)
                 if i < len(data.forced_tokens):
                     data.forced_tokens[i] = 0  # a whole trace is off-policy: no coach-guided opening in it
                 data.scores[i] = sampler.rewards([text], [problem])[0]
