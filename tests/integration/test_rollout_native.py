@@ -182,14 +182,16 @@ def test_workers_read_the_updated_weights_and_report_errors(small):
 
 
 def _scripted(monkeypatch, sequences: list[list[int]]):
-    """Replace the sampler: row r emits ``sequences[r]`` then repeats its last token."""
+    """Replace the sampler: row r emits ``sequences[r]`` then repeats its last token, under a uniform
+    distribution (for the MEI features)."""
     counter = itertools.count()
     state = {"step": -1, "rows": None}
 
-    def fake(logits, params, noise=None):
+    def fake(logits, params, noise=None, *, full_probs=True):
         state["step"] = next(counter)
         tokens = torch.tensor([seq[min(state["step"], len(seq) - 1)] for seq in state["rows"]])
-        return tokens, torch.zeros(len(tokens))
+        uniform = torch.full(logits.shape, 1 / logits.shape[-1]) if full_probs else None
+        return tokens, torch.zeros(len(tokens)), uniform
 
     original = native_mod.NativeDecodeBackend._decode_batch
 
@@ -209,7 +211,7 @@ def _scripted(monkeypatch, sequences: list[list[int]]):
         finally:
             monkeypatch.setattr(native_mod._Decoder, "compact", compact)
 
-    monkeypatch.setattr(native_mod, "sample_with_logprobs", fake)
+    monkeypatch.setattr(native_mod, "sample_with_probs", fake)
     monkeypatch.setattr(native_mod.NativeDecodeBackend, "_decode_batch", run)
 
 
@@ -222,11 +224,18 @@ def test_eos_truncation_and_finished_rows_dropped(monkeypatch, pad_is_eos):
     seqs = [[eos], [a, b, eos], [a, b, eos], [a, b, eos], [x], [x], [x], [x]]
     _scripted(monkeypatch, seqs)
     backend = NativeDecodeBackend(model, tok, workers=1, verify=False)
-    out = backend.generate(_prompts(tok, ["q"] * 8), SamplingParams(5, temperature=1.0), seed=0)
+    out = backend.generate(_prompts(tok, ["q"] * 8), SamplingParams(5, temperature=1.0), seed=0, features=True)
     assert out.response_ids[0] == [eos] and out.response_ids[1] == [a, b, eos]
     assert out.response_ids[4] == [x] * 5
     assert out.truncated == [False] * 4 + [True] * 4
     assert out.texts[:2] == ["", "ab"] and out.texts[4] == "xxxxx"
+    # MEI features: each row's own tokens up to its eos (not the pad/eos written after it, not another row's
+    # after compaction), minus the uniform distribution once per token
+    for r, response in enumerate(out.response_ids):
+        vocab = out.engine_features[r].shape[0]
+        want = -torch.full((vocab,), len(response) / vocab)
+        want.index_add_(0, torch.tensor(response), torch.ones(len(response)))
+        assert torch.allclose(torch.from_numpy(out.engine_features[r]), want, atol=1e-6), r
 
 
 def test_distinct_prompts_and_compaction_keep_rows_in_order(small):
