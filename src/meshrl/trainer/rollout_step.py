@@ -172,9 +172,9 @@ class StepData:
     def take_rollout_features(self) -> tuple[torch.Tensor | None, int]:
         """``(features [rows, V] float32, rows without)``: the sampler's features of every row stacked, or None
         when some row has none; every row's entry becomes None (they belong to the sampling policy, which the
-        update is about to change)."""
+        update is about to change; cleared in place, so that a batch a plug-in keeps, sharing the list, has none)."""
         feats = [self.rollout_features[i] if i < len(self.rollout_features) else None for i in range(len(self))]
-        self.rollout_features = [None] * len(self)
+        self.rollout_features[:] = [None] * len(self.rollout_features)
         missing = sum(f is None for f in feats)
         if missing or not feats:
             return None, missing
