@@ -247,10 +247,15 @@ def _add_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: to
 def _add_bias_features(phi: torch.Tensor, slot_row: torch.Tensor, running: torch.Tensor, tokens: torch.Tensor,
                        probs: torch.Tensor) -> None:
     """``phi[slot_row[s]] += e_{tokens[s]} - probs[s]`` for the running slots ``s`` (in place): one step of
-    :func:`meshrl.diagnostics.bias_features` on the output rows of the decoder's (compacted) slots."""
-    delta = torch.where(running[:, None], probs, 0.0).neg_()
-    delta.scatter_add_(1, tokens[:, None], running[:, None].to(delta.dtype))
-    phi.index_add_(0, slot_row, delta)
+    :func:`meshrl.diagnostics.bias_features` on the output rows of the decoder's (compacted) slots. One
+    ``[slots, V]`` pass while every slot runs (finished slots are few: compaction drops them)."""
+    live = running.nonzero()[:, 0]
+    rows = slot_row[live]
+    if live.numel() == running.numel():
+        phi.index_add_(0, rows, probs, alpha=-1.0)
+    else:
+        phi.index_add_(0, rows, probs.index_select(0, live), alpha=-1.0)
+    phi.index_put_((rows, tokens[live]), torch.ones_like(rows, dtype=phi.dtype), accumulate=True)
 
 
 def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
