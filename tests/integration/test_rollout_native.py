@@ -393,3 +393,26 @@ def test_pool_has_as_many_processes_as_shards_and_grows_on_demand(small):
     backend.generate(prompts, SamplingParams(max_new_tokens=4, n=24), seed=0)  # 48 rows: 3 shards
     assert backend._pool.size == 3
     backend.close()
+
+
+@pytest.mark.parametrize("kind", ["tiny:small", "qwen2", "llama+bias"])
+def test_fused_weights_in_autocast_dtype_change_no_sample(kind, small, monkeypatch):
+    """Under autocast the decoder keeps its fused q|k|v and gate|up copies in bf16 (what autocast cast them to
+    at every call): the same samples and log-probs, bit for bit, as fused fp32 copies cast per call."""
+    model, tok = small if kind == "tiny:small" else _family_model(kind)
+    prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
+    params = SamplingParams(max_new_tokens=10, n=3, temperature=0.8)
+
+    def run():
+        backend = NativeDecodeBackend(model, tok, workers=1, autocast="bfloat16", verify=False)
+        return backend.generate(prompts, params, seed=5)
+
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        runner = llama_fast.LlamaRunner(model, 16, torch.device("cpu"))
+    assert runner.packed[0].qkv_w.dtype == torch.bfloat16 and runner.packed[0].gate_up_w.dtype == torch.bfloat16
+    assert llama_fast.LlamaRunner(model, 16, torch.device("cpu")).packed[0].qkv_w.dtype == torch.float32
+    low = run()
+    monkeypatch.setattr(llama_fast, "autocast_dtype", lambda device, dtype: None)  # the fp32 copies
+    full = run()
+    assert low.response_ids == full.response_ids
+    assert low.engine_logprobs == full.engine_logprobs
