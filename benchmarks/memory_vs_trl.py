@@ -243,18 +243,20 @@ def launch_side(side: str, args: argparse.Namespace, *, timeout_s: float | None 
                 run.report = json.loads(line[len(RESULT) :])
             elif args.verbose:
                 print(f"[{side}] {line}", end="")
+        run.rc = proc.wait()
     except KeyboardInterrupt:
         run.interrupted = True
         if guarded:
             kill_group(proc)
         else:
             proc.terminate()
-    run.rc = proc.wait()
-    if guarded:
-        kill_group(proc)  # forked workers left behind by a child that died
-    if timer is not None:
-        timer.cancel()
-    run.sampler.stop()
+        run.rc = proc.wait()
+    finally:  # also on any other exception: a child in a session of its own would otherwise outlive the driver
+        if timer is not None:
+            timer.cancel()
+        if guarded:
+            kill_group(proc)  # forked workers left behind by a child that died
+        run.sampler.stop()
     return run
 
 
