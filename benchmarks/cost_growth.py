@@ -14,9 +14,9 @@ model      tiny, smollm2-135m (the pretrained SmolLM2-135M-Instruct),    P, G, L
 heads, intermediate 2560, vocabulary 49,152) and -135M with SmolLM2's own tokenizer, Qwen2.5-0.5B (hidden 896, 24
 layers, 14 / 2 heads, intermediate 4864, vocabulary 151,936, tied embeddings) with gpu_check's character tokenizer
 padded to the vocabulary. The group and length axes default to ``random:smollm2-135m``: a pretrained model stops
-when it has answered (SmolLM2 answers a ``tiny:repeat`` prompt in a few dozen tokens), so the length axis would not
-grow; a random model of 49k tokens almost never samples EOS, so every completion runs to L on both sides and the
-sides do the same work. Each record keeps the mean completion length it saw.
+when it has answered, so past the length of its answers the length axis would measure the same work; a random model
+of 49k tokens almost never samples EOS, so every completion runs to L on both sides and the sides do the same work.
+Each record keeps the mean completion length it saw.
 
 Every grid point runs once per side, in a child process of its own (benchmarks/memory_vs_trl.py's children and its
 sampler: PSS summed over the child's process tree every ``--interval`` s, step and phase markers; TRL built with
