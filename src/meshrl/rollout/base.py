@@ -14,13 +14,16 @@ log = logging.getLogger("meshrl")
 class SamplingParams:
     """How to sample: ``temperature == 0`` means greedy; ``n`` samples per prompt; ``top_k`` > 0 keeps only the
     ``top_k`` most likely tokens before the top-p cut (vLLM's rule, :func:`meshrl.rollout.truncation.kept_mask`;
-    0: off, as every rollout of the trainer samples)."""
+    0: off, as every rollout of the trainer samples). ``ignore_eos``: eos does not end a response, every response
+    is ``max_new_tokens`` long (vLLM's ``ignore_eos``; for throughput measurements, where every backend must do
+    the same work; ``hf`` suppresses eos instead, ``min_new_tokens``, which costs the same)."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
     top_k: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

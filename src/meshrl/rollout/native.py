@@ -354,7 +354,8 @@ class NativeDecodeBackend(InProcessBackend):
         self.model.eval()
         with torch.inference_mode(), self._autocast():
             noise = RowNoise(seed, vocab, self.device)
-            tokens, logps, _ = self._decode_batch(prompts, params, noise=noise, first_row=first_row)
+            tokens, logps, _ = self._decode_batch(prompts, params, noise=noise, first_row=first_row,
+                                                  stop_at_eos=not params.ignore_eos)
             return tokens.tolist(), logps.tolist()
 
     def _decoders(self, n_shards: int):
@@ -401,7 +402,7 @@ class NativeDecodeBackend(InProcessBackend):
                 if outputs is None:
                     outputs = [self._decode_shard(*args) for args in shards]
                 self._append(result, jobs[start:stop], [row for rows, _ in outputs for row in rows],
-                             [row for _, lps in outputs for row in lps])
+                             [row for _, lps in outputs for row in lps], ignore_eos=params.ignore_eos)
         return self._finish(result)
 
 
