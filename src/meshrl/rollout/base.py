@@ -101,8 +101,10 @@ def register_backend(name: str) -> Callable:
 def make_backend(name: str, model, tokenizer, **kwargs) -> RolloutBackend:
     """Construct the backend registered as ``name`` (``hf``, ``native``, ``vllm``) for ``model``/``tokenizer``.
 
-    ``auto`` builds ``native`` when that backend can run the model (Llama-family decoders) and its logits
-    match the model's own forward on a probe prompt, else ``hf`` (``workers`` is then dropped), and logs
+    ``auto`` builds ``vllm`` where the measured rule of :mod:`meshrl.rollout.choice` picks it for the device and
+    the step's ``shape`` (a :class:`meshrl.rollout.choice.StepShape`, keyword; the trainer passes it) and vLLM
+    is installed; otherwise ``native`` when that backend can run the model (Llama-family decoders) and its
+    logits match the model's own forward on a probe prompt, else ``hf`` (``workers`` is then dropped); it logs
     which and why.
     """
     if name == "auto":
