@@ -34,7 +34,9 @@ MESH_RECIPES = ("mesh", "cp_only")
 class RolloutConfig:
     backend: str = setting("auto", choices=ROLLOUT_BACKENDS,
                            help="sampler: native (meshrl's decode loop, Llama-family models), hf (transformers "
-                                "generate), vllm; auto = native when the model supports it, else hf")
+                                "generate), vllm; auto = vllm where installed and measured faster for the step's "
+                                "shape (prompts x G x max_new_tokens; meshrl.rollout.choice), else native when the "
+                                "model supports it, else hf")
     prompts_per_step: int = setting(8, ge=1, help="distinct problems per step")
     group_size: int = setting(8, ge=1, help="G: rollouts per problem (the GRPO group; Mesh splits it by prefix)")
     max_new_tokens: int = setting(64, ge=1, help="response length limit in tokens; longer responses are truncated")
