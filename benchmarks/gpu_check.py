@@ -51,7 +51,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput_vs_trl import TASK, Side, check_prompts, make_timer_callback, trl_trainer  # noqa: E402
 
-#: Qwen2.5's published sizes (config.json of Qwen/Qwen2.5-0.5B and -1.5B); ``tiny-qwen`` is the CPU dry run's.
+#: Qwen2.5's published sizes (config.json of Qwen/Qwen2.5-0.5B and -1.5B); ``tiny-qwen`` is the CPU dry run's;
+#: SmolLM2-135M and -360M (HuggingFaceTB's config.json, Llama architecture) for benchmarks/cost_growth.py. An entry's
+#: ``architecture`` (default ``qwen2``) picks the config class; the rest are that config's fields.
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
@@ -59,6 +61,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "tiny-qwen": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+    "smollm2-135m": dict(architecture="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "smollm2-360m": dict(architecture="llama", hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                         num_attention_heads=15, num_key_value_heads=5, vocab_size=49152, tie_word_embeddings=True),
+}
+#: Per architecture: the transformers config and model classes and the published fields the shapes share
+#: (Qwen2.5: RoPE base 1e6, RMSNorm eps 1e-6; SmolLM2: 1e5 and 1e-5).
+ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, rms_norm_eps=1e-6, use_sliding_window=False)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=1e5, rms_norm_eps=1e-5)),
 }
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -83,16 +95,33 @@ def build_tokenizer(vocab_size: int):
     return tok
 
 
-def build_model_dir(shape: str, out: Path, seed: int = 0) -> Path:
-    """A Hugging Face directory with a randomly initialised Qwen2 of ``shape`` (fp32) and its tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def shape_config(shape: str, tokenizer):
+    """The transformers config of ``shape`` (random weights are built from it), special ids from ``tokenizer``."""
+    import transformers
 
-    tok = build_tokenizer(SHAPES[shape]["vocab_size"])
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
-                      use_sliding_window=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    fields = dict(SHAPES[shape])
+    config_cls, _, shared = ARCHITECTURES[fields.pop("architecture", "qwen2")]
+    return getattr(transformers, config_cls)(
+        **fields, **shared, max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def shape_model_class(shape: str):
+    import transformers
+
+    return getattr(transformers, ARCHITECTURES[SHAPES[shape].get("architecture", "qwen2")][1])
+
+
+def build_model_dir(shape: str, out: Path, seed: int = 0, tokenizer=None) -> Path:
+    """A Hugging Face directory with a randomly initialised model of ``shape`` (fp32) and its tokenizer:
+    ``tokenizer`` if given (its vocabulary must fit the shape's), else :func:`build_tokenizer` of the shape's size."""
+    tok = tokenizer if tokenizer is not None else build_tokenizer(SHAPES[shape]["vocab_size"])
+    if len(tok) > SHAPES[shape]["vocab_size"]:
+        raise ValueError(f"the tokenizer has {len(tok)} tokens, more than shape {shape}'s vocabulary "
+                         f"({SHAPES[shape]['vocab_size']})")
+    cfg = shape_config(shape, tok)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg)
+    model = shape_model_class(shape)(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out)

@@ -18,6 +18,7 @@ phase          meshrl                                  TRL
 ``update``     the engine's forward + backward, clip    ``compute_loss`` + backward
 ``optimizer``  ``optimizer.step``                       from ``on_pre_optimizer_step``
 ``sync``       the rollout backend's weight sync        --
+``idle``       after ``Trainer.step()`` returns         from ``on_step_end`` (the loop between steps)
 =============  ====================================================================================
 
 The protocol defaults are SmolLM2-135M, GRPO with 4 prompts x 8 completions, 48 new tokens, bf16 autocast over
@@ -45,8 +46,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -117,13 +120,15 @@ class Sample:
 @dataclass
 class TreeSampler:
     """A thread that samples :func:`tree_pss` of ``pid`` every ``interval`` s, tagging each sample with the
-    current ``(step, phase)`` (set by whoever reads the child's markers)."""
+    current ``(step, phase)`` (set by whoever reads the child's markers); ``on_sample`` (if set) sees each sample
+    as it is taken (a memory limit's check)."""
 
     pid: int
     interval: float = 0.25
     step: int = 0
     phase: str = "setup"
     samples: list[Sample] = field(default_factory=list)
+    on_sample: Callable[[Sample], None] | None = None
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -144,6 +149,8 @@ class TreeSampler:
             pss, per_pid = tree_pss(self.pid)
             if per_pid:
                 self.samples.append(Sample(time.monotonic() - t0, step, phase, pss, per_pid))
+                if self.on_sample is not None:
+                    self.on_sample(self.samples[-1])
             self._stop.wait(self.interval)
 
 
@@ -179,39 +186,94 @@ def summarise(samples: list[Sample], steps: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def run_side(side: str, args: argparse.Namespace) -> dict:
-    """Run ``--side side`` in a subprocess, sample its tree until it ends; the summary plus the child's report.
-    Interrupted (Ctrl-C, SIGTERM to the driver), the child is stopped and the steps it finished are summarised
-    (``complete`` False)."""
+@dataclass
+class SideRun:
+    """One child's run: its command, exit code, final report, the sampler (its samples), each marker as
+    ``(time.monotonic() when read, step, phase)``, and why it ended early: ``interrupted`` (Ctrl-C / SIGTERM to the
+    driver) or ``killed`` (the reason the driver killed its process tree: ``timeout`` or ``memory``)."""
+
+    cmd: list[str]
+    rc: int
+    report: dict
+    sampler: TreeSampler
+    marks: list[tuple[float, int, str]]
+    interrupted: bool = False
+    killed: str | None = None
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's whole process group (it was started in a session of its own, so forked workers that
+    outlive their parent go too)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def launch_side(side: str, args: argparse.Namespace, *, timeout_s: float | None = None,
+                limit_bytes: int | None = None, stderr: IO | None = None, echo: bool = True) -> SideRun:
+    """Run ``--side side`` in a subprocess and sample its tree until it ends; never raises for the child's failure.
+    ``timeout_s`` / ``limit_bytes`` (tree PSS): past either, the child's process group is killed and ``killed``
+    says which. ``stderr``: where the child's stderr goes (default: this process's)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, *child_args(args)]
-    load0 = os.getloadavg()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
-    sampler = TreeSampler(proc.pid, args.interval).start()
-    report: dict = {}
-    interrupted = False
+    guarded = timeout_s is not None or limit_bytes is not None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1,
+                            start_new_session=guarded)
+    run = SideRun(cmd, 0, {}, TreeSampler(proc.pid, args.interval), [])
+
+    def kill(reason: str) -> None:
+        if run.killed is None:
+            run.killed = reason
+            kill_group(proc)
+
+    if limit_bytes is not None:
+        run.sampler.on_sample = lambda s: kill("memory") if s.pss["Pss"] > limit_bytes else None
+    timer = threading.Timer(timeout_s, kill, ("timeout",)) if timeout_s is not None else None
+    run.sampler.start()
+    if timer is not None:
+        timer.start()
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
             if line.startswith(MARK):
                 _, step, phase = line.split()
-                sampler.step, sampler.phase = int(step), phase
-                if phase == "step":
+                run.sampler.step, run.sampler.phase = int(step), phase
+                run.marks.append((time.monotonic(), int(step), phase))
+                if phase == "step" and echo:
                     print(f"[{side}] step {step} at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
             elif line.startswith(RESULT):
-                report = json.loads(line[len(RESULT) :])
+                run.report = json.loads(line[len(RESULT) :])
             elif args.verbose:
                 print(f"[{side}] {line}", end="")
+        run.rc = proc.wait()
     except KeyboardInterrupt:
-        interrupted = True
-        proc.terminate()
-    rc = proc.wait()
-    sampler.stop()
-    if not interrupted and (rc != 0 or not report):
-        raise RuntimeError(f"--side {side} failed (exit {rc}); rerun it alone to see its error: {' '.join(cmd)}")
-    done = args.steps if not interrupted else sampler.step - 1  # the step under way when stopped is not whole
+        run.interrupted = True
+        if guarded:
+            kill_group(proc)
+        else:
+            proc.terminate()
+        run.rc = proc.wait()
+    finally:  # also on any other exception: a child in a session of its own would otherwise outlive the driver
+        if timer is not None:
+            timer.cancel()
+        if guarded:
+            kill_group(proc)  # forked workers left behind by a child that died
+        run.sampler.stop()
+    return run
+
+
+def run_side(side: str, args: argparse.Namespace) -> dict:
+    """Run ``--side side`` in a subprocess, sample its tree until it ends; the summary plus the child's report.
+    Interrupted (Ctrl-C, SIGTERM to the driver), the child is stopped and the steps it finished are summarised
+    (``complete`` False)."""
+    load0 = os.getloadavg()
+    run = launch_side(side, args)
+    if not run.interrupted and (run.rc != 0 or not run.report):
+        raise RuntimeError(f"--side {side} failed (exit {run.rc}); rerun it alone to see its error: "
+                           f"{' '.join(run.cmd)}")
+    sampler = run.sampler
+    done = args.steps if not run.interrupted else sampler.step - 1  # the step under way when stopped is not whole
     out = summarise([s for s in sampler.samples if s.step <= done or s.step > args.steps], max(done, 1))
-    out.update(report)
-    out["complete"], out["steps_done"] = not interrupted, done
+    out.update(run.report)
+    out["complete"], out["steps_done"] = not run.interrupted, done
     out["load_before"], out["load_after"] = list(load0), list(os.getloadavg())
     out["series"] = [(round(s.t, 2), s.step, s.phase, s.pss["Pss"]) for s in sampler.samples]
     return out
@@ -307,6 +369,7 @@ def child_meshrl(args: argparse.Namespace) -> dict:
         marker.step = k
         mark(k, "step")
         metrics = trainer.step()
+        mark(k, "idle")  # the step is over: what follows until the next marker is the loop around it
         lengths.append(sum(len(r) for r in trainer.last_data.response_ids) / max(len(trainer.last_data), 1))
         update_s.append(metrics["time/train_s"])
     mark(args.steps + 1, "end")
@@ -337,6 +400,9 @@ def child_trl(args: argparse.Namespace) -> dict:
 
         def on_pre_optimizer_step(self, a, state, control, **kw):
             mark(marker.step, "optimizer")
+
+        def on_step_end(self, a, state, control, **kw):
+            mark(marker.step, "idle")
 
     model, tok = load_model(args.model, seed=0)
     side = Side("trl")

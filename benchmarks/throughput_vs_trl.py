@@ -21,7 +21,8 @@ rollout.batch_size = P*G                one ``generate`` call for the P*G rows
 optim lr, AdamW(0.9, 0.999, 1e-8),      ``learning_rate``, ``optim="adamw_torch"`` (TRL's default,
   wd 0, max_grad_norm 1, no warm-up      the fused AdamW, is not what meshrl runs), constant
                                         schedule, ``weight_decay=0``, ``max_grad_norm=1``
-fp32 weights, no autocast               ``bf16=False, fp16=False`` (TRL defaults bf16 to True)
+fp32 weights, no autocast               ``bf16=False, fp16=False`` (TRL defaults bf16 to True);
+  (``--bf16``: train/rollout autocast)    (``--bf16``: ``bf16=True``, autocast over fp32 weights)
 no gradient checkpointing               ``gradient_checkpointing=False`` (TRL defaults to True)
 ``Trainer.step()`` (no run-dir I/O)     ``report_to="none"``, ``logging_strategy="no"``,
                                         ``save_strategy="no"``, ``eval_strategy="no"``,
@@ -112,7 +113,8 @@ class Side:
 
 
 # ---------------------------------------------------------------------------------------------- meshrl
-def meshrl_trainer(spec: str, p: int, g: int, max_new: int, lr: float, micro: int, run_dir: Path) -> Trainer:
+def meshrl_trainer(spec: str, p: int, g: int, max_new: int, lr: float, micro: int, run_dir: Path,
+                   bf16: bool = False) -> Trainer:
     overrides = [
         f"model={spec}",
         f"task={TASK}",
@@ -133,7 +135,8 @@ def meshrl_trainer(spec: str, p: int, g: int, max_new: int, lr: float, micro: in
         "train.mini_batches=1",
         f"train.micro_batch_size={micro}",
         "train.dtype=float32",
-        "train.autocast_bf16=false",
+        f"train.autocast_bf16={str(bf16).lower()}",
+        f"rollout.autocast_bf16={str(bf16).lower()}",
         "log.progress=false",
     ]
     cfg = load_config(overrides=overrides)
@@ -312,7 +315,7 @@ def run_pair(spec: str, p: int, g: int, max_new: int, args) -> dict:
     prompt_len = check_prompts(tok, task)
     micro = args.micro_batch or p * g
     tmp = Path(tempfile.mkdtemp(prefix="meshrl-vs-trl-"))
-    ours = meshrl_trainer(spec, p, g, max_new, args.lr, micro, tmp / "meshrl")
+    ours = meshrl_trainer(spec, p, g, max_new, args.lr, micro, tmp / "meshrl", bf16=args.bf16)
     if not same_weights(ours.model, base):
         raise AssertionError("meshrl's trainer did not load the same initial weights")
     trl_model = copy.deepcopy(base)
@@ -337,6 +340,7 @@ def run_pair(spec: str, p: int, g: int, max_new: int, args) -> dict:
         t_side,
         [cb],
         trl_defaults=args.trl_defaults,
+        bf16=args.bf16,
     )
     _time_trl_rollout(theirs, t_side)
     threads_before = torch.get_num_threads()
@@ -380,6 +384,7 @@ def run_pair(spec: str, p: int, g: int, max_new: int, args) -> dict:
             )
         ),
         "trl_defaults": args.trl_defaults,
+        "bf16": args.bf16,
     }
 
 
@@ -390,6 +395,7 @@ def report(r: dict) -> None:
         f"{r['max_new_tokens']} new tokens, prompt {r['prompt_tokens']} tokens, lr {r['lr']}, "
         f"{r['timed_steps']} timed steps after {r['warmup']} warm-up, {r['schedule']}, "
         f"threads {r['threads']}, trl {r['trl_version']}"
+        + (", bf16 autocast over fp32 weights on both sides" if r.get("bf16") else ", fp32")
     )
     print(
         f"{'trainer':<8}{'steps/s':>9}{'tokens/s':>10}{'gen tok/s':>11}{'step s (med)':>14}"
@@ -450,6 +456,11 @@ def main() -> None:
         action="store_true",
         help="leave TRL's own defaults for gradient_checkpointing (True), bf16 (True) and optim "
         "(adamw_torch_fused): what TRL does out of the box, not identical",
+    )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 autocast over fp32 weights on both sides (meshrl train/rollout.autocast_bf16, TRL bf16=True)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")

@@ -1,9 +1,12 @@
 """meshrl.rollout.native: the decode loop against transformers (logits, greedy output), sampling law,
-row-keyed noise, eos/compaction, worker processes, supported-model detection and the trainer's auto choice."""
+row-keyed noise, eos/compaction (and ignore_eos), worker processes, supported-model detection and the auto choice
+(native / vllm by the measured rule, hf fallback)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 
 import pytest
 import torch
@@ -20,8 +23,10 @@ from transformers import (
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from meshrl.models import apply_lora, base_model, build_tiny, encode_prompt, llama_fast, load_model
-from meshrl.rollout import SamplingParams, make_backend, unsupported_reason
+from meshrl.rollout import SamplingParams, VLLMBackend, make_backend, unsupported_reason
+from meshrl.rollout import choice as choice_mod
 from meshrl.rollout import native as native_mod
+from meshrl.rollout.choice import StepShape
 from meshrl.rollout.native import NativeDecodeBackend, RowNoise, distinct_prompts, sample_tokens
 
 
@@ -402,3 +407,87 @@ def test_pool_has_as_many_processes_as_shards_and_grows_on_demand(small):
     backend.generate(prompts, SamplingParams(max_new_tokens=4, n=24), seed=0)  # 48 rows: 3 shards
     assert backend._pool.size == 3
     backend.close()
+
+
+@pytest.mark.parametrize("kind", ["tiny:small", "qwen2", "llama+bias"])
+def test_fused_weights_in_autocast_dtype_change_no_sample(kind, small, monkeypatch):
+    """Under autocast the decoder keeps its fused q|k|v and gate|up copies in bf16 (what autocast cast them to
+    at every call): the same samples and log-probs, bit for bit, as fused fp32 copies cast per call."""
+    model, tok = small if kind == "tiny:small" else _family_model(kind)
+    prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
+    params = SamplingParams(max_new_tokens=10, n=3, temperature=0.8)
+
+    def run():
+        backend = NativeDecodeBackend(model, tok, workers=1, autocast="bfloat16", verify=False)
+        return backend.generate(prompts, params, seed=5)
+
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        runner = llama_fast.LlamaRunner(model, 16, torch.device("cpu"))
+    assert runner.packed[0].qkv_w.dtype == torch.bfloat16 and runner.packed[0].gate_up_w.dtype == torch.bfloat16
+    assert llama_fast.LlamaRunner(model, 16, torch.device("cpu")).packed[0].qkv_w.dtype == torch.float32
+    low = run()
+    monkeypatch.setattr(llama_fast, "autocast_dtype", lambda device, dtype: None)  # the fp32 copies
+    full = run()
+    assert low.response_ids == full.response_ids
+    assert low.engine_logprobs == full.engine_logprobs
+
+
+def test_ignore_eos_runs_every_row_to_the_end_with_the_same_draws(small):
+    """``ignore_eos``: every row is max_new_tokens long, and up to where it used to end a row has the same tokens
+    (the draws are keyed by row and step); hf masks eos instead and fills every row too."""
+    model, tok = small
+    prompts = _prompts(tok, ["1+2=", "Repeat: hello", "abc"])
+    params = SamplingParams(max_new_tokens=40, n=8)
+    backend = NativeDecodeBackend(model, tok, workers=2)
+    stopped = backend.generate(prompts, params, seed=3)
+    full = backend.generate(prompts, dataclasses.replace(params, ignore_eos=True), seed=3)
+    backend.close()
+    assert any(not t for t in stopped.truncated)  # some rows do end at eos, so the comparison means something
+    assert all(len(r) == 40 for r in full.response_ids) and all(full.truncated)
+    assert all(b[: len(a)] == a for a, b in zip(stopped.response_ids, full.response_ids, strict=True))
+    assert all(len(lp) == 40 for lp in full.engine_logprobs)
+    eos = set(backend.eos)
+    assert any(eos & set(r[:-1]) for r in full.response_ids)  # an eos inside a row did not end it
+    hf = make_backend("hf", model, tok).generate(prompts, dataclasses.replace(params, ignore_eos=True), seed=3)
+    assert all(len(r) == 40 for r in hf.response_ids)
+
+
+def test_auto_picks_by_the_rule_and_says_why(small, monkeypatch, caplog):
+    """With vLLM 'installed' on a CPU: at 64x64, where native measured faster, auto keeps native and logs why; at
+    16x512, where vLLM measured faster, it builds vLLM, and when that engine cannot start (here vLLM is absent)
+    it warns and falls back to native."""
+    model, tok = small
+    monkeypatch.setattr(choice_mod, "_logged", set())
+    monkeypatch.setattr(native_mod, "vllm_installed", lambda: True)
+    with caplog.at_level(logging.INFO, logger="meshrl"):
+        backend = make_backend("auto", model, tok, workers=1, shape=StepShape(64, 64))
+    assert backend.name == "native"
+    assert "auto -> native: vllm installed, but at 64x64" in caplog.text and "262 vs 204" in caplog.text
+    built = []
+
+    def no_engine(self, *args, **kwargs):
+        built.append(True)
+        raise ImportError("no vllm")
+
+    monkeypatch.setattr(VLLMBackend, "__init__", no_engine)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="meshrl"):
+        assert make_backend("auto", model, tok, workers=1, shape=StepShape(16, 512)).name == "native"
+    assert built and "vLLM's CPU build measured faster" in caplog.text
+    assert "but vllm failed to start (no vllm); trying native" in caplog.text
+    monkeypatch.setattr(VLLMBackend, "__init__", lambda self, *args, **kwargs: None)  # an engine that "starts"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="meshrl"):
+        assert make_backend("auto", model, tok, workers=1, shape=StepShape(8, 1024)).name == "vllm"
+    assert "auto -> vllm: at 16x512, the measured shape nearest the step's 8x1024" in caplog.text
+
+
+def test_trainer_passes_the_step_shape_to_auto(tmp_path, monkeypatch):
+    from meshrl.trainer import Trainer, load_config
+
+    seen = []
+    monkeypatch.setattr(native_mod, "choose_sampler", lambda **kw: seen.append(kw) or ("native", "test"))
+    Trainer(load_config(overrides=["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=3",
+                                   "rollout.group_size=4", "rollout.max_new_tokens=5", "log.progress=false"]),
+            tmp_path / "a")
+    assert seen[0]["shape"] == StepShape(12, 5) and seen[0]["device"] == "cpu"

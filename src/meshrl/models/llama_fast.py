@@ -81,25 +81,43 @@ def packable(lm) -> bool:
     return rms_eps(lm.model.norm) is not None
 
 
-def _cat_bias(linears) -> torch.Tensor | None:
-    """The biases of ``linears`` concatenated as their weights are (zeros for a layer without one), or None
-    when none has a bias."""
+def _cat_bias(linears, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """The biases of ``linears`` concatenated as their weights are (zeros for a layer without one), cast to
+    ``dtype`` when given, or None when none has a bias."""
     if all(lin.bias is None for lin in linears):
         return None
-    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
-                      for lin in linears])
+    return _fused([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
+                   for lin in linears], dtype)
+
+
+def autocast_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.dtype | None:
+    """The lower dtype autocast casts ``weight_dtype`` matmul operands to on ``device`` right now, else None."""
+    if not torch.is_autocast_enabled(device.type) or not weight_dtype.is_floating_point:
+        return None
+    low = torch.get_autocast_dtype(device.type)
+    return low if low.itemsize < weight_dtype.itemsize else None
+
+
+def _fused(parts: list[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:
+    """``parts`` concatenated along dim 0, cast to ``dtype`` when given."""
+    out = torch.cat(parts)
+    return out if dtype is None or out.dtype == dtype else out.to(dtype)
 
 
 class PackedBlock:
-    """Fused weights of one block, taken from the current parameters (gradients flow back to them)."""
+    """Fused weights of one block, taken from the current parameters (gradients flow back to them).
 
-    def __init__(self, layer):
+    ``dtype``: store the fused copies in this dtype, the one autocast would cast them to at every call (a fused
+    weight is not a parameter, so autocast's per-region cast cache does not hold it). The matmuls see exactly
+    the values they saw before, the copies take half the memory, and no cast runs per decode step."""
+
+    def __init__(self, layer, dtype: torch.dtype | None = None):
         a, m = layer.self_attn, layer.mlp
-        self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        self.qkv_b = _cat_bias([a.q_proj, a.k_proj, a.v_proj])  # qwen2: q/k/v biases
+        self.qkv_w = _fused([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dtype)
+        self.qkv_b = _cat_bias([a.q_proj, a.k_proj, a.v_proj], dtype)  # qwen2: q/k/v biases
         self.o_w, self.o_b = a.o_proj.weight, a.o_proj.bias
-        self.gate_up_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])
-        self.gate_up_b = _cat_bias([m.gate_proj, m.up_proj])  # llama with mlp_bias=True
+        self.gate_up_w = _fused([m.gate_proj.weight, m.up_proj.weight], dtype)
+        self.gate_up_b = _cat_bias([m.gate_proj, m.up_proj], dtype)  # llama with mlp_bias=True
         self.down_w, self.down_b = m.down_proj.weight, m.down_proj.bias
         self.norm1 = (layer.input_layernorm.weight, rms_eps(layer.input_layernorm))
         self.norm2 = (layer.post_attention_layernorm.weight, rms_eps(layer.post_attention_layernorm))
@@ -115,7 +133,8 @@ def rms(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor
 
 class LlamaRunner:
     """Blocks of a supported model (see :func:`unsupported_reason`) with RoPE tables for ``max_len``
-    positions. Build one per batch: packed weights are taken from the parameters at construction."""
+    positions. Build one per batch: packed weights are taken from the parameters at construction (in autocast's
+    dtype when it is active then: build and run the runner inside the same autocast region)."""
 
     def __init__(self, model, max_len: int, device: torch.device):
         lm = base_model(model)
@@ -135,7 +154,8 @@ class LlamaRunner:
         sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.sin)
         self.sin_signed = self.sin * sign
         # Fewer, larger ops per step: a decode step on a small model costs its op count more than its FLOPs.
-        self.packed = [PackedBlock(layer) for layer in self.layers] if packable(lm) else None
+        low = autocast_dtype(torch.device(device), next(lm.parameters()).dtype)
+        self.packed = [PackedBlock(layer, low) for layer in self.layers] if packable(lm) else None
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[n, s, 1, d]`` for positions ``pos [n, s]`` (shared by every block of a forward)."""

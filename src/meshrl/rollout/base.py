@@ -16,13 +16,16 @@ log = logging.getLogger("meshrl")
 class SamplingParams:
     """How to sample: ``temperature == 0`` means greedy; ``n`` samples per prompt; ``top_k`` > 0 keeps only the
     ``top_k`` most likely tokens before the top-p cut (vLLM's rule, :func:`meshrl.rollout.truncation.kept_mask`;
-    0: off, as every rollout of the trainer samples)."""
+    0: off, as every rollout of the trainer samples). ``ignore_eos``: eos does not end a response, every response
+    is ``max_new_tokens`` long (vLLM's ``ignore_eos``; for throughput measurements, where every backend must do
+    the same work; ``hf`` suppresses eos instead, ``min_new_tokens``, which costs the same)."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
     top_k: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -112,8 +115,10 @@ def register_backend(name: str) -> Callable:
 def make_backend(name: str, model, tokenizer, **kwargs) -> RolloutBackend:
     """Construct the backend registered as ``name`` (``hf``, ``native``, ``vllm``) for ``model``/``tokenizer``.
 
-    ``auto`` builds ``native`` when that backend can run the model (Llama-family decoders) and its logits
-    match the model's own forward on a probe prompt, else ``hf`` (``workers`` is then dropped), and logs
+    ``auto`` builds ``vllm`` where the measured rule of :mod:`meshrl.rollout.choice` picks it for the device and
+    the step's ``shape`` (a :class:`meshrl.rollout.choice.StepShape`, keyword; the trainer passes it) and vLLM
+    is installed; otherwise ``native`` when that backend can run the model (Llama-family decoders) and its
+    logits match the model's own forward on a probe prompt, else ``hf`` (``workers`` is then dropped); it logs
     which and why.
     """
     if name == "auto":

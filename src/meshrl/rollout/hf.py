@@ -67,7 +67,8 @@ def generation_config(params: SamplingParams, eos: list[int], pad_id: int) -> Ge
         num_beams=1,
         repetition_penalty=1.0,
         no_repeat_ngram_size=0,
-        min_length=0,
+        # ignore_eos: eos masked until the end (generate stops every row at an eos it samples)
+        **({"min_new_tokens": params.max_new_tokens} if params.ignore_eos else {"min_length": 0}),
     )
     if params.greedy:
         kw["do_sample"] = False
@@ -123,12 +124,14 @@ class InProcessBackend(RolloutBackend):
         return [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(n)]
 
     def _append(self, result: Rollouts, jobs: list[tuple[int, list[int]]], rows: list[list[int]],
-                logps: list[list[float]] | None = None, features: np.ndarray | None = None) -> None:
-        """Add raw generated rows (which may run past eos) to ``result``, cut at the first eos, with the
-        sampler's log-probs of the kept tokens when ``logps`` (one list per row, aligned with ``rows``) is given,
-        and each row's MEI features when ``features`` (``[rows, V]``, already summed over the kept tokens) is."""
+                logps: list[list[float]] | None = None, features: np.ndarray | None = None, *,
+                ignore_eos: bool = False) -> None:
+        """Add raw generated rows (which may run past eos) to ``result``, cut at the first eos (whole rows with
+        ``ignore_eos``), with the sampler's log-probs of the kept tokens when ``logps`` (one list per row, aligned
+        with ``rows``) is given, and each row's MEI features when ``features`` (``[rows, V]``, already summed over
+        the kept tokens) is."""
         for k, ((index, prompt), tokens) in enumerate(zip(jobs, rows, strict=True)):
-            response, truncated = cut_at_eos(tokens, self.eos)
+            response, truncated = (list(tokens), True) if ignore_eos else cut_at_eos(tokens, self.eos)
             result.prompt_index.append(index)
             result.prompt_ids.append(prompt)
             result.response_ids.append(response)
@@ -190,5 +193,5 @@ class HFGenerateBackend(InProcessBackend):
             for start in range(0, len(jobs), step):
                 chunk = jobs[start : start + step]
                 rows, logps, phi = self._generate_batch([p for _, p in chunk], config, params.temperature, features)
-                self._append(result, chunk, rows, logps, phi)
+                self._append(result, chunk, rows, logps, phi, ignore_eos=params.ignore_eos)
         return self._finish(result)

@@ -18,7 +18,8 @@ The blocks run through :class:`meshrl.models.llama_fast.LlamaRunner` on the mode
 weights for plain layers, the model's modules for peft LoRA layers), and the backend checks itself once
 against the model's own forward (:meth:`NativeDecodeBackend.verify`). Supported: ``model_type`` in
 :data:`meshrl.models.llama_fast.SUPPORTED_TYPES` with full attention everywhere and a static RoPE;
-anything else is refused with the reason (``rollout.backend=auto`` then falls back to ``hf``).
+anything else is refused with the reason (``rollout.backend=auto`` then falls back to ``hf``; where it picks
+``vllm`` instead: :mod:`meshrl.rollout.choice`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from meshrl.forkpool import ForkPool, WorkerDied, fork_available
 from meshrl.models.llama_fast import LlamaRunner, rms, unsupported_reason
 from meshrl.models.lora import base_model
-from meshrl.rollout.base import Rollouts, SamplingParams, register_backend
+from meshrl.rollout.base import RolloutBackend, Rollouts, SamplingParams, register_backend
+from meshrl.rollout.choice import StepShape, choose_sampler, log_once, vllm_installed
 from meshrl.rollout.hf import HFGenerateBackend, InProcessBackend, eval_mode, left_pad
 
 log = logging.getLogger("meshrl")
@@ -392,7 +394,7 @@ class NativeDecodeBackend(InProcessBackend):
         with torch.inference_mode(), self._autocast():
             noise = RowNoise(seed, vocab, self.device)
             tokens, logps, _, phi = self._decode_batch(prompts, params, noise=noise, first_row=first_row,
-                                                       features=features)
+                                                       stop_at_eos=not params.ignore_eos, features=features)
             return tokens.tolist(), logps.tolist(), None if phi is None else phi.cpu().numpy()
 
     def _decoders(self, n_shards: int):
@@ -442,7 +444,8 @@ class NativeDecodeBackend(InProcessBackend):
                     outputs = [self._decode_shard(*args) for args in shards]
                 self._append(result, jobs[start:stop], [row for rows, _, _ in outputs for row in rows],
                              [row for _, lps, _ in outputs for row in lps],
-                             np.concatenate([phi for _, _, phi in outputs]) if features else None)
+                             np.concatenate([phi for _, _, phi in outputs]) if features else None,
+                             ignore_eos=params.ignore_eos)
         return self._finish(result)
 
 
@@ -452,16 +455,34 @@ def probe_prompts(tokenizer) -> list[list[int]]:
     return [ids, ids[: max(1, len(ids) // 2)]]
 
 
-def auto_backend(model, tokenizer, *, batch_size: int | None = None, workers: int | None = None,
-                 **kwargs) -> InProcessBackend:
-    """``native`` when it can run ``model`` and agrees with the model's own forward on :func:`probe_prompts`;
-    otherwise ``hf`` (transformers ``generate``), with the reason logged."""
+def auto_backend(model, tokenizer, *, shape: StepShape | None = None, batch_size: int | None = None,
+                 workers: int | None = None, **kwargs) -> RolloutBackend:
+    """``rollout.backend=auto``: ``vllm`` where :func:`meshrl.rollout.choice.choose_sampler` picks it for the
+    policy's device and the step's ``shape`` (sequences x new tokens) and vLLM is installed (its build failing,
+    e.g. a head size vLLM's CPU build lacks, falls through to native with a warning); else ``native`` when it can
+    run ``model`` and agrees with the model's own forward on :func:`probe_prompts`; otherwise ``hf``
+    (transformers ``generate``). The choice and its reason are logged."""
+    device = next(model.parameters()).device.type
+    available = vllm_installed()
+    choice, why = choose_sampler(device=device, vllm_available=available, shape=shape)
+    if choice == "vllm":
+        from meshrl.rollout.vllm_backend import VLLMBackend
+
+        try:
+            backend = VLLMBackend(model, tokenizer)  # its own precision and batching: kwargs are the in-process ones
+        except (ImportError, ValueError) as err:
+            log.warning("rollout backend auto: %s, but vllm failed to start (%s); trying native", why, err)
+        else:
+            log_once("rollout backend auto -> vllm: %s", why)
+            return backend
+    elif available:
+        log_once("rollout backend auto -> native: %s", why)
     reason = unsupported_reason(model)
     if reason is None:
-        backend = NativeDecodeBackend(model, tokenizer, batch_size=batch_size, workers=workers, **kwargs)
+        native = NativeDecodeBackend(model, tokenizer, batch_size=batch_size, workers=workers, **kwargs)
         try:
-            backend.verify(probe_prompts(tokenizer))
-            return backend
+            native.verify(probe_prompts(tokenizer))
+            return native
         except RuntimeError as err:
             reason = str(err)
             log.warning("rollout backend auto -> hf: %s", reason)

@@ -166,7 +166,8 @@ class VLLMBackend(RolloutBackend):
             max_tokens=params.max_new_tokens,
             seed=seed,
             logprobs=0,  # 0: only the sampled token's log-prob
-            stop_token_ids=self.eos,
+            stop_token_ids=[] if params.ignore_eos else self.eos,
+            ignore_eos=params.ignore_eos,
             skip_special_tokens=True,
         )
 
@@ -180,11 +181,12 @@ class VLLMBackend(RolloutBackend):
         result = Rollouts(engine_logprobs=[])
         for index, (prompt, request_out) in enumerate(zip(prompt_ids, outputs, strict=True)):
             for completion in request_out.outputs:
-                self._append(result, index, list(prompt), completion)
+                self._append(result, index, list(prompt), completion, params.ignore_eos)
         return result
 
-    def _append(self, result: Rollouts, index: int, prompt: list[int], completion) -> None:
-        tokens, no_eos = cut_at_eos(list(completion.token_ids), self.eos)
+    def _append(self, result: Rollouts, index: int, prompt: list[int], completion, ignore_eos: bool) -> None:
+        raw = list(completion.token_ids)
+        tokens, no_eos = (raw, True) if ignore_eos else cut_at_eos(raw, self.eos)
         logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs or [], tokens, strict=False)]
         result.prompt_index.append(index)
         result.prompt_ids.append(prompt)

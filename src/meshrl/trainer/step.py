@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from meshrl.forkpool import set_heap_mmap_threshold
 from meshrl.trainer.balance import StrategyBalance
 from meshrl.trainer.build import build_policy, build_sampler, build_task
 from meshrl.trainer.config import RunConfig
@@ -45,6 +46,7 @@ log = logging.getLogger("meshrl")
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         self.cfg, self.run_dir = cfg, run_dir
+        set_heap_mmap_threshold(cfg.train.heap_mmap_kib)  # before the model's tensors exist
         self.recipe = cfg.resolved_recipe()
         torch.manual_seed(cfg.seed)
         self.task, self.problems = build_task(cfg)

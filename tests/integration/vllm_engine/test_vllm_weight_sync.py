@@ -39,6 +39,10 @@ def test_samples_with_engine_logprobs(engine):
     for prompt, response, logps in zip(out.prompt_ids, out.response_ids, out.engine_logprobs, strict=True):
         ours = policy_logprobs(model, prompt + response)[len(prompt) - 1:]
         assert torch.allclose(torch.tensor(logps), ours, atol=MATCH_TOL)
+    # ignore_eos (throughput benchmarks): every row runs the full length, eos or not, log-probs aligned.
+    full = backend.generate([[1, 40, 41]], SamplingParams(n=8, max_new_tokens=20, ignore_eos=True), seed=0)
+    assert all(len(r) == 20 for r in full.response_ids) and all(full.truncated)
+    assert [len(lp) for lp in full.engine_logprobs] == [20] * 8
 
 
 def test_engine_follows_the_optimiser_step(engine):
