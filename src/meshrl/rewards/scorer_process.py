@@ -128,13 +128,6 @@ def _release_free_heap() -> None:
         release()
 
 
-def _freeze_objects() -> None:
-    """:func:`meshrl.forkpool.freeze_objects_before_fork` in the parent, when meshrl's fork pool is loaded."""
-    freeze = getattr(sys.modules.get("meshrl.forkpool"), "freeze_objects_before_fork", None)
-    if freeze is not None:
-        freeze()
-
-
 def _serve(score_fn: Callable[[str, Any], Any], request_fd: int, reply_fd: int) -> None:
     _close_pool_pipes()
     _single_threaded_torch()
@@ -180,7 +173,6 @@ class ScorerProcess:
     def _start(self) -> None:
         request_r, request_w = os.pipe()
         reply_r, reply_w = os.pipe()
-        _freeze_objects()
         pid = os.fork()
         if pid == 0:  # the child: serve until the parent closes the request pipe, never return
             try:
