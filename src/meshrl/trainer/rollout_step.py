@@ -204,6 +204,10 @@ class ProblemSampler:
 class RolloutStep:
     """Produce a :class:`StepData` per step from a task, a rollout backend and a recipe."""
 
+    # ``features=True`` for the backend on a step that computes MEI (:meth:`features_wanted`); reassigned, never
+    # mutated, so the class-level default is shared safely (also by a sampler built without ``__init__``).
+    _features: dict[str, bool] = {}
+
     def __init__(self, *, task, problems, backend, tokenizer, reward_runner, recipe: Recipe, cfg,
                  encode_prompt, prefixes: dict[str, list[str]] | None = None) -> None:
         self.task, self.problems, self.backend = task, problems, backend
@@ -217,7 +221,6 @@ class RolloutStep:
         self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
         self.last = StepData()
         self.episodes: list[Any] = []  # this step's tool-using episodes (an env task), for their metrics
-        self._features: dict[str, bool] = {}  # ``features=True`` for the backend on a step that computes MEI
 
     def conditioning(self, problem, strategy: int) -> dict[str, str]:
         """``{"system": text}`` or ``{"assistant_prefix": text}``: the coach prefix of a rollout, wrapped in
@@ -451,8 +454,9 @@ def sampled_rows(out: Any) -> list[dict[str, Any]]:
     """One record per sample of a backend's :class:`~meshrl.rollout.Rollouts`, prompt-major (as the coach-guided
     sampler returns them)."""
     order = sorted(range(len(out.prompt_index)), key=lambda r: out.prompt_index[r])  # stable: sample order kept
+    features = getattr(out, "engine_features", None)  # a backend's own result type may predate MEI's features
     return [{"prompt_index": out.prompt_index[r], "prompt_ids": list(out.prompt_ids[r]),
              "response_ids": list(out.response_ids[r]), "text": out.texts[r], "truncated": bool(out.truncated[r]),
              "logps": None if out.engine_logprobs is None else list(out.engine_logprobs[r]), "forced": 0,
-             "features": None if out.engine_features is None else out.engine_features[r]}
+             "features": None if features is None else features[r]}
             for r in order]
