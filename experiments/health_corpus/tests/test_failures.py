@@ -37,7 +37,10 @@ def test_constant_reward_acts_from_the_fault_step(tmp_path):
     for m in metrics:
         flat = m["step"] >= FAULT_AT
         assert (m["reward/mean"] == fl.CONSTANT and m["reward/std"] == 0.0) is flat
-        assert (m["adv/abs_mean"] == 0.0) is flat
+        if flat:
+            assert m["adv/abs_mean"] == 0.0
+    # Before the fault a step's groups may all be uniform by chance (an untrained model); not all of them are.
+    assert any(m["adv/abs_mean"] > 0.0 for m in metrics if m["step"] < FAULT_AT)
 
 
 def test_broken_grouping_acts_from_the_fault_step(tmp_path):
