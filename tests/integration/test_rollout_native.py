@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -418,18 +419,113 @@ def test_fused_weights_in_autocast_dtype_change_no_sample(kind, small, monkeypat
     params = SamplingParams(max_new_tokens=10, n=3, temperature=0.8)
 
     def run():
-        backend = NativeDecodeBackend(model, tok, workers=1, autocast="bfloat16", verify=False)
+        backend = NativeDecodeBackend(model, tok, workers=1, autocast="bfloat16", verify=False, prepack=False)
         return backend.generate(prompts, params, seed=5)
 
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         runner = llama_fast.LlamaRunner(model, 16, torch.device("cpu"))
-    assert runner.packed[0].qkv_w.dtype == torch.bfloat16 and runner.packed[0].gate_up_w.dtype == torch.bfloat16
-    assert llama_fast.LlamaRunner(model, 16, torch.device("cpu")).packed[0].qkv_w.dtype == torch.float32
+    pk = runner.packed[0]
+    assert pk.qkv.weight.dtype == torch.bfloat16 and pk.gate_up.weight.dtype == torch.bfloat16
+    assert llama_fast.LlamaRunner(model, 16, torch.device("cpu")).packed[0].qkv.weight.dtype == torch.float32
     low = run()
     monkeypatch.setattr(llama_fast, "autocast_dtype", lambda device, dtype: None)  # the fp32 copies
     full = run()
     assert low.response_ids == full.response_ids
     assert low.engine_logprobs == full.engine_logprobs
+
+
+needs_onednn = pytest.mark.skipif(not llama_fast.prepack_available(torch.device("cpu")),
+                                  reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_gemm_equals_f_linear(dtype, bias):
+    """oneDNN on a prepacked weight: ``F.linear`` to float32 rounding (bit for bit in bf16), for 2-D and 3-D
+    inputs and every row count the decoder feeds it (one row to a prefill); ``add_to`` is the residual sum."""
+    torch.manual_seed(0)
+    w = (0.05 * torch.randn(96, 40)).to(dtype)
+    b = torch.randn(96).to(dtype) if bias else None
+    plain, packed = llama_fast.Gemm(w, b), llama_fast.PrepackedGemm(w, b)
+    with torch.inference_mode():
+        for shape in [(1, 40), (5, 40), (16, 40), (3, 7, 40), (200, 40)]:
+            x = torch.randn(shape).to(dtype)
+            residual = torch.randn(*shape[:-1], 96).to(dtype)
+            if dtype == torch.bfloat16:
+                assert torch.equal(packed(x), plain(x))
+            else:
+                torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+                assert packed(x).dtype == torch.float32
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(packed.add_to(residual, x), residual + plain(x), rtol=tol, atol=tol)
+
+
+@needs_onednn
+def test_prepacked_gemm_takes_a_copy_and_casts_its_input():
+    """The packed copy is the weight at construction (a later optimiser step needs a new runner), and a float32
+    input meets bf16 weights as autocast would cast it."""
+    w = torch.randn(8, 4)
+    packed = llama_fast.PrepackedGemm(w.to(torch.bfloat16), None)
+    x = torch.randn(3, 4)
+    assert torch.equal(packed(x), F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)))
+    fp = llama_fast.PrepackedGemm(w, None)
+    before = fp(x)
+    w.add_(1.0)
+    assert torch.equal(fp(x), before)
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["tiny:small", "qwen2", "llama+bias", "qwen3"])
+def test_prepacked_decoder_same_samples(kind, small, monkeypatch):
+    """The native backend with and without prepacked weights: under bf16 autocast the same samples and
+    log-probs bit for bit; in float32 log-probs to float rounding (and, on these models, the same samples)."""
+    monkeypatch.setattr(llama_fast, "PREPACK_MIN_HIDDEN", 0)  # these models are below it
+    model, tok = small if kind == "tiny:small" else _family_model(kind)
+    prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
+    params = SamplingParams(max_new_tokens=12, n=3, temperature=0.8)
+    for autocast in ("bfloat16", None):
+        outs = []
+        for prepack in (False, True):
+            backend = NativeDecodeBackend(model, tok, workers=1, autocast=autocast, prepack=prepack)
+            outs.append(backend.generate(prompts, params, seed=4))
+        plain, packed = outs
+        assert plain.response_ids == packed.response_ids
+        if autocast:
+            assert plain.engine_logprobs == packed.engine_logprobs
+        else:
+            for a, b in zip(plain.engine_logprobs, packed.engine_logprobs, strict=True):
+                assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+
+
+@needs_onednn
+def test_prepack_only_where_blocks_are_plain_and_large_enough(small, monkeypatch):
+    """LoRA layers are not plain ``nn.Linear``: no prepacking (the module path runs); a plain model prepacks
+    every projection and the head from PREPACK_MIN_HIDDEN on, and not without the flag."""
+    model, _ = small
+    assert not llama_fast.LlamaRunner(model, 16, torch.device("cpu"), prepack=True).prepacked  # hidden 128
+    monkeypatch.setattr(llama_fast, "PREPACK_MIN_HIDDEN", 128)
+    with torch.inference_mode():
+        runner = llama_fast.LlamaRunner(model, 16, torch.device("cpu"), prepack=True)
+        assert runner.prepacked and isinstance(runner.packed[0].down, llama_fast.PrepackedGemm)
+        assert runner.head_gemm is not None
+        assert not llama_fast.LlamaRunner(model, 16, torch.device("cpu")).prepacked
+        lora = apply_lora(load_model("tiny:small", seed=1)[0], r=2, alpha=4)
+        lora_runner = llama_fast.LlamaRunner(lora, 16, torch.device("cpu"), prepack=True)
+        assert not lora_runner.prepacked and lora_runner.head_gemm is None
+
+
+@pytest.mark.parametrize("backend", ["native", "auto"])
+def test_config_passes_prepack_to_the_native_backend(tmp_path, backend):
+    from meshrl.testing import TINY_RUN
+    from meshrl.trainer import Trainer, load_config
+
+    for flag in (True, False):
+        cfg = load_config(overrides=[*TINY_RUN, f"rollout.backend={backend}",
+                                     f"rollout.prepack_weights={str(flag).lower()}"])
+        t = Trainer(cfg, tmp_path / f"{backend}{flag}")
+        assert t.backend.name == "native" and t.backend.prepack is flag
+        t.close()
 
 
 def test_ignore_eos_runs_every_row_to_the_end_with_the_same_draws(small):

@@ -22,6 +22,10 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies independent of the sequence length
 # Few rows against a vocabulary at least this large: compute the head as W @ h^T (see LlamaRunner.logits).
 LARGE_VOCAB = 8192
+# Prepacked GEMMs (PrepackedGemm) from this hidden size on: below it a decode step costs its op count, and oneDNN's
+# call costs more than F.linear's (tiny:small, hidden 128: 16% slower at 16 rows; tiny:medium, 256: 1.2-1.3x
+# faster; SmolLM2-135M, 576: 1.4-1.7x; benchmarks/README.md, "Prepacked decode GEMMs").
+PREPACK_MIN_HIDDEN = 256
 
 
 def unsupported_reason(model) -> str | None:
@@ -104,25 +108,85 @@ def _fused(parts: list[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor
     return out if dtype is None or out.dtype == dtype else out.to(dtype)
 
 
+class Gemm:
+    """``x @ weight^T (+ bias)`` for one (fused) weight, through ``F.linear``: the plain path."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``residual + x @ weight^T (+ bias)`` as one GEMM that accumulates into ``residual`` (a residual
+        connection). Under autocast ``addmm`` would return the residual stream in the low dtype, which the
+        model's own forward keeps in its weights' dtype, so the sum is then taken apart."""
+        if torch.is_autocast_enabled(residual.device.type):
+            return residual + self(x)
+        b = self.bias
+        return torch.addmm(residual if b is None else residual + b, x.reshape(-1, x.shape[-1]),
+                           self.weight.t()).view(residual.shape)
+
+
+def prepack_available(device: torch.device) -> bool:
+    """True where :class:`PrepackedGemm` runs: a CPU with oneDNN (torch's mkldnn ops)."""
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PrepackedGemm(Gemm):
+    """:class:`Gemm` on a copy of the weight reordered once into oneDNN's blocked layout (inference only).
+
+    Why: a decode step multiplies a few rows by every weight, which is bound by reading the weights; oneDNN's
+    inner product on a prepacked weight reads them in the order its kernel wants. On SmolLM2-135M's shapes
+    (2 threads, 16 rows, float32) a decode step's GEMMs took 27 ms instead of 50 ms (head included, whose
+    ``W @ h^T`` form it also beats: 8 ms against 17 ms); benchmarks/README.md, "Prepacked decode GEMMs". The
+    same computation, rounded differently in float32 (oneDNN's blocking, not MKL's: ~1e-6 relative), and in
+    bfloat16 bit for bit ``F.linear`` (which already runs oneDNN there, on the unpacked weight). The input is cast
+    to the weight's dtype, as autocast would cast it (autocast does not see this op). The copy is taken from the
+    weight at construction: build one per batch, after the optimiser's step, as :class:`PackedBlock` is."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.dtype = weight.dtype
+        bias = None if bias is None else bias.detach().to(weight.dtype)
+        super().__init__(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.weight, self.bias, "none", [], "")
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if residual.dtype != self.dtype:  # autocast: a low-precision GEMM into the weights'-dtype stream
+            return residual + self(x)
+        return torch.ops.mkldnn._linear_pointwise.binary(x.to(self.dtype), residual, self.weight, self.bias, "add")
+
+
 class PackedBlock:
-    """Fused weights of one block, taken from the current parameters (gradients flow back to them).
+    """Fused weights of one block, taken from the current parameters (gradients flow back to them unless
+    ``prepack``).
 
     ``dtype``: store the fused copies in this dtype, the one autocast would cast them to at every call (a fused
     weight is not a parameter, so autocast's per-region cast cache does not hold it). The matmuls see exactly
-    the values they saw before, the copies take half the memory, and no cast runs per decode step."""
+    the values they saw before, the copies take half the memory, and no cast runs per decode step.
+    ``prepack``: run every projection as a :class:`PrepackedGemm` (decoding without gradients on a CPU)."""
 
-    def __init__(self, layer, dtype: torch.dtype | None = None):
+    def __init__(self, layer, dtype: torch.dtype | None = None, prepack: bool = False):
         a, m = layer.self_attn, layer.mlp
-        self.qkv_w = _fused([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dtype)
-        self.qkv_b = _cat_bias([a.q_proj, a.k_proj, a.v_proj], dtype)  # qwen2: q/k/v biases
-        self.o_w, self.o_b = a.o_proj.weight, a.o_proj.bias
-        self.gate_up_w = _fused([m.gate_proj.weight, m.up_proj.weight], dtype)
-        self.gate_up_b = _cat_bias([m.gate_proj, m.up_proj], dtype)  # llama with mlp_bias=True
-        self.down_w, self.down_b = m.down_proj.weight, m.down_proj.bias
+        gemm = PrepackedGemm if prepack else Gemm
+        low = dtype if prepack else None  # the unfused o / down weights: autocast's dtype for the packed copy
+        self.qkv = gemm(_fused([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dtype),
+                        _cat_bias([a.q_proj, a.k_proj, a.v_proj], dtype))  # qwen2: q/k/v biases
+        self.o = gemm(_cast(a.o_proj.weight, low), _cast(a.o_proj.bias, low))
+        self.gate_up = gemm(_fused([m.gate_proj.weight, m.up_proj.weight], dtype),
+                            _cat_bias([m.gate_proj, m.up_proj], dtype))  # llama with mlp_bias=True
+        self.down = gemm(_cast(m.down_proj.weight, low), _cast(m.down_proj.bias, low))
         self.norm1 = (layer.input_layernorm.weight, rms_eps(layer.input_layernorm))
         self.norm2 = (layer.post_attention_layernorm.weight, rms_eps(layer.post_attention_layernorm))
         self.q_norm = (a.q_norm.weight, rms_eps(a.q_norm)) if hasattr(a, "q_norm") else None
         self.k_norm = (a.k_norm.weight, rms_eps(a.k_norm)) if hasattr(a, "k_norm") else None
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 def rms(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
@@ -134,9 +198,11 @@ def rms(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor
 class LlamaRunner:
     """Blocks of a supported model (see :func:`unsupported_reason`) with RoPE tables for ``max_len``
     positions. Build one per batch: packed weights are taken from the parameters at construction (in autocast's
-    dtype when it is active then: build and run the runner inside the same autocast region)."""
+    dtype when it is active then: build and run the runner inside the same autocast region). ``prepack``: run
+    the projections and the head as :class:`PrepackedGemm` (a decoder without gradients on a CPU; ignored where
+    oneDNN is missing, the blocks are not packable or the model is below :data:`PREPACK_MIN_HIDDEN`)."""
 
-    def __init__(self, model, max_len: int, device: torch.device):
+    def __init__(self, model, max_len: int, device: torch.device, prepack: bool = False):
         lm = base_model(model)
         self.inner, self.head = lm.model, lm.lm_head
         self.layers = list(self.inner.layers)
@@ -155,7 +221,12 @@ class LlamaRunner:
         self.sin_signed = self.sin * sign
         # Fewer, larger ops per step: a decode step on a small model costs its op count more than its FLOPs.
         low = autocast_dtype(torch.device(device), next(lm.parameters()).dtype)
-        self.packed = [PackedBlock(layer, low) for layer in self.layers] if packable(lm) else None
+        plain = packable(lm)
+        self.prepacked = (prepack and plain and prepack_available(torch.device(device))
+                          and cfg.hidden_size >= PREPACK_MIN_HIDDEN)
+        self.packed = [PackedBlock(layer, low, self.prepacked) for layer in self.layers] if plain else None
+        self.head_gemm = (PrepackedGemm(_cast(self.head.weight, low), _cast(self.head.bias, low))
+                          if self.prepacked else None)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[n, s, 1, d]`` for positions ``pos [n, s]`` (shared by every block of a forward)."""
@@ -167,12 +238,12 @@ class LlamaRunner:
         d, heads, kv = self.head_dim, self.n_heads, self.kv_heads
         if self.packed is not None and self.packed[li].q_norm is None:
             pk = self.packed[li]
-            qkv = F.linear(rms(x, pk.norm1), pk.qkv_w, pk.qkv_b).view(n, s, heads + 2 * kv, d)
+            qkv = pk.qkv(rms(x, pk.norm1)).view(n, s, heads + 2 * kv, d)
             qk = rotate(qkv[:, :, : heads + kv], *rope)  # q and k heads rotated in one pass
             q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv :]
         elif self.packed is not None:  # qwen3: per-head RMSNorm on q and k before RoPE
             pk = self.packed[li]
-            qkv = F.linear(rms(x, pk.norm1), pk.qkv_w, pk.qkv_b).view(n, s, heads + 2 * kv, d)
+            qkv = pk.qkv(rms(x, pk.norm1)).view(n, s, heads + 2 * kv, d)
             q, k, v = qkv.split([heads, kv, kv], dim=2)
             q, k = rotate(rms(q, pk.q_norm), *rope), rotate(rms(k, pk.k_norm), *rope)
         else:
@@ -197,9 +268,9 @@ class LlamaRunner:
     @staticmethod
     def packed_tail(pk: PackedBlock, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """:meth:`block_tail` of a packed block, ``attn_out`` already ``[..., H*d]``."""
-        x = x + F.linear(attn_out, pk.o_w, pk.o_b)
-        gate, up = F.linear(rms(x, pk.norm2), pk.gate_up_w, pk.gate_up_b).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, pk.down_w, pk.down_b)
+        x = x + pk.o(attn_out)
+        gate, up = pk.gate_up(rms(x, pk.norm2)).chunk(2, dim=-1)
+        return x + pk.down(F.silu(gate) * up)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Scaled dot-product attention of q ``[n, H, s, d]`` over k, v ``[n, KV, S, d]`` (kv heads shared
@@ -234,6 +305,8 @@ class LlamaRunner:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head applied to final hidden states ``h [..., D]``."""
+        if self.head_gemm is not None:
+            return self.head_gemm(h)
         w = self.head.weight
         if (h.dim() == 2 and self.packed is not None and self.head.bias is None and w.shape[0] >= LARGE_VOCAB
                 and h.shape[0] <= 64):

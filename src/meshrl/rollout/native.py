@@ -138,8 +138,8 @@ class RowNoise:
 class _Decoder(LlamaRunner):
     """A :class:`LlamaRunner` plus the per-batch preallocated KV cache of the rows being decoded."""
 
-    def __init__(self, model, total_len: int, device: torch.device):
-        super().__init__(model, total_len, device)
+    def __init__(self, model, total_len: int, device: torch.device, prepack: bool = False):
+        super().__init__(model, total_len, device, prepack=prepack)
         self.fast_step = (self.packed is not None and self.packed[0].q_norm is None
                           and type(self.inner.embed_tokens) is torch.nn.Embedding)
         self.k_cache: list[torch.Tensor] = []
@@ -182,13 +182,13 @@ class _Decoder(LlamaRunner):
         x = F.embedding(tokens, self.inner.embed_tokens.weight)
         cos, sin = self.cos[pos][:, None], self.sin_signed[pos][:, None]  # [n, 1, d]
         for li, pk in enumerate(self.packed):
-            qkv = F.linear(rms(x, pk.norm1), pk.qkv_w, pk.qkv_b).view(n, heads + 2 * kv, d)
+            qkv = pk.qkv(rms(x, pk.norm1)).view(n, heads + 2 * kv, d)
             qk = qkv[:, : heads + kv]
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
             attn = self._attend_cached(li, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :], col, bias)
-            x = _add_linear(x, attn.view(n, heads * d), pk.o_w, pk.o_b)
-            gate, up = F.linear(rms(x, pk.norm2), pk.gate_up_w, pk.gate_up_b).chunk(2, dim=-1)
-            x = _add_linear(x, F.silu(gate) * up, pk.down_w, pk.down_b)
+            x = pk.o.add_to(x, attn.view(n, heads * d))
+            gate, up = pk.gate_up(rms(x, pk.norm2)).chunk(2, dim=-1)
+            x = pk.down.add_to(x, F.silu(gate) * up)
         return self.logits(self.inner.norm(x))
 
     def _decode_modules(self, tokens: torch.Tensor, pos: torch.Tensor, col: int, bias: torch.Tensor) -> torch.Tensor:
@@ -237,15 +237,6 @@ class _Decoder(LlamaRunner):
         return order
 
 
-def _add_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x + a @ weight^T (+ bias)`` as one GEMM that accumulates into ``x`` (a residual connection). Under
-    autocast ``addmm`` would return the residual stream in the low dtype, which the model's own forward keeps
-    in its weights' dtype, so the sum is then taken apart."""
-    if torch.is_autocast_enabled(x.device.type):
-        return x + F.linear(a, weight, bias)
-    return torch.addmm(x if bias is None else x + bias, a, weight.t())
-
-
 def _add_bias_features(phi: torch.Tensor, slot_row: torch.Tensor, running: torch.Tensor, tokens: torch.Tensor,
                        probs: torch.Tensor) -> None:
     """``phi[slot_row[s]] += e_{tokens[s]} - probs[s]`` for the running slots ``s`` (in place): one step of
@@ -273,9 +264,12 @@ class NativeDecodeBackend(InProcessBackend):
 
     ``batch_size`` bounds the sampled rows per batch (None: all at once); ``autocast`` ("bfloat16") runs
     the forward passes under ``torch.autocast``. ``verify=True`` compares the loop's logits with the model's
-    own forward on the first batch and raises if they differ beyond float tolerance. On a CPU the rows are
-    decoded in ``workers`` shards at once, the first here and the others in forked processes (default: one
-    per torch thread; :mod:`meshrl.forkpool`). Samples depend on the seed and the row only
+    own forward on the first batch and raises if they differ beyond float tolerance. ``prepack``: on a CPU
+    with oneDNN the decoder's matmuls run on weights reordered once per batch
+    (:class:`meshrl.models.llama_fast.PrepackedGemm`: faster at few rows, bit for bit under bf16 autocast,
+    ~1e-6 relative rounding in float32; a copy of the weights per decoding process while it decodes). On a CPU
+    the rows are decoded in ``workers`` shards at once, the first here and the others in forked processes
+    (default: one per torch thread; :mod:`meshrl.forkpool`). Samples depend on the seed and the row only
     (:class:`RowNoise`), not on ``batch_size`` or ``workers``, up to float rounding of the logits (other
     batch shapes round differently, which can flip a near-tie).
     """
@@ -283,12 +277,13 @@ class NativeDecodeBackend(InProcessBackend):
     name = "native"
 
     def __init__(self, model, tokenizer, *, batch_size: int | None = None, autocast: str | None = None,
-                 verify: bool = True, workers: int | None = None):
+                 verify: bool = True, workers: int | None = None, prepack: bool = True):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"rollout backend 'native' cannot run this model: {reason}; use 'hf'")
         super().__init__(model, tokenizer, batch_size=batch_size, autocast=autocast)
         self._verified = not verify
+        self.prepack = prepack
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1 or None, got {workers}")
         # One decoder per torch thread on a CPU (forked processes, see meshrl.forkpool); a GPU runs the batch as one.
@@ -341,7 +336,7 @@ class NativeDecodeBackend(InProcessBackend):
         ids, mask = left_pad(distinct, self.pad_id, device)
         rows = torch.tensor(inverse, device=device)
         width, steps = ids.shape[1], params.max_new_tokens
-        dec = _Decoder(self.model, width + steps, device)
+        dec = _Decoder(self.model, width + steps, device, prepack=self.prepack)
         logits = dec.prefill(ids, mask, rows, width + steps)[rows]
         n = rows.shape[0]
         out = torch.full((n, steps), self.pad_id, dtype=torch.long, device=device)
@@ -456,7 +451,7 @@ def probe_prompts(tokenizer) -> list[list[int]]:
 
 
 def auto_backend(model, tokenizer, *, shape: StepShape | None = None, batch_size: int | None = None,
-                 workers: int | None = None, **kwargs) -> RolloutBackend:
+                 workers: int | None = None, prepack: bool = True, **kwargs) -> RolloutBackend:
     """``rollout.backend=auto``: ``vllm`` where :func:`meshrl.rollout.choice.choose_sampler` picks it for the
     policy's device and the step's ``shape`` (sequences x new tokens) and vLLM is installed (its build failing,
     e.g. a head size vLLM's CPU build lacks, falls through to native with a warning); else ``native`` when it can
@@ -479,7 +474,8 @@ def auto_backend(model, tokenizer, *, shape: StepShape | None = None, batch_size
         log_once("rollout backend auto -> native: %s", why)
     reason = unsupported_reason(model)
     if reason is None:
-        native = NativeDecodeBackend(model, tokenizer, batch_size=batch_size, workers=workers, **kwargs)
+        native = NativeDecodeBackend(model, tokenizer, batch_size=batch_size, workers=workers, prepack=prepack,
+                                     **kwargs)
         try:
             native.verify(probe_prompts(tokenizer))
             return native

@@ -48,6 +48,9 @@ class RolloutConfig:
                                                 "(0 = one per torch thread)")
     autocast_bf16: bool = setting(False, help="hf/native: sample under bf16 autocast (the update's precision is "
                                               "train.autocast_bf16; the gap is logged as mismatch/*)")
+    prepack_weights: bool = setting(True, help="native on a CPU: decode with oneDNN on weights reordered once per "
+                                               "generate call (faster at few rows; bf16 bit-identical, float32 "
+                                               "rounds ~1e-6 differently; a weight copy per decoding process)")
 
 
 @dataclass
