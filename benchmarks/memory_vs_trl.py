@@ -131,6 +131,8 @@ class TreeSampler:
     on_sample: Callable[[Sample], None] | None = None
 
     def __post_init__(self) -> None:
+        self._t0 = time.monotonic()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -142,15 +144,22 @@ class TreeSampler:
         self._stop.set()
         self._thread.join()
 
+    def take(self) -> None:
+        """One sample now, tagged with the current step and phase. Called by the timer thread every ``interval``
+        and by the marker reader at every marker, so that a step or phase shorter than the interval (or one during
+        which a loaded machine starved the timer thread) still has a sample."""
+        step, phase = self.step, self.phase  # read before sampling: the sample belongs to this phase
+        pss, per_pid = tree_pss(self.pid)
+        if per_pid:
+            sample = Sample(time.monotonic() - self._t0, step, phase, pss, per_pid)
+            with self._lock:
+                self.samples.append(sample)
+            if self.on_sample is not None:
+                self.on_sample(sample)
+
     def _run(self) -> None:
-        t0 = time.monotonic()
         while not self._stop.is_set():
-            step, phase = self.step, self.phase  # read before sampling: the sample belongs to this phase
-            pss, per_pid = tree_pss(self.pid)
-            if per_pid:
-                self.samples.append(Sample(time.monotonic() - t0, step, phase, pss, per_pid))
-                if self.on_sample is not None:
-                    self.on_sample(self.samples[-1])
+            self.take()
             self._stop.wait(self.interval)
 
 
@@ -237,6 +246,7 @@ def launch_side(side: str, args: argparse.Namespace, *, timeout_s: float | None 
                 _, step, phase = line.split()
                 run.sampler.step, run.sampler.phase = int(step), phase
                 run.marks.append((time.monotonic(), int(step), phase))
+                run.sampler.take()
                 if phase == "step" and echo:
                     print(f"[{side}] step {step} at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
             elif line.startswith(RESULT):
