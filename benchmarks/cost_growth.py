@@ -186,7 +186,8 @@ def count_params(spec: str, path: str) -> int:
 def settings(args: argparse.Namespace) -> dict:
     """What must match for a stored point to count as done."""
     return {"warmup": args.warmup, "steps": args.steps, "bf16": args.bf16, "lr": args.lr, "threads": args.threads,
-            "meshrl_skip_zero": args.meshrl_skip_zero, "overrides": list(args.overrides or [])}
+            "meshrl_skip_zero": args.meshrl_skip_zero, "overrides": list(args.overrides or []),
+            "same_problems": True}
 
 
 def child_namespace(point: Point, path: str, args: argparse.Namespace) -> argparse.Namespace:
@@ -194,7 +195,7 @@ def child_namespace(point: Point, path: str, args: argparse.Namespace) -> argpar
     overrides = ([] if args.meshrl_skip_zero else ["train.skip_zero_advantage=false"]) + list(args.overrides or [])
     return argparse.Namespace(model=path, steps=args.warmup + args.steps, prompts=point.prompts, group=point.group,
                               tokens=point.tokens, lr=args.lr, bf16=args.bf16, overrides=overrides,
-                              threads=args.threads, interval=args.interval, verbose=False)
+                              threads=args.threads, interval=args.interval, verbose=False, same_problems=True)
 
 
 def step_phases(marks: list[tuple[float, int, str]]) -> dict[int, dict[str, float]]:

@@ -293,6 +293,7 @@ def child_args(args: argparse.Namespace) -> list[str]:
     out = ["--model", args.model, "--steps", str(args.steps), "--prompts", str(args.prompts), "--group",
            str(args.group), "--tokens", str(args.tokens), "--lr", str(args.lr)]
     out += ["--bf16"] if args.bf16 else ["--no-bf16"]
+    out += ["--same-problems"] if getattr(args, "same_problems", True) else ["--no-same-problems"]
     for s in args.overrides or []:
         out += ["--set", s]
     if args.threads:
@@ -363,6 +364,9 @@ def meshrl_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def child_meshrl(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from throughput_vs_trl import distinct_in_order
+
     from meshrl.trainer import Trainer, load_config
 
     marker = Marker()
@@ -374,15 +378,17 @@ def child_meshrl(args: argparse.Namespace) -> dict:
     trainer.engine.backward = marker.wrap(trainer.engine.backward, "update")
     trainer.optimizer.step = marker.wrap(trainer.optimizer.step, "optimizer")
     trainer.backend.sync_weights = marker.wrap(trainer.backend.sync_weights, "sync")
-    lengths, update_s = [], []
+    lengths, update_s, drawn = [], [], []
     for k in range(1, args.steps + 1):
         marker.step = k
         mark(k, "step")
         metrics = trainer.step()
         mark(k, "idle")  # the step is over: what follows until the next marker is the loop around it
+        drawn.append(distinct_in_order(q.id for q in trainer.last_data.problems))
         lengths.append(sum(len(r) for r in trainer.last_data.response_ids) / max(len(trainer.last_data), 1))
         update_s.append(metrics["time/train_s"])
     mark(args.steps + 1, "end")
+    check_problem_order(drawn, trainer.task, args)
     out = {"engine": type(trainer.engine).__name__, "reference_model": trainer.ref_model is not None,
            "response_len_mean": sum(lengths) / len(lengths), "update_s": update_s}
     trainer.close()
@@ -395,7 +401,7 @@ def child_trl(args: argparse.Namespace) -> dict:
     from transformers import TrainerCallback
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from throughput_vs_trl import TASK, Side, trl_trainer
+    from throughput_vs_trl import TASK, Side, meshrl_problem_order, trl_trainer
 
     from meshrl.models import load_model
     from meshrl.tasks import load_task
@@ -416,15 +422,31 @@ def child_trl(args: argparse.Namespace) -> dict:
 
     model, tok = load_model(args.model, seed=0)
     side = Side("trl")
-    trainer = trl_trainer(model, tok, load_task(TASK, seed=0), args.prompts, args.group, args.tokens, args.lr,
-                          args.steps, Path(tempfile.mkdtemp(prefix="trl-mem-")), side, [Phases()], bf16=args.bf16)
+    task = load_task(TASK, seed=0)
+    order = meshrl_problem_order(task, args.steps * args.prompts) if args.same_problems else None
+    trainer = trl_trainer(model, tok, task, args.prompts, args.group, args.tokens, args.lr, args.steps,
+                          Path(tempfile.mkdtemp(prefix="trl-mem-")), side, [Phases()], bf16=args.bf16, order=order)
     trainer._generate_and_score_completions = marker.wrap(trainer._generate_and_score_completions, "rollout")
     trainer.compute_loss = marker.wrap(trainer.compute_loss, "update")
     with contextlib.redirect_stdout(io.StringIO()):  # TRL prints its end-of-training summary dict
         trainer.train()
     mark(args.steps + 1, "end")
+    check_problem_order(side.problems, task, args)
     lengths = side.extra.get("len/response_mean", [0.0])
     return {"trl_version": trl.__version__, "response_len_mean": sum(lengths) / len(lengths)}
+
+
+def check_problem_order(drawn: list[list[str]], task, args: argparse.Namespace) -> None:
+    """With ``--same-problems`` both sides must draw meshrl's order (``meshrl_problem_order``), ``prompts`` per
+    step: else their activations and response lengths would not compare. Raises when a step's problems differ."""
+    if not args.same_problems:
+        return
+    from throughput_vs_trl import meshrl_problem_order
+
+    ids = [q.id for q in meshrl_problem_order(task, len(drawn) * args.prompts)]
+    expected = [ids[k * args.prompts : (k + 1) * args.prompts] for k in range(len(drawn))]
+    if drawn != expected:
+        raise AssertionError(f"{args.side}: drew {drawn}, meshrl's order is {expected}")
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -438,6 +460,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                         help="bf16 autocast over fp32 weights on both sides (--no-bf16: fp32)")
+    parser.add_argument("--same-problems", action=argparse.BooleanOptionalAction, default=True,
+                        help="TRL reads meshrl's problem order unshuffled (default); --no-same-problems: TRL shuffles")
     parser.add_argument("--set", dest="overrides", action="append", help="meshrl config override (repeatable)")
     parser.add_argument("--sides", default="meshrl,trl", help="comma list, run in this order")
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples")

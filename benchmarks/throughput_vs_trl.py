@@ -38,9 +38,12 @@ what is computed is the same as TRL's.
 A step is one generation of P*G completions, their rewards and advantages, one forward/backward over
 them and one optimiser step. The first ``--warmup`` steps of each side are not timed; then ``--steps``
 steps are. ``tokens/s`` counts prompt + completion tokens of the step (meshrl's
-``throughput/tokens_per_s`` definition), ``gen tok/s`` completion tokens only. Sampled completion lengths
-differ between the two (different RNG streams), so ``tokens/s`` is the fairer figure; mean lengths are
-printed. With ``--schedule interleaved`` (default) the two trainers alternate step by step, so that load
+``throughput/tokens_per_s`` definition), ``gen tok/s`` completion tokens only. Both trainers see the same
+problems at every step (``--same-problems``, the default): TRL's dataset is laid out in the order meshrl's
+sampler draws (:func:`meshrl_problem_order`) and read unshuffled (``shuffle_dataset=False``), and the run checks
+that each step's problems agree; ``--no-same-problems`` lets TRL shuffle with its own seed. Sampled completion
+lengths still differ (different RNG streams), so ``tokens/s`` is the fairer figure; mean lengths are printed.
+With ``--schedule interleaved`` (default) the two trainers alternate step by step, so that load
 from other processes on a shared machine hits both alike; ``sequential`` runs meshrl, then TRL.
 
     python benchmarks/throughput_vs_trl.py                                # tiny:small, 5 timed steps
@@ -91,6 +94,7 @@ class Side:
     tokens: list[int] = field(default_factory=list)  # prompt + completion tokens of the step
     gen_tokens: list[int] = field(default_factory=list)  # completion tokens of the step
     extra: dict[str, list[float]] = field(default_factory=dict)
+    problems: list[list[str]] = field(default_factory=list)  # each step's problem ids, in draw order
 
     def summary(self, warmup: int) -> dict[str, float]:
         secs, toks, gen = self.seconds[warmup:], self.tokens[warmup:], self.gen_tokens[warmup:]
@@ -149,10 +153,28 @@ def meshrl_step(trainer: Trainer, side: Side) -> None:
     m = trainer.step()
     side.seconds.append(time.perf_counter() - t0)
     data = trainer.last_data
+    side.problems.append(distinct_in_order(q.id for q in data.problems))
     side.tokens.append(sum(len(a) + len(b) for a, b in zip(data.prompt_ids, data.response_ids, strict=True)))
     side.gen_tokens.append(sum(len(b) for b in data.response_ids))
     for k in ("time/rollout_s", "time/train_s", "len/response_mean"):
         side.extra.setdefault(k, []).append(float(m.get(k, float("nan"))))
+
+
+def meshrl_problem_order(task, n: int, seed: int = 0) -> list:
+    """The first ``n`` problems meshrl's trainer draws with ``seed`` (its ``ProblemSampler``, cursor 0..n-1).
+
+    The trainer skips a problem whose prompt is too long for the model; the benchmark's task has none, and
+    :func:`run_pair` checks every step's problems on both sides anyway."""
+    from meshrl.trainer.rollout_step import ProblemSampler
+
+    problems = task.problems("train")
+    sampler = ProblemSampler(len(problems), seed)
+    return [problems[sampler.index(i)] for i in range(n)]
+
+
+def distinct_in_order(ids) -> list[str]:
+    """Each id once, in first-seen order (a step's rows hold each problem G times)."""
+    return list(dict.fromkeys(ids))
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -171,18 +193,24 @@ def trl_trainer(
     trl_defaults: bool = False,
     use_cpu: bool = True,
     bf16: bool = False,
+    order: list | None = None,
 ):
+    """TRL's ``GRPOTrainer`` on the matched settings (module docstring). ``order``: the problems laid out in
+    this order and read unshuffled, one step per ``p`` of them (:func:`meshrl_problem_order`); None: the task's
+    training problems, shuffled by TRL with seed 0."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     problems = task.problems("train")
     by_id = {q.id: q for q in problems}
     prompt_len = {q.id: len(encode_prompt(tokenizer, task.format_prompt(q))) for q in problems}
-    rows = [{"prompt": [{"role": "user", "content": task.format_prompt(q)}], "problem_id": q.id} for q in problems]
+    rows = [{"prompt": [{"role": "user", "content": task.format_prompt(q)}], "problem_id": q.id}
+            for q in (problems if order is None else order)]
     dataset = Dataset.from_list(rows)
 
     def repeat_reward(prompts, completions, completion_ids, problem_id, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        side.problems.append(distinct_in_order(problem_id))
         side.tokens.append(sum(prompt_len[q] + len(c) for q, c in zip(problem_id, completion_ids, strict=True)))
         side.gen_tokens.append(sum(len(c) for c in completion_ids))
         side.extra.setdefault("len/response_mean", []).append(
@@ -231,6 +259,7 @@ def trl_trainer(
         log_completions=False,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        shuffle_dataset=order is None,
     )
     return GRPOTrainer(
         model=model,
@@ -341,6 +370,7 @@ def run_pair(spec: str, p: int, g: int, max_new: int, args) -> dict:
         [cb],
         trl_defaults=args.trl_defaults,
         bf16=args.bf16,
+        order=meshrl_problem_order(task, total * p) if args.same_problems else None,
     )
     _time_trl_rollout(theirs, t_side)
     threads_before = torch.get_num_threads()
@@ -350,6 +380,8 @@ def run_pair(spec: str, p: int, g: int, max_new: int, args) -> dict:
         print(f"warning: TRL changed torch threads {threads_before} -> {torch.get_num_threads()}")
     if len(t_side.seconds) != total or len(m_side.seconds) != total:
         raise AssertionError(f"expected {total} steps, got meshrl {len(m_side.seconds)} TRL {len(t_side.seconds)}")
+    if args.same_problems and m_side.problems != t_side.problems:
+        raise AssertionError(f"the trainers drew different problems: meshrl {m_side.problems} TRL {t_side.problems}")
     ms, ts = m_side.summary(args.warmup), t_side.summary(args.warmup)
     return {
         "model": spec,
@@ -385,6 +417,7 @@ def run_pair(spec: str, p: int, g: int, max_new: int, args) -> dict:
         ),
         "trl_defaults": args.trl_defaults,
         "bf16": args.bf16,
+        "same_problems": args.same_problems,
     }
 
 
@@ -396,6 +429,7 @@ def report(r: dict) -> None:
         f"{r['timed_steps']} timed steps after {r['warmup']} warm-up, {r['schedule']}, "
         f"threads {r['threads']}, trl {r['trl_version']}"
         + (", bf16 autocast over fp32 weights on both sides" if r.get("bf16") else ", fp32")
+        + (", the same problems at every step" if r.get("same_problems") else ", each trainer's own problem order")
     )
     print(
         f"{'trainer':<8}{'steps/s':>9}{'tokens/s':>10}{'gen tok/s':>11}{'step s (med)':>14}"
@@ -450,6 +484,8 @@ def main() -> None:
         default=0,
         help="meshrl train.micro_batch_size (0: P*G, the whole batch in one forward like TRL)",
     )
+    parser.add_argument("--same-problems", action=argparse.BooleanOptionalAction, default=True,
+                        help="TRL reads meshrl's problem order unshuffled (default); --no-same-problems: TRL shuffles")
     parser.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved")
     parser.add_argument(
         "--trl-defaults",

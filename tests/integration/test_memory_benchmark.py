@@ -79,3 +79,17 @@ def test_meshrl_side_dry_run_on_tiny(tmp_path: Path) -> None:
     assert 0.05 < r["peak_gb"] <= r["peak_whole_gb"] < 8
     assert set(r["per_step_peak_gb"]) == {"1", "2"}
     assert "rollout" in r["per_phase_peak_gb"]
+
+
+@pytest.mark.slow
+def test_both_sides_draw_meshrls_problem_order_on_tiny(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    out = tmp_path / "mem.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "memory_vs_trl.py"), "--sides", "meshrl,trl", "--model", "tiny",
+           "--steps", "3", "--prompts", "3", "--group", "2", "--tokens", "4", "--interval", "0.01", "--json", str(out)]
+    # each child raises (and the driver reports a failed side) when a step's problems are not meshrl's order
+    subprocess.run(cmd, check=True, env=env, timeout=300, capture_output=True)
+    sides = json.loads(out.read_text())["sides"]
+    for name in ("meshrl", "trl"):
+        assert sides[name]["complete"] and set(sides[name]["per_step_peak_gb"]) == {"1", "2", "3"}

@@ -33,3 +33,19 @@ def test_release_free_heap_returns_freed_holes() -> None:
     out = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, check=True, timeout=60)
     before, after = map(int, out.stdout.split())
     assert before - after > 60 * 1024, (before, after)  # most of the ~94 MiB of holes left the process
+
+
+def test_a_training_step_hands_the_updates_freed_pages_back(tmp_path, monkeypatch) -> None:
+    """After the update and AdamW (gradients already dropped), the step trims the heap before the next rollout."""
+    import meshrl.trainer.step as step_mod
+    from meshrl.trainer import Trainer, load_config
+
+    cfg = load_config(overrides=["model=tiny", "task=tiny:add", "steps=2", "rollout.prompts_per_step=2",
+                                 "rollout.group_size=2", "rollout.max_new_tokens=4", "log.progress=false"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    grads_at_trim = []
+    monkeypatch.setattr(step_mod, "release_free_heap",
+                        lambda: grads_at_trim.append([p.grad is None for p in trainer.params]))
+    trainer.step()
+    trainer.close()
+    assert len(grads_at_trim) == 1 and all(grads_at_trim[0])

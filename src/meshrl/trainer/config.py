@@ -88,9 +88,10 @@ class TrainConfig:
                                                 "padded to its longest")
     head_chunk: int = setting(512, ge=0, help="tokens per chunk of the output head for log-probs and entropies, "
                                            "recomputed in the backward (0 = the whole [n, T, V] logits at once)")
-    heap_mmap_kib: int = setting(0, ge=0, help="C allocations of at least this many KiB get their own mapping, "
-                                               "returned on free (glibc; 0 = glibc's dynamic default). 128 cut "
-                                               "SmolLM2's peak by 0.5 GB but made a step ~1.5x slower")
+    lean_activations: bool = setting(True, help="Llama-family: the update's backward recomputes RMSNorm and SwiGLU "
+                                                "intermediates instead of keeping them (same gradients)")
+    heap_mmap_kib: int = setting(0, ge=0, help="C allocations of at least this many KiB get their own mapping "
+                                               "(glibc; 0 = dynamic); 128: -0.5 GB, ~1.5x slower steps (SmolLM2)")
     update_workers: int = setting(0, ge=0, help="CPU: processes sharing each micro-batch (0 = one per torch thread, "
                                                 "up to 16M trainable parameters; 1 = one process)")
     skip_zero_advantage: bool = setting(True, help="rows with advantage 0 run forward only when their gradient is "

@@ -28,9 +28,12 @@ class PolicyForward:
 
     def logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """Response logits ``[n, T, V]`` of ``model`` with the configured autocast and prompt sharing."""
+        from meshrl.trainer.lean_activations import lean_activations
+
         tc = self._train
-        return response_logits(model, mb, tc.autocast_bf16, share_prompts=tc.share_prompts,
-                               pack=tc.pack_responses, length_buckets=tc.length_buckets)
+        with lean_activations(model, tc.lean_activations):  # a no-op without a graph
+            return response_logits(model, mb, tc.autocast_bf16, share_prompts=tc.share_prompts,
+                                   pack=tc.pack_responses, length_buckets=tc.length_buckets)
 
     def chunks_head(self, model: torch.nn.Module) -> bool:
         """Whether :meth:`token_terms` computes ``model``'s head in chunks (``train.head_chunk`` > 0 and a head that

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from meshrl.forkpool import set_heap_mmap_threshold
+from meshrl.forkpool import release_free_heap, set_heap_mmap_threshold
 from meshrl.trainer.balance import StrategyBalance
 from meshrl.trainer.build import build_policy, build_sampler, build_task
 from meshrl.trainer.config import RunConfig
@@ -102,6 +102,10 @@ class Trainer:
         # AdamW has read the gradients: drop them now rather than at the next update's zero_grad, so that the
         # next rollout (and the checkpoint between) does not hold a weights-sized buffer nobody reads.
         self.optimizer.zero_grad(set_to_none=True)
+        # The update's activations and gradients are free now, but glibc keeps their pages resident, and the next
+        # rollout's allocations rarely fit those holes: without this the run's peak rose ~0.5 GB over 8 steps
+        # (SmolLM2-135M, benchmarks/README.md "Memory"); with it, it stays flat. No value changes.
+        release_free_heap()
         # 4. diagnostics
         metrics.update(self.mismatch_metrics())
         if collect_mei:
