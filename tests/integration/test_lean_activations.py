@@ -45,9 +45,11 @@ def _model(kind: str) -> torch.nn.Module:
     return model
 
 
-def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, *, lean: bool, autocast: bool):
+def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, *, lean: bool, autocast: bool | str):
     model.zero_grad(set_to_none=True)
-    with lean_activations(model, lean), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    cache = autocast != "nocache"  # the trainer turns autocast's weight cache off when it runs lean
+    with lean_activations(model, lean), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(autocast),
+                                                       cache_enabled=cache):
         logits = model(input_ids=ids).logits
     weights = torch.linspace(-1.0, 1.0, logits.shape[-1])
     loss = (logits.float().log_softmax(-1) * weights).sum() / ids.numel()
@@ -56,7 +58,7 @@ def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, *, lean: bool, au
     return logits.detach(), grads
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("autocast", [False, True, "nocache"], ids=["fp32", "bf16-autocast", "bf16-no-cache"])
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_outputs_and_gradients_are_bit_for_bit_the_plain_forwards(kind, autocast):
     model = _model(kind).train()
@@ -132,7 +134,7 @@ def test_a_training_step_is_unchanged(tmp_path, monkeypatch):
 
     calls = []
     real = lean_mod.lean_mlp_forward
-    monkeypatch.setattr(lean_mod, "lean_mlp_forward", lambda m, x: (calls.append(1), real(m, x))[1])
+    monkeypatch.setattr(lean_mod, "lean_mlp_forward", lambda s, m, x: (calls.append(1), real(s, m, x))[1])
 
     def run(lean: bool, out):
         cfg = load_config(overrides=["model=tiny", "task=tiny:add", "steps=2", "rollout.prompts_per_step=2",
@@ -153,3 +155,62 @@ def test_a_training_step_is_unchanged(tmp_path, monkeypatch):
         assert {k: v for k, v in a.items() if not k.startswith(("time/", "throughput/"))} == \
                {k: v for k, v in b.items() if not k.startswith(("time/", "throughput/"))}
     assert all(torch.equal(plain_w[n], lean_w[n]) for n in plain_w)
+
+
+def test_autocasts_of_weights_and_norm_outputs_are_recomputed_not_kept(monkeypatch):
+    """Under bf16 autocast every projection saves a bf16 copy of its weight and of its input; those of float32
+    parameters and of a norm's output are kept as recipes (a cast of what is kept anyway)."""
+    kinds = []
+    real = lean_mod._Recipes._cast
+
+    def spy(self, tensor):
+        recipe = real(self, tensor)
+        if recipe is not None:
+            node = tensor.grad_fn
+            while node.name() in lean_mod.VIEW_NODES:
+                node = node.next_functions[0][0]
+            kinds.append("weight" if node.next_functions[0][0].name() == lean_mod.ACCUMULATE else "input")
+        return recipe
+
+    monkeypatch.setattr(lean_mod._Recipes, "_cast", spy)
+    model = _model("llama").train()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    layers = model.config.num_hidden_layers
+    with lean_activations(model), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids).logits.float().mean().backward()
+    # 7 projections per layer and the head read a weight cast; q, k, v, gate and up per layer read a norm output's
+    # cast (the head reads a cast of a slice of the last norm's output: kept; meshrl's update sets the head aside)
+    assert kinds.count("weight") == 7 * layers + 1
+    assert kinds.count("input") == 5 * layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny:small", "tiny:medium"])
+def test_the_updates_shared_prompt_forward_gives_the_same_gradients(tmp_path, model):
+    """The update's own forward (prompt pass, packed responses handed its KV cache, head in chunks) under bf16
+    autocast: per-row log-probs and every gradient bit for bit, lean or not. A weight read by both passes has one
+    autocast copy whose gradient is summed in bf16 either way (casting per use would sum it in float32)."""
+    from meshrl.trainer import Trainer, load_config
+
+    cfg = load_config(overrides=[f"model={model}", "task=tiny:add", "steps=1", "rollout.prompts_per_step=3",
+                                 "rollout.group_size=4", "rollout.max_new_tokens=12", "log.progress=false",
+                                 "train.autocast_bf16=true", "rollout.temperature=1.0"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer.step()
+    data, fwd = trainer.last_data, trainer.forward
+
+    def grads(lean: bool):
+        object.__setattr__(fwd._train, "lean_activations", lean)
+        trainer.model.zero_grad(set_to_none=True)
+        logps = []
+        for _, mb in fwd.micro_batches(list(range(len(data))), data):
+            seq = fwd.seq_logp(mb)
+            (seq * torch.linspace(-1.0, 1.0, len(seq))).sum().backward()
+            logps.append(seq.detach())
+        return torch.cat(logps), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+    plain_lp, plain = grads(False)
+    lean_lp, lean = grads(True)
+    trainer.close()
+    assert torch.equal(plain_lp, lean_lp)
+    assert all(torch.equal(plain[n], lean[n]) for n in plain)
