@@ -408,6 +408,11 @@ class NativeDecodeBackend(InProcessBackend):
                 return None
         return self._pool
 
+    def release_workers(self) -> None:
+        """End the worker processes now; the next :meth:`generate` forks them again (``rollout.keep_decoders``:
+        a trainer's update then does not hold their private pages)."""
+        self.close()
+
     def close(self) -> None:
         """Stop the worker processes (also done when the backend is garbage-collected or at exit)."""
         if self._pool is not None:

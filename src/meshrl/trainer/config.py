@@ -48,9 +48,10 @@ class RolloutConfig:
                                                 "(0 = one per torch thread)")
     autocast_bf16: bool = setting(False, help="hf/native: sample under bf16 autocast (the update's precision is "
                                               "train.autocast_bf16; the gap is logged as mismatch/*)")
-    prepack_weights: bool = setting(True, help="native on a CPU: decode with oneDNN on weights reordered once per "
-                                               "generate call (faster at few rows; bf16 bit-identical, float32 "
-                                               "rounds ~1e-6 differently; a weight copy per decoding process)")
+    prepack_weights: bool = setting(True, help="native on a CPU: oneDNN-reordered weight copies per generate call "
+                                               "(faster; bf16 bit-identical, float32 ~1e-6 rounding)")
+    keep_decoders: bool = setting(True, help="native on a CPU: keep the decoder processes between steps; false: "
+                                             "forked again each rollout, none during the update (less memory)")
 
 
 @dataclass

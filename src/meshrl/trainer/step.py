@@ -86,6 +86,8 @@ class Trainer:
         data, cursor = self.plugins.sample(self.sampler, self.step_idx, self.cursor)
         self.mismatch.begin(data, unsampled_rows(data))
         self.last_data = data
+        if not self.cfg.rollout.keep_decoders:  # their private pages would sit through the update
+            getattr(self.backend, "release_workers", lambda: None)()
         t1 = time.perf_counter()
         self.dirty = True  # from here on the trainer's state changes
         for g in self.optimizer.param_groups:  # a pure function of the step: a resume continues it exactly
