@@ -23,7 +23,9 @@ phase          meshrl                                  TRL
 
 The protocol defaults are SmolLM2-135M, GRPO with 4 prompts x 8 completions, 48 new tokens, bf16 autocast over
 fp32 weights (TRL's ``bf16=True``; meshrl's ``train.autocast_bf16`` and ``rollout.autocast_bf16``), lr 1e-5, 20
-steps, and otherwise throughput_vs_trl.py's table of matched settings (its helpers build TRL's side). Printed:
+steps, and otherwise throughput_vs_trl.py's table of matched settings (its helpers build TRL's side). Both sides
+draw the same problems at every step (TRL reads meshrl's order unshuffled; each child checks its draws and fails
+otherwise; ``--no-same-problems``: TRL shuffles), since TRL's activations grow with its answers' lengths. Printed:
 peak GB per side, the ratio meshrl / TRL, the growth of the per-step peak from step 3 to the last step, the
 per-phase peak for meshrl, the load average before and after each side; ``--json`` writes all of it with the
 per-step series.
