@@ -162,4 +162,4 @@ def plumbing_note(summary: dict[str, Any]) -> str | None:
     return ("note: every policy evaluated exactly like the warm start, so this table checks the plumbing only "
             "(warm start, training, evaluation, report), not the methods: the warm start "
             f"({summary['settings']['warm_steps']} steps) solves too few problems for any arm to get a reward to "
-            "learn from. `meshrl demo` without --quick (about 10 minutes) compares them.")
+            "learn from. `meshrl demo` without --quick (about 3 minutes on 2 cores) compares them.")
