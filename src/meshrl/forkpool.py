@@ -102,9 +102,27 @@ def freeze_objects_before_fork() -> None:
     slowly turn the whole inherited heap (modules, the tokenizer, the model's Python objects) into pages counted
     once per process. Frozen objects are never scanned, on either side (the Python documentation's advice for
     ``gc.freeze`` before ``fork``). Cost: an object alive at the fork that later becomes cyclic garbage is not
-    collected; memory management only, no value changes."""
+    collected while frozen, so :class:`ForkPool` unfreezes (``gc.unfreeze``) when its last pool closes: else every
+    trainer of a process (a sweep, a test session) stayed alive after it ended, with its model and its shared
+    memory's file descriptors (24 per tiny trainer; past 1024 of them select() failed). Memory management only,
+    no value changes."""
     gc.collect()
     gc.freeze()
+
+
+_open_pools = 0  # ForkPools of this process not yet closed: the collector stays frozen while there are any
+
+
+def _pool_opened() -> None:
+    global _open_pools
+    _open_pools += 1
+
+
+def _pool_closed() -> None:
+    global _open_pools
+    _open_pools -= 1
+    if _open_pools == 0:
+        gc.unfreeze()  # what was frozen for the workers can be collected again (see freeze_objects_before_fork)
 
 
 def fork_available() -> bool:
@@ -195,6 +213,13 @@ def _worker_main(conn, fn: Callable, parent: int) -> None:
             return
 
 
+def _close_pool(conns: list, procs: list) -> None:
+    try:
+        _close(conns, procs)
+    finally:
+        _pool_closed()
+
+
 def _close(conns: list, procs: list) -> None:
     for conn in conns:
         with contextlib.suppress(OSError):
@@ -225,10 +250,19 @@ class ForkPool:
         check_shared_memory(model)
         model.share_memory()
         freeze_objects_before_fork()
+        _pool_opened()
         release_free_heap()  # e.g. the weights' private pages just freed: not to be inherited
         self.model, self.params, self.name = model, list(model.parameters()), name
-        ctx = mp.get_context("fork")
         self.conns, self.procs = [], []
+        try:
+            self._fork(fn, workers)
+        except BaseException:
+            _close_pool(self.conns, self.procs)
+            raise
+        self._finalizer = weakref.finalize(self, _close_pool, self.conns, self.procs)
+
+    def _fork(self, fn: Callable, workers: int) -> None:
+        ctx = mp.get_context("fork")
         parent_pid = os.getpid()
         for _ in range(workers - 1):
             parent, child = ctx.Pipe()
@@ -242,7 +276,6 @@ class ForkPool:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        self._finalizer = weakref.finalize(self, _close, self.conns, self.procs)
 
     @property
     def size(self) -> int:

@@ -377,3 +377,32 @@ def test_humaneval_scoring_gets_more_than_its_sandbox_limit() -> None:
     from meshrl.rewards import scorer_time_limit
 
     assert scorer_time_limit(5.0, task) > task.timeout_s
+
+
+def test_scores_with_descriptors_past_fd_setsize(caplog: pytest.LogCaptureFixture) -> None:
+    """A long-lived process can hold over 1024 descriptors (seen: a test process after many trainers), so the
+    scorer's pipes get numbers select() refuses; every reward then failed with "filedescriptor out of range in
+    select()". Waiting uses poll(), which takes any number; the timeout still works there."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard if hard != resource.RLIM_INFINITY else 4096) < 1200:
+        pytest.skip("the descriptor limit is below 1200")
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        completions, problems = ["#### 1", "#### 2"], [P("a"), P("b")]
+        with caplog.at_level(logging.WARNING, logger="meshrl"):
+            scores = RewardRunner(lambda c, p: grade(c, p.answer, "number"), isolation="process")(completions, problems)
+        assert scores == [1.0, 0.0] and "out of range" not in caplog.text
+        runner = RewardRunner(sleepy, timeout_s=0.3, isolation="process")
+        assert runner(["x"], [P("c")]) == [0.0] and runner.pop_stats()["reward/timeouts"] == 1
+    finally:
+        for fd in held:
+            os.close(fd)
+        if soft < 1200:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -48,7 +48,6 @@ import math
 import os
 import re
 import resource
-import select
 import signal
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from meshrl.rewards.fdwait import wait_readable
 from meshrl.rewards.sandbox_cleanup import OWNED_PREFIX, orphans, remove_owned_dir
 from meshrl.rewards.sandbox_modes import Mode, child_env, limiter, program_switch, select_mode
 
@@ -322,7 +322,7 @@ def _read_verdict(fd: int, deadline: float) -> str | None:
     data = b""
     while True:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not wait_readable(fd, left):
             return None
         chunk = os.read(fd, 64)
         if not chunk:

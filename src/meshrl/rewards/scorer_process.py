@@ -24,7 +24,6 @@ import ctypes
 import json
 import os
 import pickle
-import select
 import signal
 import sys
 import time
@@ -32,6 +31,8 @@ import weakref
 from collections.abc import Callable
 from numbers import Real
 from typing import Any
+
+from meshrl.rewards.fdwait import wait_readable
 
 __all__ = ["NonNumber", "ScorerDied", "ScorerProcess", "ScorerRaised", "ScorerTimeout", "fork_usable"]
 
@@ -211,7 +212,7 @@ class ScorerProcess:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if select.select([reply_fd], [], [], left)[0]:
+            if wait_readable(reply_fd, left):
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 self.close()
