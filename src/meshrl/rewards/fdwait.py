@@ -11,7 +11,8 @@ def wait_readable(fd: int, timeout_s: float | None) -> bool:
 
     ``select.select`` refuses descriptors from FD_SETSIZE on (1024 on Linux: "filedescriptor out of range in
     select()"), which a long-lived process reaches once it has opened that many files, pipes or sockets (seen: a
-    test process after a few hundred trainers; every reward then failed). ``poll`` has no such limit."""
+    test process whose finished trainers were never collected, 24 descriptors each; every reward then failed).
+    ``poll`` has no such limit."""
     if not hasattr(select, "poll"):  # no poll (Windows): select, with its limit
         return bool(select.select([fd], [], [], timeout_s)[0])
     poller = select.poll()

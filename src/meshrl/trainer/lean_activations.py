@@ -161,7 +161,9 @@ def lean_activations(model: torch.nn.Module, enabled: bool = True) -> Iterator[i
     """Run ``model``'s known RMSNorm and MLP modules with :func:`lean_rmsnorm_forward` / :func:`lean_mlp_forward`
     for the duration (an instance attribute ``forward`` shadows the class's); yields how many modules that is.
     A no-op when not ``enabled``, without a graph, or under gradient checkpointing."""
-    active = enabled and torch.is_grad_enabled() and not _checkpointing(model)
+    from meshrl.trainer.shared_prompts import checkpointing  # its own saved-tensor hooks: leave it alone
+
+    active = enabled and torch.is_grad_enabled() and not checkpointing(model)
     swapped = lean_modules(model) if active else []
     if not swapped:
         yield 0
@@ -176,8 +178,3 @@ def lean_activations(model: torch.nn.Module, enabled: bool = True) -> Iterator[i
     finally:
         for module, _ in swapped:
             del module.forward
-
-
-def _checkpointing(model: torch.nn.Module) -> bool:
-    """Gradient checkpointing recomputes whole layers with its own saved-tensor hooks: leave it alone."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())

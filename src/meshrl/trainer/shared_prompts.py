@@ -39,7 +39,7 @@ def shared_prompt_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.d
     from meshrl.models.llama_fast import unsupported_reason
 
     key = _cache_kwarg(model)
-    if key is None or _checkpointing(model):
+    if key is None or checkpointing(model):
         return None
     passes = HFPasses(model, key)
     if pack and unsupported_reason(model) is None:
@@ -59,7 +59,7 @@ def _cache_kwarg_of(cls: type) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
-def _checkpointing(model: torch.nn.Module) -> bool:
+def checkpointing(model: torch.nn.Module) -> bool:
     """Gradient checkpointing in training mode: Hugging Face models then ignore ``use_cache``, so there is no
     prompt cache to share."""
     return model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
