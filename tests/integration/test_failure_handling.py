@@ -16,7 +16,7 @@ from meshrl.jsonl import read_jsonl
 from meshrl.runs import checkpoint as ckpt_mod
 from meshrl.runs.checkpoint import CheckpointSpaceError, checkpoint_problem
 from meshrl.trainer import NonFiniteAbort, load_config, loss, train
-from meshrl.trainer.failure import RunHealth, StalledRun
+from meshrl.trainer.failure import RewardsFailed, RunHealth, StalledRun
 
 FAST = ["rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
         "train.micro_batch_size=8", "log.progress=false", "checkpoint.every=1"]
@@ -127,6 +127,62 @@ def test_stall_tally_ignores_flat_steps_and_resets_on_a_gradient():
     assert isinstance(health.verdict({"step": 5, **dead}, 0, Path(".")), StalledRun)
     off = RunHealth(max_nonfinite=3, max_stalled=0, vocab_size=100)
     assert all(off.verdict({"step": s, **dead}, 0, Path(".")) is None for s in range(10))
+
+
+def test_a_scorer_that_always_fails_stops_the_run(tmp_path, monkeypatch, capsys):
+    from meshrl.tasks.tiny import RepeatTask
+
+    def broken(self, completion, problem):
+        raise RuntimeError("scorer bug")
+
+    monkeypatch.setattr(RepeatTask, "score", broken)
+    out = tmp_path / "run"
+    rc = cli_main([*CLI, "--steps", "10", "--out", str(out), "--set", "failure.max_reward_failed=3"])
+    assert rc == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert "every reward call failed in 3 steps in a row" in line and "8 errors" in line
+    assert "RuntimeError: scorer bug" in line and "failure.max_reward_failed=3" in line
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["reward/errors"] == 8 for m in metrics)
+    event = read_jsonl(out / "events.jsonl")[-1]
+    assert event["event"] == "rewards_failed" and event["checkpoint"].endswith("step_000003")
+
+
+def test_failed_rewards_tally_counts_only_steps_where_every_call_failed():
+    health = RunHealth(max_nonfinite=3, max_stalled=3, vocab_size=100, max_reward_failed=2)
+    failed = {"rollouts/count": 8.0, "reward/errors": 6, "reward/timeouts": 2}
+    partly = {"rollouts/count": 8.0, "reward/errors": 7, "reward/timeouts": 0}  # one rollout scored
+    empty = {"rollouts/count": 0.0, "reward/errors": 0, "reward/timeouts": 0}
+    assert health.verdict({"step": 1, **failed}, 0, Path(".")) is None
+    assert health.verdict({"step": 2, **partly}, 0, Path(".")) is None  # resets the tally
+    assert health.verdict({"step": 3, **failed}, 0, Path(".")) is None
+    assert health.verdict({"step": 4, **empty}, 0, Path(".")) is None  # nothing scored: neither counts nor resets
+    err = health.verdict({"step": 5, **failed}, 0, Path("."), "reward for problem p raised KeyError: 'x'")
+    assert isinstance(err, RewardsFailed)
+    assert "2 steps in a row (to step 5" in str(err) and "6 errors, 2 timeouts" in str(err)
+    assert "raised KeyError: 'x'" in str(err)
+    off = RunHealth(max_nonfinite=3, max_stalled=3, vocab_size=100, max_reward_failed=0)
+    assert all(off.verdict({"step": s, **failed}, 0, Path(".")) is None for s in range(1, 10))
+
+
+def test_held_out_scoring_failures_are_the_evaluations_not_the_training_steps(tmp_path, monkeypatch):
+    """Held-out problems whose scorer fails count in eval/reward_errors, never in the next step's reward/errors
+    (where the failed-rewards check would read them)."""
+    from meshrl.tasks.tiny import RepeatTask
+
+    real = RepeatTask.score
+
+    def fails_on_held_out(self, completion, problem):
+        if problem.id.startswith("repeat-eval-"):
+            raise RuntimeError("held-out scorer bug")
+        return real(self, completion, problem)
+
+    monkeypatch.setattr(RepeatTask, "score", fails_on_held_out)
+    hist = train(_cfg("eval.every=1", "eval.n=2", "failure.max_reward_failed=1", steps=3), tmp_path / "run")
+    assert [m["step"] for m in hist] == [1, 2, 3]
+    assert all(m["reward/errors"] == 0 and m["reward/timeouts"] == 0 for m in hist)
+    evals = read_jsonl(tmp_path / "run" / "evals.jsonl")
+    assert len(evals) == 3 and all(e["eval/reward_errors"] == 16 * 2 for e in evals)
 
 
 # ---------------------------------------------------------------------- 11: --strict-rewards

@@ -82,7 +82,7 @@ def _stopped(err: BaseException, prefix: str = "") -> int:
 
 def run(args: argparse.Namespace) -> int:
     from meshrl.rewards import RewardError
-    from meshrl.trainer import HealthStop, NonFiniteAbort, RunInterrupted, StalledRun, load_config, train
+    from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, RunInterrupted, StalledRun, load_config, train
 
     if args.help_config:
         from meshrl.trainer import config_reference
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     except RunInterrupted as err:
         print(f"meshrl train: {err}; continue with: meshrl train --resume {run_dir}", file=sys.stderr)
         return 128 + err.signum
-    except (NonFiniteAbort, StalledRun, HealthStop) as err:
+    except (NonFiniteAbort, StalledRun, HealthStop, RewardsFailed) as err:
         return _stopped(err)
     except RewardError as err:
         return _stopped(err, prefix="reward function failed (reward.strict / --strict-rewards): ")

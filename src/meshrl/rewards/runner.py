@@ -122,6 +122,7 @@ class RewardRunner:
         self._process = ScorerProcess(score_fn) if self.isolation == "process" else None
         self._lock = threading.Lock()
         self.stats: dict[str, int] = {}
+        self.last_failure: str | None = None  # the latest failure's message, for errors that stop a run
         self._reset()
 
     def _reset(self) -> None:
@@ -197,6 +198,7 @@ class RewardRunner:
 
     def _fail(self, problem: Any, what: str, exc: BaseException | None) -> float:
         msg = f"reward for problem {_problem_id(problem)} {what}"
+        self.last_failure = msg
         if self.strict:
             raise RewardError(msg) from exc
         logger.warning(msg)

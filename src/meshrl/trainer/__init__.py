@@ -4,7 +4,7 @@ submodules (``tests/unit/test_layering.py``); the step itself is :mod:`meshrl.tr
 from meshrl.trainer.batch import MicroBatch, collate, response_logits, token_entropy, token_logprobs
 from meshrl.trainer.config import MESH_RECIPES, RunConfig, config_reference, load_config
 from meshrl.trainer.episodes import generate_scored, transcript
-from meshrl.trainer.failure import HealthStop, NonFiniteAbort, StalledRun
+from meshrl.trainer.failure import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun
 from meshrl.trainer.history import StepHistory
 from meshrl.trainer.loop import Trainer, train
 from meshrl.trainer.mei_monitor import load_threshold
@@ -12,7 +12,7 @@ from meshrl.trainer.rollout_step import PromptBudget, context_limit, encode_with
 from meshrl.trainer.signals import RunInterrupted
 from meshrl.trainer.sweep import command_lines, load_sweep, run_sweep, summarize_sweep
 
-__all__ = ["MESH_RECIPES", "HealthStop", "MicroBatch", "NonFiniteAbort", "PromptBudget", "RunConfig", "RunInterrupted",
-           "StalledRun", "StepHistory", "Trainer", "collate", "command_lines", "config_reference", "context_limit",
-           "encode_within_limit", "generate_scored", "load_config", "load_sweep", "load_threshold", "response_logits",
-           "run_sweep", "summarize_sweep", "token_entropy", "token_logprobs", "train", "transcript"]
+__all__ = ["MESH_RECIPES", "HealthStop", "MicroBatch", "NonFiniteAbort", "PromptBudget", "RewardsFailed", "RunConfig",
+           "RunInterrupted", "StalledRun", "StepHistory", "Trainer", "collate", "command_lines", "config_reference",
+           "context_limit", "encode_within_limit", "generate_scored", "load_config", "load_sweep", "load_threshold",
+           "response_logits", "run_sweep", "summarize_sweep", "token_entropy", "token_logprobs", "train", "transcript"]

@@ -149,6 +149,8 @@ class FailureConfig:
     max_nonfinite: int = setting(3, ge=1, help="stop (with a checkpoint) after this many non-finite steps in a row")
     max_stalled: int = setting(3, ge=0, help="stop after this many steps in a row with zero gradient and non-zero "
                                              "advantages (0 = off)")
+    max_reward_failed: int = setting(3, ge=0, help="stop after this many steps in a row in which every reward call "
+                                                   "raised, timed out or returned no usable number (0 = off)")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Failed runs: the checks that stop a run that can no longer learn, and the record a stopped run leaves.
 
-Two ways a run goes on computing without learning anything:
+Three ways a run goes on computing without learning anything:
 
 - non-finite steps: a NaN or inf in the loss, the gradient or the log-probs skips the update (the weights
   stay as they were); after ``failure.max_nonfinite`` such steps in a row the run stops (:class:`NonFiniteAbort`).
@@ -9,6 +9,10 @@ Two ways a run goes on computing without learning anything:
   does it in one step, leaving the output uniform: ``entropy/mean`` = ln V). After ``failure.max_stalled``
   such steps in a row the run stops (:class:`StalledRun`). Steps whose advantages are all 0 (every group
   scored alike) have a zero gradient by construction and neither count nor reset the tally.
+- a broken scorer: every reward call of the step raised, timed out or returned no usable number (each scored 0
+  and counted in ``reward/errors`` / ``reward/timeouts``), so every advantage is 0 and nothing is learnt; the
+  run would go on looking healthy but for those counters. After ``failure.max_reward_failed`` such steps in a
+  row the run stops (:class:`RewardsFailed`), naming the scorer's last error.
 
 Whatever stops a run, :func:`record_stop` writes an ``events.jsonl`` record and, when the trainer holds the
 state of a step boundary, a checkpoint of it (not after :class:`HealthStop`: that state is the unhealthy one).
@@ -36,6 +40,10 @@ class StalledRun(RuntimeError):
     """Raised after ``failure.max_stalled`` consecutive steps with a zero gradient and non-zero advantages."""
 
 
+class RewardsFailed(RuntimeError):
+    """Raised after ``failure.max_reward_failed`` consecutive steps in which every reward call failed."""
+
+
 class HealthStop(RuntimeError):
     """Raised when a finding of the live run-health checks asks for ``stop`` (``health.on``): the run ends at the
     last healthy checkpoint, the state of the unhealthy step is not saved."""
@@ -44,14 +52,21 @@ class HealthStop(RuntimeError):
 class RunHealth:
     """Counts consecutive dead-policy steps and decides when a run must stop (see the module docstring)."""
 
-    def __init__(self, max_nonfinite: int, max_stalled: int, vocab_size: int | None) -> None:
-        self.max_nonfinite, self.max_stalled = max_nonfinite, max_stalled
+    def __init__(self, max_nonfinite: int, max_stalled: int, vocab_size: int | None,
+                 max_reward_failed: int = 0) -> None:
+        self.max_nonfinite, self.max_stalled, self.max_reward_failed = max_nonfinite, max_stalled, max_reward_failed
         self.log_vocab = math.log(vocab_size) if vocab_size else None
         self.stalled_in_row = 0
+        self.reward_failed_in_row = 0
 
-    def verdict(self, metrics: dict[str, Any], bad_in_row: int, run_dir: Path) -> RuntimeError | None:
-        """The error that must stop the run after the step with ``metrics`` (None: go on)."""
+    def verdict(self, metrics: dict[str, Any], bad_in_row: int, run_dir: Path,
+                last_reward_failure: str | None = None) -> RuntimeError | None:
+        """The error that must stop the run after the step with ``metrics`` (None: go on).
+        ``last_reward_failure``: the scorer's last failure message, quoted when the rewards check stops the run."""
         step = metrics["step"]
+        failed = self._rewards_failed(metrics)
+        if failed is not None:
+            return RewardsFailed(self._rewards_message(failed, step, last_reward_failure))
         if "skipped/nonfinite" in metrics and bad_in_row >= self.max_nonfinite:
             return NonFiniteAbort(
                 f"{bad_in_row} consecutive steps had a non-finite loss, gradient or log-prob (last at step {step}, "
@@ -67,6 +82,25 @@ class RunHealth:
         if self.max_stalled > 0 and self.stalled_in_row >= self.max_stalled:
             return StalledRun(self._stalled_message(metrics, step))
         return None
+
+    def _rewards_failed(self, metrics: dict[str, Any]) -> tuple[int, int, int] | None:
+        """(errors, timeouts, rollouts) when this step makes ``max_reward_failed`` all-failed steps in a row."""
+        scored = metrics.get("rollouts/count", 0.0)
+        errors, timeouts = int(metrics.get("reward/errors", 0)), int(metrics.get("reward/timeouts", 0))
+        if not scored:  # nothing was scored (an empty batch): the tally neither grows nor resets
+            return None
+        self.reward_failed_in_row = self.reward_failed_in_row + 1 if errors + timeouts >= scored else 0
+        if self.max_reward_failed > 0 and self.reward_failed_in_row >= self.max_reward_failed:
+            return errors, timeouts, int(scored)
+        return None
+
+    def _rewards_message(self, failed: tuple[int, int, int], step: int, last: str | None) -> str:
+        errors, timeouts, rollouts = failed
+        return (f"every reward call failed in {self.reward_failed_in_row} steps in a row (to step {step}; its "
+                f"{rollouts} rollouts: {errors} errors, {timeouts} timeouts), so every advantage was 0 and nothing "
+                f"was learnt" + (f"; last: {last}" if last else "") + ". Fix the scorer (reward.strict=true / "
+                f"--strict-rewards raises its first error with the traceback) or raise reward.timeout_s "
+                f"(failure.max_reward_failed={self.max_reward_failed} sets this check, 0 turns it off)")
 
     def _stalled_message(self, metrics: dict[str, Any], step: int) -> str:
         entropy = metrics.get("entropy/mean")
@@ -90,6 +124,8 @@ def event_kind(err: BaseException) -> str:
         return "stalled"
     if isinstance(err, HealthStop):
         return "health_stop"
+    if isinstance(err, RewardsFailed):
+        return "rewards_failed"
     return "error"
 
 

@@ -18,7 +18,7 @@ from meshrl.jsonl import JsonlWriter
 from meshrl.progress import progress_bar
 from meshrl.runs.run_dir import prepare_fresh, prepare_resume, rewind_records, write_config
 from meshrl.trainer.config import RunConfig, config_record
-from meshrl.trainer.failure import NonFiniteAbort, StalledRun, record_stop
+from meshrl.trainer.failure import NonFiniteAbort, RewardsFailed, StalledRun, record_stop
 from meshrl.trainer.history import StepHistory
 from meshrl.trainer.live_health import LiveHealth
 from meshrl.trainer.periodic_eval import write_summary
@@ -26,7 +26,7 @@ from meshrl.trainer.signals import RunInterrupted, StopRequests
 from meshrl.trainer.step import Trainer
 from meshrl.trainer.trackers import Trackers
 
-__all__ = ["NonFiniteAbort", "StalledRun", "StepHistory", "Trainer", "train"]
+__all__ = ["NonFiniteAbort", "RewardsFailed", "StalledRun", "StepHistory", "Trainer", "train"]
 
 log = logging.getLogger("meshrl")
 
@@ -56,7 +56,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
                 while trainer.step_idx < cfg.steps and not stops.requested:
                     metrics = _step_and_record(trainer, writers, trackers)
                     history.append(metrics)
-                    failure = trainer.health.verdict(metrics, trainer.bad_in_row, run_dir)
+                    failure = trainer.health.verdict(metrics, trainer.bad_in_row, run_dir,
+                                                     getattr(trainer.sampler.rewards, "last_failure", None))
                     if failure is not None:
                         raise failure
                     if health is not None:

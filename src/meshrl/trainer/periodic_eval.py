@@ -63,11 +63,17 @@ class PeriodicEval:
         from meshrl.trainer.episodes import generate_scored, transcript
 
         ev = self.cfg.eval
+        # the held-out scoring's failures are the evaluation's, not the next training step's (its counters would
+        # otherwise carry them into that step's reward/errors, where the failed-rewards check reads them)
+        training_counts = self.rewards.pop_stats()
         params = SamplingParams(max_new_tokens=ev.max_new_tokens or self.cfg.rollout.max_new_tokens,
                                 temperature=ev.temperature, top_p=self.cfg.rollout.top_p, n=ev.n)
         texts, probs, scores, _, episodes = generate_scored(
             self.task, self.backend, self.tokenizer, self.prompts, self.problems, params, self.cfg.seed * 7_919 + step,
             self.rewards, self._encode_with)
+        eval_counts = self.rewards.pop_stats()
+        for key, n in training_counts.items():
+            self.rewards.stats[key] += n
         label_texts = [transcript(self.tokenizer, e) for e in episodes] if episodes else texts
         correct: dict[str, list[bool]] = {}
         for p, s in zip(probs, scores, strict=True):
@@ -78,6 +84,8 @@ class PeriodicEval:
             f"eval/pass@{ev.n}": sum(pass_at_k(len(v), sum(v), ev.n) for v in correct.values()) / n_prob,
             "eval/score_mean": sum(scores) / len(scores),
             "eval/skipped_long_prompts": float(self.skipped_long),  # held-out problems too long for the model
+            "eval/reward_errors": float(eval_counts["reward/errors"]),  # the held-out scorer calls that failed
+            "eval/reward_timeouts": float(eval_counts["reward/timeouts"]),
             # the *unconditioned* policy's strategy masses: under Mesh the training rollouts are
             # coach-conditioned, so only these held-out samples show which strategy it picks on its own
             **strategy_figures(self.task, list(zip(label_texts, scores, probs, strict=True)), prefix="eval/"),

@@ -68,7 +68,8 @@ class Trainer:
         self.engine = make_engine(cfg, self.recipe, self.objective, self.balance, self.mei)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        self.health = RunHealth(cfg.failure.max_nonfinite, cfg.failure.max_stalled, vocab)
+        self.health = RunHealth(cfg.failure.max_nonfinite, cfg.failure.max_stalled, vocab,
+                                cfg.failure.max_reward_failed)
         self.step_idx, self.cursor, self.bad_in_row = 0, 0, 0
         self.last_data = StepData()
         self.pending_events: list[dict[str, Any]] = []
