@@ -150,7 +150,8 @@ class FailureConfig:
     max_stalled: int = setting(3, ge=0, help="stop after this many steps in a row with zero gradient and non-zero "
                                              "advantages (0 = off)")
     max_reward_failed: int = setting(3, ge=0, help="stop after this many steps in a row in which every reward call "
-                                                   "raised, timed out or returned no usable number (0 = off)")
+                                                   "raised, timed out or returned NaN, a non-number or a value "
+                                                   "outside [0, 1] (0 = off)")
 
 
 @dataclass

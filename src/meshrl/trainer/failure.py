@@ -9,10 +9,11 @@ Three ways a run goes on computing without learning anything:
   does it in one step, leaving the output uniform: ``entropy/mean`` = ln V). After ``failure.max_stalled``
   such steps in a row the run stops (:class:`StalledRun`). Steps whose advantages are all 0 (every group
   scored alike) have a zero gradient by construction and neither count nor reset the tally.
-- a broken scorer: every reward call of the step raised, timed out or returned no usable number (each scored 0
-  and counted in ``reward/errors`` / ``reward/timeouts``), so every advantage is 0 and nothing is learnt; the
-  run would go on looking healthy but for those counters. After ``failure.max_reward_failed`` such steps in a
-  row the run stops (:class:`RewardsFailed`), naming the scorer's last error.
+- a broken scorer: every reward call of the step raised, timed out, or returned NaN, a non-number or a value
+  outside [0, 1] (all counted in ``reward/errors`` / ``reward/timeouts``: a failed call scores 0, a value out of
+  range is clamped), and the run would go on looking healthy but for those counters. After
+  ``failure.max_reward_failed`` such steps in a row the run stops (:class:`RewardsFailed`), naming the
+  scorer's last failure.
 
 Whatever stops a run, :func:`record_stop` writes an ``events.jsonl`` record and, when the trainer holds the
 state of a step boundary, a checkpoint of it (not after :class:`HealthStop`: that state is the unhealthy one).
@@ -50,7 +51,7 @@ class HealthStop(RuntimeError):
 
 
 class RunHealth:
-    """Counts consecutive dead-policy steps and decides when a run must stop (see the module docstring)."""
+    """Counts consecutive dead-policy and failed-reward steps and decides when a run must stop (module docstring)."""
 
     def __init__(self, max_nonfinite: int, max_stalled: int, vocab_size: int | None,
                  max_reward_failed: int = 0) -> None:
@@ -97,9 +98,9 @@ class RunHealth:
     def _rewards_message(self, failed: tuple[int, int, int], step: int, last: str | None) -> str:
         errors, timeouts, rollouts = failed
         return (f"every reward call failed in {self.reward_failed_in_row} steps in a row (to step {step}; its "
-                f"{rollouts} rollouts: {errors} errors, {timeouts} timeouts), so every advantage was 0 and nothing "
-                f"was learnt" + (f"; last: {last}" if last else "") + ". Fix the scorer (reward.strict=true / "
-                f"--strict-rewards raises its first error with the traceback) or raise reward.timeout_s "
+                f"{rollouts} rollouts: {errors} errors, {timeouts} timeouts; a reward must be a number in [0, 1])"
+                + (f"; last: {last}" if last else "") + ". Fix the scorer (reward.strict=true / "
+                "--strict-rewards raises its first error with the traceback) or raise reward.timeout_s "
                 f"(failure.max_reward_failed={self.max_reward_failed} sets this check, 0 turns it off)")
 
     def _stalled_message(self, metrics: dict[str, Any], step: int) -> str:
