@@ -227,7 +227,7 @@ def launch_side(side: str, args: argparse.Namespace, *, timeout_s: float | None 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, *child_args(args)]
     guarded = timeout_s is not None or limit_bytes is not None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1,
-                            start_new_session=guarded)
+                            start_new_session=guarded, env=side_env(side, args))
     run = SideRun(cmd, 0, {}, TreeSampler(proc.pid, args.interval), [])
 
     def kill(reason: str) -> None:
@@ -289,6 +289,21 @@ def run_side(side: str, args: argparse.Namespace) -> dict:
     out["load_before"], out["load_after"] = list(load0), list(os.getloadavg())
     out["series"] = [(round(s.t, 2), s.step, s.phase, s.pss["Pss"]) for s in sampler.samples]
     return out
+
+
+TORCH_KERNEL_CACHE_ENTRIES = "1024"  # ideep's and oneDNN's own capacity, what a TRL user runs with
+
+
+def side_env(side: str, args: argparse.Namespace) -> dict[str, str]:
+    """A child's environment. Importing meshrl bounds oneDNN's kernel caches (meshrl.kernel_caches); TRL's child
+    imports meshrl too (for the problem order), so it is given PyTorch's own capacities back, as its users run it,
+    unless ``--trl-kernel-caches meshrl``. meshrl's child inherits this process's (meshrl's bound, or the caller's)."""
+    from meshrl.kernel_caches import CACHE_VARIABLES
+
+    env = dict(os.environ)
+    if side == "trl" and getattr(args, "trl_kernel_caches", "torch") == "torch":
+        env.update({name: TORCH_KERNEL_CACHE_ENTRIES for name in CACHE_VARIABLES})
+    return env
 
 
 def child_args(args: argparse.Namespace) -> list[str]:
@@ -468,6 +483,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sides", default="meshrl,trl", help="comma list, run in this order")
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in the children")
+    parser.add_argument("--trl-kernel-caches", choices=("torch", "meshrl"), default="torch",
+                        help="TRL's oneDNN kernel-cache capacity: PyTorch's own (1,024 entries) or meshrl's bound")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--verbose", action="store_true", help="pass the children's other output through")
     parser.add_argument("--side", choices=("meshrl", "trl"), help=argparse.SUPPRESS)  # a child's role
