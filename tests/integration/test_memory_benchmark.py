@@ -93,3 +93,19 @@ def test_both_sides_draw_meshrls_problem_order_on_tiny(tmp_path: Path) -> None:
     sides = json.loads(out.read_text())["sides"]
     for name in ("meshrl", "trl"):
         assert sides[name]["complete"] and set(sides[name]["per_step_peak_gb"]) == {"1", "2", "3"}
+
+
+def test_trl_child_runs_with_pytorch_kernel_cache_sizes_unless_asked(monkeypatch):
+    """Importing meshrl bounds oneDNN's kernel caches; TRL's child imports meshrl too, so it is handed PyTorch's own
+    sizes back (as TRL's users run it) unless --trl-kernel-caches meshrl. meshrl's child inherits the driver's."""
+    import argparse
+
+    from memory_vs_trl import side_env
+
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "128")
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
+    plain = argparse.Namespace()
+    assert {side_env("trl", plain)[k] for k in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")} == {"1024"}
+    assert side_env("meshrl", plain)["LRU_CACHE_CAPACITY"] == "128"
+    same = argparse.Namespace(trl_kernel_caches="meshrl")
+    assert side_env("trl", same)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
