@@ -26,7 +26,7 @@ def _metrics(step: int) -> dict:
 class _Health:
     stalled_in_row = 0
 
-    def verdict(self, metrics, bad_in_row, run_dir):
+    def verdict(self, metrics, bad_in_row, run_dir, last_reward_failure=None):
         return None
 
 
@@ -41,6 +41,9 @@ class _FakeTrainer:
     def step(self):
         self.step_idx += 1
         return _metrics(self.step_idx)
+
+    def last_reward_failure(self):
+        return None
 
     def end_step(self):
         pass

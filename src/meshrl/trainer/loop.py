@@ -57,7 +57,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
                     metrics = _step_and_record(trainer, writers, trackers)
                     history.append(metrics)
                     failure = trainer.health.verdict(metrics, trainer.bad_in_row, run_dir,
-                                                     getattr(trainer.sampler.rewards, "last_failure", None))
+                                                     trainer.last_reward_failure())
                     if failure is not None:
                         raise failure
                     if health is not None:

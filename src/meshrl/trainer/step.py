@@ -132,6 +132,10 @@ class Trainer:
         })
         return metrics
 
+    def last_reward_failure(self) -> str | None:
+        """The scorer's latest failure message (None: none yet), for the error that stops a run whose rewards fail."""
+        return getattr(self.sampler.rewards, "last_failure", None)
+
     def mei_fallback_reason(self, data: StepData, missing: int) -> str:
         """Why this step's MEI features come from the update's forward instead of the sampler."""
         if not getattr(self.backend, "returns_features", False):
