@@ -91,6 +91,8 @@ class TrainConfig:
                                            "recomputed in the backward (0 = the whole [n, T, V] logits at once)")
     lean_activations: bool = setting(True, help="Llama-family: the update's backward recomputes RMSNorm and SwiGLU "
                                                 "intermediates instead of keeping them (same gradients)")
+    float32_attention: bool = setting(True, help="CPU, bf16 autocast: the update's attention in float32 (PyTorch's "
+                                                 "bf16 flash-attention backward is ~2x slower there; closer to exact)")
     heap_mmap_kib: int = setting(0, ge=0, help="C allocations of at least this many KiB get their own mapping "
                                                "(glibc; 0 = dynamic); 128: -0.5 GB, ~1.5x slower steps (SmolLM2)")
     update_workers: int = setting(0, ge=0, help="CPU: processes sharing each micro-batch (0 = one per torch thread, "

@@ -28,12 +28,14 @@ class PolicyForward:
 
     def logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """Response logits ``[n, T, V]`` of ``model`` with the configured autocast and prompt sharing."""
+        from meshrl.trainer.float32_attention import float32_attention
         from meshrl.trainer.lean_activations import lean_activations
 
         tc = self._train
         # Autocast's weight cache stays on: with it the prompt and response passes share one bf16 copy of a weight,
         # whose gradient autograd then sums in bf16; casting at each use would sum it in float32, a (small) change.
-        with lean_activations(model, tc.lean_activations):  # a no-op without a graph
+        # Both contexts are no-ops without a graph.
+        with lean_activations(model, tc.lean_activations), float32_attention(tc.float32_attention):
             return response_logits(model, mb, tc.autocast_bf16, share_prompts=tc.share_prompts,
                                    pack=tc.pack_responses, length_buckets=tc.length_buckets)
 

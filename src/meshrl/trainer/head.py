@@ -14,6 +14,14 @@ are the plain path's up to the rounding of a matmul over fewer rows. With a grap
 :func:`torch.utils.checkpoint.checkpoint`: it keeps only its input hidden states and recomputes its logits in the
 backward (Chen et al. 2016, "Training deep nets with sublinear memory cost"), so at most one chunk's logits exist
 at a time, at the cost of a second head matmul per token in the backward.
+
+A plain ``nn.Linear`` head (every Llama-family model; not a LoRA-wrapped one) takes a fused path instead,
+:class:`LinearTokenTerms`, an autograd function with the log-softmax's backward in closed form: for the sampled
+token ``y``, ``d log p_y / d z = (onehot(y) - softmax(z)) / T``, so the backward needs only each token's
+log-normaliser from the forward, not the log-softmax, and the entropy (a metric, without gradient) is not
+recomputed there. It casts the head's weight once per pass instead of once per chunk, and does the vocabulary-wide
+elementwise work in blocks of rows that stay in cache. The values differ from the plain path's by float rounding
+(the log-normaliser is summed in a different order); ``tests/integration/test_head_chunks.py`` compares them.
 """
 
 from __future__ import annotations
@@ -87,6 +95,10 @@ def chunked_token_terms(hidden: torch.Tensor, tokens: torch.Tensor, head: torch.
     flat_h = hidden.reshape(n * t, hidden.shape[-1])
     flat_y = tokens.reshape(n * t).to(hidden.device)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    if fused_head(head):
+        dtype = torch.bfloat16 if autocast_bf16 else head.weight.dtype
+        lp, ent = LinearTokenTerms.apply(flat_h, head.weight, head.bias, flat_y, chunk, dtype, temperature, entropy)
+        return lp.view(n, t), ent.view(n, t) if entropy else None
     logps, entropies = [], []
     for a in range(0, n * t, chunk):
         args = (flat_h[a : a + chunk], flat_y[a : a + chunk], head, autocast_bf16, temperature, entropy)
@@ -95,3 +107,107 @@ def chunked_token_terms(hidden: torch.Tensor, tokens: torch.Tensor, head: torch.
         entropies.append(ent)
     ent_all = torch.cat(entropies).view(n, t) if entropy else None
     return torch.cat(logps).view(n, t), ent_all
+
+
+def fused_head(head: torch.nn.Module) -> bool:
+    """Whether ``head`` takes :class:`LinearTokenTerms`: a plain ``nn.Linear`` (a wrapped one runs its own forward)."""
+    return type(head) is torch.nn.Linear
+
+
+BLOCK_BYTES = 4 << 20  # the float32 rows of the vocabulary-wide elementwise work done at a time: fits in cache
+
+
+class _Blocks:
+    """Row blocks of a chunk's logits, each copied to float32 (and tempered) in one reused buffer: the
+    vocabulary-wide work of a block stays in cache and allocates nothing (fresh multi-MB tensors cost page faults)."""
+
+    def __init__(self, vocab: int, temperature: float, device: torch.device) -> None:
+        self.step = max(1, BLOCK_BYTES // (4 * vocab))
+        self.temperature = temperature if temperature > 0 and temperature != 1.0 else None
+        self.buf = torch.empty(self.step, vocab, dtype=torch.float32, device=device)
+        self.spare = torch.empty_like(self.buf)
+
+    def __call__(self, z_chunk: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """``(rows, z, spare)``: ``z`` the rows' logits in float32, divided by the sampling temperature (0 counts
+        as 1, as in token_logprobs), and a second buffer of the same shape; both overwritten at the next block."""
+        for r in range(0, z_chunk.shape[0], self.step):
+            rows = slice(r, min(r + self.step, z_chunk.shape[0]))
+            z = self.buf[: rows.stop - r].copy_(z_chunk[rows])
+            if self.temperature is not None:
+                z.div_(self.temperature)
+            yield rows, z, self.spare[: rows.stop - r]
+
+
+class LinearTokenTerms(torch.autograd.Function):
+    """``log softmax((h W^T + b) / T)[y]`` per token and the entropy of that distribution, from hidden states
+    ``h [N, H]`` and a linear head ``W [V, H]``, ``chunk`` tokens per matmul; the backward in closed form.
+
+    Forward, per row with ``z = (h W^T + b) / T``, ``m = max z``, ``s = sum exp(z - m)``, ``lse = m + log s``:
+    ``log p_y = (z_y - m) - log s`` (what ``log_softmax`` computes) and ``H = log s - sum_j e^(z_j - m) (z_j - m) / s``
+    (``= -sum_j p_j log p_j``, written as two non-negative terms so that a peaked distribution keeps its digits).
+    Backward (the log-softmax's Jacobian): ``dL/dz_j = g (1[j = y] - exp(z_j - lse)) / T`` for ``g = dL/d log p_y``,
+    then ``dL/dh = dz W`` and ``dL/dW = dz^T h``, the matmuls in ``dtype`` as autocast runs them (the weight's
+    gradient summed over chunks in float32, as autograd sums the chunked path's). The entropy has no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
+                chunk: int, dtype: torch.dtype, temperature: float,
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n, vocab = hidden.shape[0], weight.shape[0]
+        logp = hidden.new_empty(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        ent = hidden.new_empty(n if entropy else 0, dtype=torch.float32)
+        blocks = _Blocks(vocab, temperature, hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+            for a in range(0, n, chunk):
+                z_chunk = F.linear(hidden[a : a + chunk].to(dtype), w, b)
+                for rows, z, e in blocks(z_chunk):
+                    i = slice(a + rows.start, a + rows.stop)
+                    m = z.amax(-1, keepdim=True)
+                    shifted = z.sub_(m)  # z - m <= 0
+                    s = torch.exp(shifted, out=e).sum(-1, keepdim=True)
+                    log_s = s.log()
+                    logp[i] = (shifted.gather(-1, tokens[i, None]) - log_s).squeeze(-1)
+                    lse[i] = (m + log_s).squeeze(-1)
+                    if entropy:  # H = log s - sum_j e_j (z_j - m) / s: a sum of two non-negative terms, no cancellation
+                        ent[i] = (log_s - e.mul_(shifted).sum(-1, keepdim=True) / s).squeeze(-1)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse)
+        ctx.chunk, ctx.dtype, ctx.temperature = chunk, dtype, temperature
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp: torch.Tensor, _g_ent: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, tokens, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        chunk, dtype, temperature = ctx.chunk, ctx.dtype, ctx.temperature
+        tempered = temperature > 0 and temperature != 1.0
+        n, vocab = hidden.shape[0], weight.shape[0]
+        g = g_logp.float()
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight: torch.Tensor | None = None  # float32 sums over chunks; the first chunk's product starts them
+        d_bias: torch.Tensor | None = None
+        blocks = _Blocks(vocab, temperature, hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+            for a in range(0, n, chunk):
+                h = hidden[a : a + chunk].to(dtype)
+                z_chunk = F.linear(h, w, b)  # recomputed: the same kernel on the same inputs as the forward
+                dz = torch.empty_like(z_chunk)
+                for rows, z, _ in blocks(z_chunk):
+                    i = slice(a + rows.start, a + rows.stop)
+                    grad = z.sub_(lse[i, None]).exp_().mul_(-g[i, None]).scatter_add_(-1, tokens[i, None], g[i, None])
+                    dz[rows] = grad.div_(temperature) if tempered else grad  # as autograd divides
+                if need_h:
+                    d_hidden[a : a + chunk] = dz @ w
+                if need_w:
+                    part = (dz.t() @ h).float()
+                    d_weight = part if d_weight is None else d_weight.add_(part)
+                if need_b:
+                    part = dz.sum(0).float()
+                    d_bias = part if d_bias is None else d_bias.add_(part)
+        d_weight = None if d_weight is None else d_weight.to(weight.dtype)
+        d_bias = None if d_bias is None else d_bias.to(bias.dtype)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None

@@ -1,0 +1,107 @@
+"""meshrl.trainer.float32_attention: under bf16 autocast on a CPU the update's attention runs in float32. It must
+change only forwards that build a graph under autocast, agree with the bf16 path to bf16 rounding, be no further
+from a float32 model than the bf16 path is, and leave transformers' attention registry as it found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from meshrl.testing import TINY_RUN
+from meshrl.trainer import Trainer, load_config
+from meshrl.trainer.float32_attention import float32_attention
+
+
+def _model(kind: str) -> torch.nn.Module:
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+
+
+def _run(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, *, autocast: bool, fp32_attention: bool):
+    """log-softmax of the logits and the gradients of a fixed loss of them."""
+    model.zero_grad(set_to_none=True)
+    with float32_attention(fp32_attention), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    logp = logits.float().log_softmax(-1)
+    weights = torch.linspace(-1.0, 1.0, logp.shape[-1])
+    (logp * weights * mask[..., None]).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_float32_attention_is_as_exact_as_the_bf16_path(kind: str) -> None:
+    model = _model(kind)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (3, 20), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: a real mask reaches the kernel
+    exact_lp, exact_grads = _run(model, ids, mask, autocast=False, fp32_attention=False)
+    bf16_lp, bf16_grads = _run(model, ids, mask, autocast=True, fp32_attention=False)
+    f32_lp, f32_grads = _run(model, ids, mask, autocast=True, fp32_attention=True)
+    keep = mask.bool()
+    assert not torch.equal(f32_lp, bf16_lp)  # it did run something else
+    torch.testing.assert_close(f32_lp[keep], bf16_lp[keep], atol=0.05, rtol=0.05)  # bf16 rounding apart
+
+    def err(lp: torch.Tensor) -> float:
+        return float((lp - exact_lp)[keep].abs().mean())
+
+    # No further from the float32 model than the bf16 path (seen 2-4% closer in log-probs): the projections' bf16
+    # matmuls, unchanged here, make most of both paths' distance, so the margin is small either way.
+    assert err(f32_lp) <= 1.02 * err(bf16_lp)
+
+    def grad_err(grads: dict[str, torch.Tensor]) -> float:
+        return sum(float((grads[n] - g).norm() / g.norm()) for n, g in exact_grads.items())
+
+    assert grad_err(f32_grads) <= 1.05 * grad_err(bf16_grads)
+
+
+def test_float32_attention_leaves_other_forwards_and_the_registry_alone() -> None:
+    model = _model("llama")
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    plain = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    had_local = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
+    for autocast in (False, True):  # no graph: bit for bit the plain forward, with or without autocast
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            want = model(input_ids=ids).logits
+            with float32_attention():
+                got = model(input_ids=ids).logits
+        assert torch.equal(got, want)
+    with torch.autocast("cpu", enabled=False):  # a graph but no autocast: unchanged too
+        want = model(input_ids=ids).logits
+        with float32_attention():
+            got = model(input_ids=ids).logits
+    assert torch.equal(got, want)
+    with float32_attention(enabled=False):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is plain
+    with pytest.raises(RuntimeError, match="boom"), float32_attention():
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not plain
+        raise RuntimeError("boom")
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is plain  # restored after an error
+    assert ("sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping) == had_local
+
+
+def test_a_training_step_with_float32_attention_matches_the_bf16_one(tmp_path) -> None:
+    """train.float32_attention on and off under bf16 autocast: the same rollouts give updates that agree to
+    bf16 rounding (the weights move by ~lr either way)."""
+    base = [*TINY_RUN, "rollout.max_new_tokens=8", "optim.lr=1e-4", "train.autocast_bf16=true",
+            "train.update_workers=1"]
+    on = Trainer(load_config(overrides=[*base, "train.float32_attention=true"]), tmp_path / "on")
+    off = Trainer(load_config(overrides=[*base, "train.float32_attention=false"]), tmp_path / "off")
+    try:
+        data, _ = off.sampler.run(0, 0)
+        data.advantages = torch.randn(len(data), generator=torch.Generator().manual_seed(0))
+        m_off, m_on = off.update(data), on.update(data)
+        assert m_on["loss/total"] == pytest.approx(m_off["loss/total"], rel=0.02, abs=1e-4)
+        assert m_on["grad/norm"] == pytest.approx(m_off["grad/norm"], rel=0.05)
+        lr = off.cfg.optim.lr
+        for p, q in zip(off.model.parameters(), on.model.parameters(), strict=True):
+            torch.testing.assert_close(q, p, atol=2 * lr, rtol=0)
+    finally:
+        on.close()
+        off.close()
