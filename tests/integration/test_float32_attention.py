@@ -105,3 +105,22 @@ def test_a_training_step_with_float32_attention_matches_the_bf16_one(tmp_path) -
     finally:
         on.close()
         off.close()
+
+
+def test_float32_attention_is_deterministic_and_bounded(monkeypatch) -> None:
+    """The same forward and backward twice give the same bits (float32 flash attention's backward did not, inside
+    the update), and a layer whose scores pass MAX_SCORE_BYTES runs the plain bf16 path, bit for bit."""
+    from meshrl.trainer import float32_attention as mod
+
+    model = _model("llama")
+    ids = torch.randint(0, 97, (4, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[2, :7] = 0
+    first = _run(model, ids, mask, autocast=True, fp32_attention=True)
+    second = _run(model, ids, mask, autocast=True, fp32_attention=True)
+    assert torch.equal(first[0], second[0]) and all(torch.equal(first[1][n], second[1][n]) for n in first[1])
+    monkeypatch.setattr(mod, "MAX_SCORE_BYTES", 4 * 4 * 30 * 30 * 4 - 1)  # rows x heads x 30 x 30 float32, less 1
+    bounded = _run(model, ids, mask, autocast=True, fp32_attention=True)
+    plain = _run(model, ids, mask, autocast=True, fp32_attention=False)
+    assert torch.equal(bounded[0], plain[0]) and all(torch.equal(bounded[1][n], plain[1][n]) for n in plain[1])
+    assert not torch.equal(first[0], plain[0])

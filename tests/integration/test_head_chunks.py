@@ -187,3 +187,66 @@ def test_the_fused_head_over_row_blocks_with_a_bias(monkeypatch, autocast_bf16: 
     for got, exp in zip([hidden.grad, head.weight.grad, head.bias.grad], want, strict=True):
         tol = 2**-6 * float(exp.abs().max()) if autocast_bf16 else 1e-5
         torch.testing.assert_close(got, exp, atol=tol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("autocast_bf16", [False, True])
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, autocast_bf16: bool) -> None:
+    """train.head_keep_mib: logits kept from the forward, or recomputed in the backward, are the same matmul on the
+    same inputs, so the gradients agree exactly; a budget too small for them recomputes; no graph keeps nothing."""
+    from meshrl.trainer import head as head_mod
+
+    g = torch.Generator().manual_seed(2)
+    n, t, h, v = 2, 11, 8, 40
+    head = torch.nn.Linear(h, v, bias=False)
+    tokens = torch.randint(0, v, (n, t), generator=g)
+    base = torch.randn(n, t, h, generator=g)
+    weights = torch.randn(n, t, generator=g)
+    matmuls = []
+    real_linear = head_mod.F.linear
+    monkeypatch.setattr(head_mod.F, "linear", lambda *a: matmuls.append(1) or real_linear(*a))
+
+    def run(keep_mib: float):
+        hidden = base.clone().requires_grad_(True)
+        head.zero_grad(set_to_none=True)
+        matmuls.clear()
+        lp, ent = chunked_token_terms(hidden, tokens, head, chunk=6, autocast_bf16=autocast_bf16, temperature=0.8,
+                                      keep_mib=keep_mib)
+        (lp * weights).sum().backward()
+        return lp.detach(), ent, hidden.grad, head.weight.grad, len(matmuls)
+
+    need = n * t * v * (2 if autocast_bf16 else 4) / 2**20  # MiB of the kept logits
+    recomputed, kept, too_small = run(0), run(need), run(need * 0.99)
+    assert recomputed[-1] == 8 and kept[-1] == 4 and too_small[-1] == 8  # 4 chunks: forward + backward each
+    for a, b in zip(recomputed[:4], kept[:4], strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # no graph: nothing to keep for
+        lp, _ = chunked_token_terms(base, tokens, head, chunk=6, autocast_bf16=autocast_bf16, temperature=0.8,
+                                    keep_mib=1e6)
+    torch.testing.assert_close(lp, recomputed[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("head_class", [torch.nn.Linear, WrappedLinear])
+def test_positions_skip_the_padding_and_keep_the_rest(head_class: type) -> None:
+    """positions: only a micro-batch's real response tokens go through the head; their log-probs, entropies and
+    gradients are those of the full computation, the padding's are 0 (and give no gradient)."""
+    g = torch.Generator().manual_seed(3)
+    n, t, h, v = 3, 8, 16, 30
+    head = head_class(h, v, bias=False)
+    tokens = torch.randint(0, v, (n, t), generator=g)
+    positions = torch.arange(t)[None, :] < torch.tensor([8, 3, 5])[:, None]  # right padding after each row
+    weights = torch.randn(n, t, generator=g) * positions
+    base = torch.randn(n, t, h, generator=g)
+
+    def run(pos):
+        hidden = base.clone().requires_grad_(True)
+        head.zero_grad(set_to_none=True)
+        lp, ent = chunked_token_terms(hidden, tokens, head, chunk=4, autocast_bf16=False, positions=pos)
+        (lp * weights).sum().backward()
+        return lp.detach(), ent, hidden.grad, head.weight.grad
+
+    full, skipped = run(None), run(positions)
+    for a, b in zip(full[:2], skipped[:2], strict=True):
+        torch.testing.assert_close(b[positions], a[positions], atol=1e-6, rtol=1e-6)
+        assert torch.all(b[~positions] == 0)
+    torch.testing.assert_close(skipped[2], full[2], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(skipped[3], full[3], atol=1e-6, rtol=1e-5)

@@ -89,6 +89,8 @@ class TrainConfig:
                                                 "padded to its longest")
     head_chunk: int = setting(512, ge=0, help="tokens per chunk of the output head for log-probs and entropies, "
                                            "recomputed in the backward (0 = the whole [n, T, V] logits at once)")
+    head_keep_mib: int = setting(128, ge=0, help="a plain linear head keeps its logits for the backward up to this "
+                                                 "many MiB per micro-batch instead of recomputing them (same values)")
     lean_activations: bool = setting(True, help="Llama-family: the update's backward recomputes RMSNorm and SwiGLU "
                                                 "intermediates instead of keeping them (same gradients)")
     float32_attention: bool = setting(True, help="CPU, bf16 autocast: the update's attention in float32 (PyTorch's "

@@ -50,7 +50,8 @@ class PolicyForward:
                     entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs ``[n, T]`` (with a graph when grad is enabled) and, with ``entropy``, detached
         entropies ``[n, T]`` of the responses under ``model``: from chunks of the head (:mod:`meshrl.trainer.head`,
-        never the whole logits) when :meth:`chunks_head`, else from :meth:`logits`. Equal up to float rounding."""
+        never the whole logits) when :meth:`chunks_head`, else from :meth:`logits`. Equal up to float rounding at
+        every response token; the chunked head skips the right padding (0 there), which every reader masks."""
         if not self.chunks_head(model):
             logits = self.logits(model, mb)
             logp = token_logprobs(logits, mb.response_ids, self.temperature)
@@ -60,7 +61,9 @@ class PolicyForward:
         with head_set_aside(model) as head:
             hidden = self.logits(model, mb)  # the same layout, the head's input in place of its output
         return chunked_token_terms(hidden, mb.response_ids, head, chunk=self.head_chunk, entropy=entropy,
-                                   autocast_bf16=self._train.autocast_bf16, temperature=self.temperature)
+                                   autocast_bf16=self._train.autocast_bf16, temperature=self.temperature,
+                                   keep_mib=self._train.head_keep_mib,
+                                   positions=mb.attention_mask[:, mb.prompt_len :].bool())  # not the padding
 
     def micro_batches(self, rows: list[int], data: Any, *, bare: bool = False) -> Iterator[tuple[list[int],
                                                                                                 MicroBatch]]:

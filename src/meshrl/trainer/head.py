@@ -20,7 +20,9 @@ A plain ``nn.Linear`` head (every Llama-family model; not a LoRA-wrapped one) ta
 token ``y``, ``d log p_y / d z = (onehot(y) - softmax(z)) / T``, so the backward needs only each token's
 log-normaliser from the forward, not the log-softmax, and the entropy (a metric, without gradient) is not
 recomputed there. It casts the head's weight once per pass instead of once per chunk, and does the vocabulary-wide
-elementwise work in blocks of rows that stay in cache. The values differ from the plain path's by float rounding
+elementwise work in blocks of rows that stay in cache. When the logits take at most ``train.head_keep_mib`` (in
+bf16 under autocast: 98 KB per token of a 49k vocabulary) it keeps them for the backward instead of recomputing
+them (the same values: the same matmul on the same inputs). The values differ from the plain path's by float rounding
 (the log-normaliser is summed in a different order); ``tests/integration/test_head_chunks.py`` compares them.
 """
 
@@ -84,20 +86,31 @@ def _chunk_terms(hidden: torch.Tensor, tokens: torch.Tensor, head: torch.nn.Modu
 
 
 def chunked_token_terms(hidden: torch.Tensor, tokens: torch.Tensor, head: torch.nn.Module, *, chunk: int,
-                        autocast_bf16: bool, temperature: float = 1.0,
-                        entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        autocast_bf16: bool, temperature: float = 1.0, entropy: bool = True,
+                        keep_mib: float = 0,
+                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``[n, T]`` (with a graph when grad is enabled) and, with ``entropy``, entropies
     ``[n, T]`` (detached) of ``tokens`` from hidden states ``[n, T, H]``, ``chunk`` tokens at a time (module
-    docstring)."""
+    docstring). A fused head keeps its logits for the backward instead of recomputing them when they take at most
+    ``keep_mib`` MiB. ``positions`` (bool ``[n, T]``): compute only there (a micro-batch's real response tokens, not
+    its right padding, which can be a third of the positions or more); elsewhere the log-prob and entropy are 0."""
     if chunk < 1:
         raise ValueError(f"train.head_chunk must be >= 1 to chunk the head, got {chunk}")
     n, t = tokens.shape
     flat_h = hidden.reshape(n * t, hidden.shape[-1])
     flat_y = tokens.reshape(n * t).to(hidden.device)
+    if positions is not None:
+        sel = positions.reshape(n * t).to(hidden.device, torch.bool)
+        lp, ent = chunked_token_terms(flat_h[sel][None], flat_y[sel][None], head, chunk=chunk,
+                                      autocast_bf16=autocast_bf16, temperature=temperature, entropy=entropy,
+                                      keep_mib=keep_mib)
+        lp = lp.new_zeros(n * t).masked_scatter(sel, lp.view(-1)).view(n, t)
+        return lp, None if ent is None else ent.new_zeros(n * t).masked_scatter(sel, ent.view(-1)).view(n, t)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     if fused_head(head):
         dtype = torch.bfloat16 if autocast_bf16 else head.weight.dtype
-        lp, ent = LinearTokenTerms.apply(flat_h, head.weight, head.bias, flat_y, chunk, dtype, temperature, entropy)
+        lp, ent = LinearTokenTerms.apply(flat_h, head.weight, head.bias, flat_y, chunk, dtype, temperature, entropy,
+                                         int(keep_mib * 2**20))
         return lp.view(n, t), ent.view(n, t) if entropy else None
     logps, entropies = [], []
     for a in range(0, n * t, chunk):
@@ -152,9 +165,13 @@ class LinearTokenTerms(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor,
-                chunk: int, dtype: torch.dtype, temperature: float,
-                entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, dtype: torch.dtype, temperature: float, entropy: bool,
+                keep_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         n, vocab = hidden.shape[0], weight.shape[0]
+        # The logits for the backward, when they fit in keep_bytes: it then skips the head's matmul (the same
+        # values: that matmul on the same inputs). Only when a gradient will be asked for.
+        keep = any(ctx.needs_input_grad[:3]) and n * vocab * dtype.itemsize <= keep_bytes
+        kept: list[torch.Tensor] = []
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         ent = hidden.new_empty(n if entropy else 0, dtype=torch.float32)
@@ -163,6 +180,8 @@ class LinearTokenTerms(torch.autograd.Function):
             w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
             for a in range(0, n, chunk):
                 z_chunk = F.linear(hidden[a : a + chunk].to(dtype), w, b)
+                if keep:
+                    kept.append(z_chunk)
                 for rows, z, e in blocks(z_chunk):
                     i = slice(a + rows.start, a + rows.stop)
                     m = z.amax(-1, keepdim=True)
@@ -174,7 +193,7 @@ class LinearTokenTerms(torch.autograd.Function):
                     if entropy:  # H = log s - sum_j e_j (z_j - m) / s: a sum of two non-negative terms, no cancellation
                         ent[i] = (log_s - e.mul_(shifted).sum(-1, keepdim=True) / s).squeeze(-1)
         ctx.save_for_backward(hidden, weight, bias, tokens, lse)
-        ctx.chunk, ctx.dtype, ctx.temperature = chunk, dtype, temperature
+        ctx.chunk, ctx.dtype, ctx.temperature, ctx.kept = chunk, dtype, temperature, kept
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -192,10 +211,10 @@ class LinearTokenTerms(torch.autograd.Function):
         blocks = _Blocks(vocab, temperature, hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-            for a in range(0, n, chunk):
+            for k, a in enumerate(range(0, n, chunk)):
                 h = hidden[a : a + chunk].to(dtype)
-                z_chunk = F.linear(h, w, b)  # recomputed: the same kernel on the same inputs as the forward
-                dz = torch.empty_like(z_chunk)
+                z_chunk = ctx.kept[k] if ctx.kept else F.linear(h, w, b)  # recomputed: the same kernel, same inputs
+                dz = z_chunk if ctx.kept else torch.empty_like(z_chunk)  # a kept chunk, read block by block, takes dz
                 for rows, z, _ in blocks(z_chunk):
                     i = slice(a + rows.start, a + rows.stop)
                     grad = z.sub_(lse[i, None]).exp_().mul_(-g[i, None]).scatter_add_(-1, tokens[i, None], g[i, None])
@@ -208,6 +227,7 @@ class LinearTokenTerms(torch.autograd.Function):
                 if need_b:
                     part = dz.sum(0).float()
                     d_bias = part if d_bias is None else d_bias.add_(part)
+        ctx.kept = []  # overwritten by dz: a second backward (retain_graph) recomputes them
         d_weight = None if d_weight is None else d_weight.to(weight.dtype)
         d_bias = None if d_bias is None else d_bias.to(bias.dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
