@@ -250,3 +250,16 @@ def test_positions_skip_the_padding_and_keep_the_rest(head_class: type) -> None:
         assert torch.all(b[~positions] == 0)
     torch.testing.assert_close(skipped[2], full[2], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(skipped[3], full[3], atol=1e-6, rtol=1e-5)
+
+
+def test_positions_with_no_real_token_fall_back_to_every_position() -> None:
+    """A micro-batch whose responses are all empty still gives log-probs with a graph (every position, as before
+    positions existed), on both head paths."""
+    for head_class in (torch.nn.Linear, WrappedLinear):
+        head = head_class(4, 9, bias=False)
+        hidden = torch.randn(2, 3, 4, requires_grad=True)
+        tokens = torch.zeros(2, 3, dtype=torch.long)
+        nothing = torch.zeros(2, 3, dtype=torch.bool)
+        lp, _ = chunked_token_terms(hidden, tokens, head, chunk=4, autocast_bf16=False, positions=nothing)
+        want, _ = chunked_token_terms(hidden, tokens, head, chunk=4, autocast_bf16=False)
+        assert lp.requires_grad and torch.equal(lp, want)

@@ -99,8 +99,8 @@ def chunked_token_terms(hidden: torch.Tensor, tokens: torch.Tensor, head: torch.
     n, t = tokens.shape
     flat_h = hidden.reshape(n * t, hidden.shape[-1])
     flat_y = tokens.reshape(n * t).to(hidden.device)
-    if positions is not None:
-        sel = positions.reshape(n * t).to(hidden.device, torch.bool)
+    sel = None if positions is None else positions.reshape(n * t).to(hidden.device, torch.bool)
+    if sel is not None and bool(sel.any()):  # (no real token at all: every position, as without positions)
         lp, ent = chunked_token_terms(flat_h[sel][None], flat_y[sel][None], head, chunk=chunk,
                                       autocast_bf16=autocast_bf16, temperature=temperature, entropy=entropy,
                                       keep_mib=keep_mib)
