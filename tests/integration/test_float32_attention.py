@@ -124,3 +124,107 @@ def test_float32_attention_is_deterministic_and_bounded(monkeypatch) -> None:
     plain = _run(model, ids, mask, autocast=True, fp32_attention=False)
     assert torch.equal(bounded[0], plain[0]) and all(torch.equal(bounded[1][n], plain[1][n]) for n in plain[1])
     assert not torch.equal(first[0], plain[0])
+
+
+def _attention_inputs(b: int, heads: int, kv_heads: int, t: int, s: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, t, 16, generator=g)
+    k = torch.randn(b, kv_heads, s, 16, generator=g)
+    v = torch.randn(b, kv_heads, s, 16, generator=g).bfloat16()  # the value projection's autocast output
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def _reference(q, k, v, allowed):
+    """The float32 math kernel on repeated keys and values, as transformers' sdpa function runs it."""
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(q.float(), kr, vr, attn_mask=allowed,
+                                                               is_causal=allowed is None, scale=0.25)
+    return out.transpose(1, 2).bfloat16()
+
+
+@pytest.mark.parametrize("case", ["causal", "mask", "mask-broadcast"])
+def test_grouped_float32_attention_matches_the_math_kernel(case: str) -> None:
+    """The update's own float32 attention (heads grouped over shared keys, only the inputs and the softmax kept)
+    gives the math kernel's outputs and gradients to float32 rounding, including a query row with no key allowed
+    (zeros, not NaN) and a mask shared by every row."""
+    from meshrl.trainer.float32_attention import _grouped_attention
+
+    b, t, s = 3, 7, (7 if case == "causal" else 11)
+    allowed = None
+    if case != "causal":
+        allowed = torch.rand(b if case == "mask" else 1, 1, t, s, generator=torch.Generator().manual_seed(4)) > 0.3
+        allowed[0, 0, 2] = False  # a row with nothing to attend to
+    got_in = _attention_inputs(b, 6, 2, t, s, 3)
+    want_in = [x.detach().clone().requires_grad_() for x in got_in]
+    got = _grouped_attention(_Layer(3), *got_in, allowed, 0.25, torch.bfloat16)
+    want = _reference(*want_in, allowed)
+    assert got.shape == want.shape == (b, t, 6, 16) and got.dtype == torch.bfloat16
+    assert not got.float().isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)  # outputs rounded to bf16 alike
+    weights = torch.randn(got.shape, generator=torch.Generator().manual_seed(5))
+    (got.float() * weights).sum().backward()
+    (want.float() * weights).sum().backward()
+    for mine, theirs in zip(got_in, want_in, strict=True):
+        assert mine.grad.dtype == mine.dtype and not mine.grad.float().isnan().any()
+        tol = 1e-5 if mine.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(mine.grad, theirs.grad, atol=tol, rtol=tol)
+
+
+def test_grouped_float32_attention_keeps_its_inputs_and_the_softmax_only() -> None:
+    """What the backward keeps: the inputs as given and one float32 softmax, never the math kernel's float32
+    copies of repeated keys and values (the memory the update's peak would otherwise carry per layer)."""
+    from meshrl.trainer.float32_attention import _grouped_attention
+
+    def saved_bytes(fn) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            fn()
+        return sum(seen.values())
+
+    b, heads, kv_heads, t, s = 4, 8, 2, 24, 40
+    q, k, v = _attention_inputs(b, heads, kv_heads, t, s, 6)
+    allowed = torch.ones(b, 1, t, s, dtype=torch.bool)
+    mine = saved_bytes(lambda: _grouped_attention(_Layer(heads // kv_heads), q, k, v, allowed, 0.25, torch.bfloat16))
+    math = saved_bytes(lambda: _reference(q, k, v, allowed))
+    inputs = sum(x.numel() * x.element_size() for x in (q, k, v))
+    assert mine == inputs + b * heads * t * s * 4
+    assert mine < 0.75 * math
+
+
+def test_grouped_float32_attention_runs_in_the_model_and_declines_what_it_does_not_reproduce(monkeypatch) -> None:
+    """A Llama forward under autocast with a graph takes the grouped path in every layer, padded or not; an
+    additive (float) mask, or keys longer than queries without a mask, go to the math kernel instead."""
+    from meshrl.trainer import float32_attention as mod
+
+    calls: list[bool] = []
+    real = mod._grouped_attention
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(mod, "_grouped_attention", spy)
+    model = _model("llama")
+    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    _run(model, ids, mask, autocast=True, fp32_attention=True)
+    mask[1, :4] = 0
+    _run(model, ids, mask, autocast=True, fp32_attention=True)
+    assert calls == [True] * 4  # two layers, two forwards
+    q, k, v = _attention_inputs(1, 4, 2, 5, 9, 8)
+    assert real(_Layer(2), q, k, v, None, 0.25, torch.bfloat16) is None
+    assert real(_Layer(2), q, k, v, torch.zeros(1, 1, 5, 9), 0.25, torch.bfloat16) is None
