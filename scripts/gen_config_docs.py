@@ -5,7 +5,7 @@
 
 from pathlib import Path
 
-from meshrl.trainer.config import config_reference
+from meshrl.trainer.config_reference import config_reference
 
 if __name__ == "__main__":
     out = Path(__file__).resolve().parents[1] / "docs" / "config.md"

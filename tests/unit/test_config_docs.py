@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from meshrl.settings import iter_settings
-from meshrl.trainer.config import RunConfig, config_reference, load_config
+from meshrl.trainer.config import RunConfig, load_config
+from meshrl.trainer.config_reference import config_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 

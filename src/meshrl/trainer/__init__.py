@@ -2,7 +2,8 @@
 submodules (``tests/unit/test_layering.py``); the step itself is :mod:`meshrl.trainer.step`."""
 
 from meshrl.trainer.batch import MicroBatch, collate, response_logits, token_entropy, token_logprobs
-from meshrl.trainer.config import MESH_RECIPES, RunConfig, config_reference, load_config
+from meshrl.trainer.config import MESH_RECIPES, RunConfig, load_config
+from meshrl.trainer.config_reference import config_reference
 from meshrl.trainer.episodes import generate_scored, transcript
 from meshrl.trainer.failure import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun
 from meshrl.trainer.history import StepHistory
