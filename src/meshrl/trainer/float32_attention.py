@@ -51,21 +51,19 @@ class _Float32Attention(torch.autograd.Function):
     copying them, keeping for the backward only the inputs as given and the softmax ``p`` (float32).
 
     ``q`` is ``[b, kv_heads, group * T, d]`` (a key/value head's query heads stacked), ``k`` and ``v`` are
-    ``[b, kv_heads, S, d]``, ``allowed`` a bool ``[b | 1, 1 | kv_heads, group * T | T, S]`` view or None. A query row
-    with no allowed key gets zeros, as PyTorch's math kernel gives it. Backward, with ``g`` the output's gradient:
+    ``[b, kv_heads, S, d]``, ``allowed`` a bool ``[b | 1, 1, group * T, S]``. A query row with no allowed key gets
+    zeros, as PyTorch's math kernel gives it. Backward, with ``g`` the output's gradient (the softmax attention
+    gradient as in Dao et al. 2022, "FlashAttention", appendix B.2, here with ``p`` kept instead of recomputed):
     ``dv = p^T g``, ``dp = g v^T``, ``ds = p (dp - rowsum(dp p))``, ``dq = scale ds k``, ``dk = scale ds^T q``.
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                 scale: float) -> torch.Tensor:
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
-        if allowed is not None:
-            scores.masked_fill_(~allowed, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
+        p = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
         del scores
-        if allowed is not None:
-            p.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)  # no key allowed: 0, not NaN
+        p.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)  # no key allowed: 0, not NaN
         ctx.scale = scale
         ctx.save_for_backward(q, k, v, p)
         return torch.matmul(p, v.float())
@@ -115,8 +113,8 @@ def _float32_sdpa(plain: Callable[..., Any], module: torch.nn.Module, query: tor
             or scores > MAX_SCORE_BYTES):
         return plain(module, query, key, value, attention_mask, *args, **kwargs)
     dtype = torch.get_autocast_dtype(device)
-    plain_call = not args and set(kwargs) <= PLAIN_KWARGS and kwargs.get("is_causal") is not False
-    if plain_call and not kwargs.get("dropout"):
+    known_call = not args and set(kwargs) <= PLAIN_KWARGS and kwargs.get("is_causal") is not False
+    if known_call and not kwargs.get("dropout"):
         with torch.autocast(device, enabled=False):
             out = _grouped_attention(module, query, key, value, attention_mask, kwargs.get("scaling"), dtype)
         if out is not None:
