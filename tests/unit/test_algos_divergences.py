@@ -115,7 +115,8 @@ def test_k1_and_k2_gradients() -> None:
 def test_property_k3_is_nonnegative_and_bounded(pairs) -> None:
     logp, ref = t64([a for a, _ in pairs]), t64([b for _, b in pairs])
     k3 = kl_penalty(logp, ref, "k3")
-    assert bool((k3 >= 0).all()) and bool((k3 <= 10).all())
+    # >= 0 up to float rounding: exp(x) - x - 1 for |x| ~ 1e-11 rounds to -1.1e-16 (as in verl, which computes it alike)
+    assert bool((k3 >= -1e-12).all()) and bool((k3 <= 10).all())
     # k3+ = k2 + (k3 - k2): the same value up to one rounding of the straight-through sum.
     torch.testing.assert_close(kl_penalty(logp, ref, "k3+"), k3, atol=1e-12, rtol=1e-12)
 
