@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from meshrl import cpu
 from meshrl.models import apply_lora, base_model, build_tiny, encode_prompt, llama_fast, load_model
 from meshrl.rollout import SamplingParams, VLLMBackend, make_backend, unsupported_reason
 from meshrl.rollout import choice as choice_mod
@@ -436,10 +437,14 @@ def test_fused_weights_in_autocast_dtype_change_no_sample(kind, small, monkeypat
 
 needs_onednn = pytest.mark.skipif(not llama_fast.prepack_available(torch.device("cpu")),
                                   reason="torch built without oneDNN")
+# oneDNN's bf16 reorder and GEMMs need AVX-512 BW/VL/DQ or AVX-NE-CONVERT (PyTorch's own check, meshrl.cpu); a CPU
+# without them takes the float32 prepack instead, tested on every CPU below.
+needs_bf16_gemm = pytest.mark.skipif(not cpu.bf16_gemm_native(),
+                                     reason=f"no oneDNN bf16 kernels on this CPU (capability {cpu.capability()})")
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_gemm)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_gemm_equals_f_linear(dtype, bias):
     """oneDNN on a prepacked weight: ``F.linear`` to float32 rounding (bit for bit in bf16), for 2-D and 3-D
@@ -462,17 +467,58 @@ def test_prepacked_gemm_equals_f_linear(dtype, bias):
 
 
 @needs_onednn
-def test_prepacked_gemm_takes_a_copy_and_casts_its_input():
-    """The packed copy is the weight at construction (a later optimiser step needs a new runner), and a float32
-    input meets bf16 weights as autocast would cast it."""
-    w = torch.randn(8, 4)
-    packed = llama_fast.PrepackedGemm(w.to(torch.bfloat16), None)
-    x = torch.randn(3, 4)
-    assert torch.equal(packed(x), F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)))
+def test_prepacked_gemm_takes_a_copy():
+    """The packed copy is the weight at construction (a later optimiser step needs a new runner)."""
+    w, x = torch.randn(8, 4), torch.randn(3, 4)
     fp = llama_fast.PrepackedGemm(w, None)
     before = fp(x)
     w.add_(1.0)
     assert torch.equal(fp(x), before)
+
+
+@needs_onednn
+@needs_bf16_gemm
+def test_prepacked_gemm_casts_its_input():
+    """A float32 input meets bf16 weights as autocast would cast it."""
+    w, x = torch.randn(8, 4), torch.randn(3, 4)
+    packed = llama_fast.PrepackedGemm(w.to(torch.bfloat16), None)
+    assert torch.equal(packed(x), F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)))
+
+
+@needs_onednn
+def test_without_bf16_kernels_the_prepack_stays_float32(small, monkeypatch, caplog):
+    """Where oneDNN has no bf16 kernels (AVX2 without AVX-512) the decoder under bf16 autocast prepacks float32
+    copies instead of crashing in the reorder, says why once, and still agrees with the model's own forward
+    (the backend's check) and samples like the unpacked bf16 decoder up to bf16 rounding."""
+    monkeypatch.setattr(llama_fast, "PREPACK_MIN_HIDDEN", 0)
+    monkeypatch.setattr(llama_fast, "_said_fallback", False)
+    monkeypatch.setattr(cpu, "bf16_gemm_native", lambda: False)
+    model, tok = small
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level("INFO", "meshrl"):
+        runner = llama_fast.LlamaRunner(model, 16, torch.device("cpu"), prepack=True)
+        llama_fast.LlamaRunner(model, 16, torch.device("cpu"), prepack=True)
+    assert runner.prepacked and runner.packed[0].qkv.dtype == torch.float32
+    assert runner.packed[0].down.dtype == torch.float32 and runner.head_gemm.dtype == torch.float32
+    said = [r.getMessage() for r in caplog.records if "prepacked GEMMs in float32" in r.getMessage()]
+    assert len(said) == 1 and "bf16" in said[0]
+    prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
+    params = SamplingParams(max_new_tokens=12, n=3, temperature=0.8)
+    backend = NativeDecodeBackend(model, tok, workers=1, autocast="bfloat16", prepack=True)
+    assert backend.verify(prompts) < 0.5
+    packed = backend.generate(prompts, params, seed=4)
+    plain = NativeDecodeBackend(model, tok, workers=1, autocast="bfloat16", prepack=False).generate(prompts, params,
+                                                                                                      seed=4)
+    matched = 0
+    for ids_a, ids_b, lp_a, lp_b in zip(plain.response_ids, packed.response_ids, plain.engine_logprobs,
+                                        packed.engine_logprobs, strict=True):
+        n = min(len(ids_a), len(ids_b))
+        same = next((i for i in range(n) if ids_a[i] != ids_b[i]), n)
+        torch.testing.assert_close(torch.tensor(lp_a[:same]), torch.tensor(lp_b[:same]), atol=0.05, rtol=0)
+        matched += same
+    assert matched >= sum(map(len, plain.response_ids)) // 2
+    monkeypatch.setattr(cpu, "bf16_gemm_native", lambda: True)
+    assert llama_fast.prepacked_dtype(torch.bfloat16) is torch.bfloat16
+    assert llama_fast.prepacked_dtype(None) is None
 
 
 @needs_onednn
@@ -484,7 +530,7 @@ def test_prepacked_decoder_same_samples(kind, small, monkeypatch):
     model, tok = small if kind == "tiny:small" else _family_model(kind)
     prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
     params = SamplingParams(max_new_tokens=12, n=3, temperature=0.8)
-    for autocast in ("bfloat16", None):
+    for autocast in ("bfloat16", None) if cpu.bf16_gemm_native() else (None,):  # else: the float32 prepack test
         outs = []
         for prepack in (False, True):
             backend = NativeDecodeBackend(model, tok, workers=1, autocast=autocast, prepack=prepack)

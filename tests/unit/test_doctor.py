@@ -122,6 +122,19 @@ def test_stall_and_learning_rate_mistakes():
     assert ids(records(lr=1e-6, config={"warmup_steps": 5, "steps": 20})) == []
 
 
+def test_bf16_emulated_from_the_trainers_event():
+    event = {"step": 3, "event": "bf16_emulated", "settings": ["train.autocast_bf16=true", "train.dtype=bfloat16"],
+             "cpu": {"model": "AMD EPYC", "capability": "AVX2"}}
+    rec = records(time__step_s=lambda s: 9.0 if s < 3 else 500.0 + s, events=[event])
+    f = diagnose_records(rec).findings[0]
+    assert f.id == "bf16_emulated" and f.severity == "warning" and f.steps == [3]
+    assert f.evidence["median_step_s"] == 511.5  # steps 3..20
+    assert "AVX2" in f.what and "train.autocast_bf16=false" in f.knob and "train.dtype=float32" in f.knob
+    assert ids(records(time__step_s=9.0)) == []
+    rec.engine = "trl"
+    assert "bf16_emulated" in [u.id for u in diagnose_records(rec).unchecked]
+
+
 def test_flat_groups_and_broken_grouping():
     assert ids(records(group__flat_frac=[0.9] * 10 + [0.2] * 10)) == ["no_learning_signal"]  # half the steps
     assert ids(records(group__flat_frac=[0.9] * 9 + [0.2] * 11)) == []

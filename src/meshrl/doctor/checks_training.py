@@ -1,5 +1,6 @@
 """Checks on the per-step training curves: reward collapse, entropy, length, KL and importance-ratio tails,
-gradient spikes, non-finite steps, rollout/training mismatch, stalls and learning-rate mistakes.
+gradient spikes, non-finite steps, rollout/training mismatch, stalls, learning-rate mistakes and bf16 that the CPU
+emulated.
 
 Each check is ``check(records, thresholds) -> list[Finding] | Unchecked``: an empty list means "checked, no
 problem", :class:`Unchecked` says which metric was missing. Thresholds: :mod:`meshrl.doctor.thresholds`.
@@ -328,3 +329,28 @@ def check_lr(rec: RunRecords, th: Thresholds) -> Result:
                            "the logged learning rate is 0 on every step: nothing was trained",
                            {"lr_max": max(ys)}, "set optim.lr (> 0); check the scheduler's warm-up", "high"))
     return out
+
+
+def check_bf16_emulated(rec: RunRecords, th: Thresholds) -> Result:
+    """Steps that ran bf16 on a CPU without native bf16 (the trainer's ``bf16_emulated`` event, written by every
+    process start that asked for it there): slow by an order of magnitude or more, with float32 the cure."""
+    if rec.engine != "meshrl":
+        return Unchecked("bf16_emulated", f"{rec.engine} runs do not record whether the CPU emulated bf16")
+    events = [e for e in rec.events if e.get("event") == "bf16_emulated" and isinstance(e.get("step"), int)]
+    if not events:
+        return []
+    first = min(int(e["step"]) for e in events)
+    names = sorted({str(n) for e in events for n in (e.get("settings") or [])})
+    machine = events[-1].get("cpu") if isinstance(events[-1].get("cpu"), dict) else {}
+    step_s = [r["time/step_s"] for r in rec.steps
+              if int(r.get("step", -1)) >= first and isinstance(r.get("time/step_s"), int | float)]
+    median = statistics.median(step_s) if step_s else None
+    what = (f"bf16 ran emulated from step {first} ({', '.join(names) or 'bf16 settings'} on a CPU without native "
+            f"bf16: {machine.get('model', 'unknown CPU')}, PyTorch capability {machine.get('capability', '?')})"
+            + (f"; median step {median:.1f} s over {len(step_s)} step(s)" if median is not None else ""))
+    fallback = ", ".join(n.replace("=true", "=false").replace("=bfloat16", "=float32") for n in names)
+    return [Finding("bf16_emulated", "bf16 emulated by the CPU", "warning", [first], what,
+                    {"settings": names, "cpu": machine, "median_step_s": fmt(median) if median is not None else None,
+                     "process_starts": len(events)},
+                    f"train in float32 on this CPU ({fallback}): faster there; bf16 pays on CPUs with AVX-512 or AMX "
+                    "and on GPUs", "high")]

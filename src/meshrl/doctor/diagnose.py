@@ -37,6 +37,7 @@ CHECKS = [
     (("nonfinite",), training.check_nonfinite),
     (("strategy_collapse",), data.check_strategy),
     (("lr_schedule",), training.check_lr),
+    (("bf16_emulated",), training.check_bf16_emulated),
     (tools.TOOL_IDS, tools.check_tools),
     (("reward_without_accuracy",), tools.check_reward_without_accuracy),
 ]

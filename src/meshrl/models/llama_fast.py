@@ -13,10 +13,15 @@ own forward in the tests. Two ways to run a block:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from meshrl import cpu
 from meshrl.models.lora import base_model
+
+log = logging.getLogger("meshrl")
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies independent of the sequence length
@@ -134,6 +139,26 @@ def prepack_available(device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+_said_fallback = False
+
+
+def prepacked_dtype(low: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of the prepacked copies for autocast's ``low`` dtype: ``low`` itself, except bf16 on a CPU where
+    oneDNN has no bf16 kernels (:func:`meshrl.cpu.bf16_gemm_native`: AVX2 without AVX-512), whose reorder refuses
+    bf16 weights. There the copies stay float32 (None): on SmolLM2-135M's decode shapes at 16 rows, with PyTorch's
+    AVX2 kernels, a float32 prepacked GEMM ran 3-5x faster than bf16 ``F.linear``, which emulates bf16 there
+    (benchmarks/README.md, "CPUs without native bf16"). The choice is logged once, with its reason."""
+    global _said_fallback
+    if low != torch.bfloat16 or cpu.bf16_gemm_native():
+        return low
+    if not _said_fallback:
+        _said_fallback = True
+        log.info("native decoder: prepacked GEMMs in float32 under bf16 autocast: this CPU (PyTorch capability "
+                 "%s) has no oneDNN bf16 kernels (they need AVX-512 BW/VL/DQ or AVX-NE-CONVERT), and float32 "
+                 "prepacked GEMMs measured 3-5x faster than emulated bf16 ones", cpu.capability())
+    return None
+
+
 class PrepackedGemm(Gemm):
     """:class:`Gemm` on a copy of the weight reordered once into oneDNN's blocked layout (inference only).
 
@@ -224,6 +249,8 @@ class LlamaRunner:
         plain = packable(lm)
         self.prepacked = (prepack and plain and prepack_available(torch.device(device))
                           and cfg.hidden_size >= PREPACK_MIN_HIDDEN)
+        if self.prepacked:
+            low = prepacked_dtype(low)
         self.packed = [PackedBlock(layer, low, self.prepacked) for layer in self.layers] if plain else None
         self.head_gemm = (PrepackedGemm(_cast(self.head.weight, low), _cast(self.head.bias, low))
                           if self.prepacked else None)

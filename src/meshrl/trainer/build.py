@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from meshrl import cpu
 from meshrl.trainer.balance import prepare_prefixes
 from meshrl.trainer.periodic_eval import PeriodicEval
 from meshrl.trainer.plugins import plugins_need_reference
@@ -57,6 +58,27 @@ def build_policy(cfg: Any, recipe: Any) -> Policy:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
                                   betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True)
     return Policy(model, tokenizer, ref_model, optimizer, int(pad))
+
+
+def bf16_settings(cfg: Any, device_type: str) -> dict[str, bool]:
+    """The run's bf16 settings (``key=value`` -> in force) that run on this process's CPU: none on a GPU, and the
+    sampler's autocast only for the in-process samplers (vLLM picks its own precision)."""
+    if device_type != "cpu":
+        return {}
+    return {"train.dtype=bfloat16": cfg.train.dtype == "bfloat16",
+            "train.autocast_bf16=true": bool(cfg.train.autocast_bf16),
+            "rollout.autocast_bf16=true": bool(cfg.rollout.autocast_bf16) and cfg.rollout.backend != "vllm"}
+
+
+def emulated_bf16_event(cfg: Any, model: torch.nn.Module, step: int) -> dict[str, Any] | None:
+    """Warn (once per process start) when the run asks for bf16 that this CPU emulates, and return the event
+    for events.jsonl that ``meshrl doctor`` reads (``bf16_emulated``: the settings and the CPU, at ``step``, the
+    first step this process runs); None otherwise."""
+    device = next(model.parameters()).device.type
+    names = cpu.warn_emulated_bf16(bf16_settings(cfg, device))
+    if not names:
+        return None
+    return {"step": step, "event": "bf16_emulated", "settings": names, "cpu": cpu.cpu_info()}
 
 
 def _check_code_sandbox(cfg: Any, task: Any) -> None:

@@ -47,9 +47,11 @@ class RolloutConfig:
     decode_workers: int = setting(0, ge=0, help="native backend on a CPU: decoder processes in parallel "
                                                 "(0 = one per torch thread)")
     autocast_bf16: bool = setting(False, help="hf/native: sample under bf16 autocast (the update's precision is "
-                                              "train.autocast_bf16; the gap is logged as mismatch/*)")
+                                              "train.autocast_bf16; the gap is logged as mismatch/*); emulated and "
+                                              "slow on a CPU without AVX-512 (warned at start)")
     prepack_weights: bool = setting(True, help="native on a CPU: oneDNN-reordered weight copies per generate call "
-                                               "(faster; bf16 bit-identical, float32 ~1e-6 rounding)")
+                                               "(faster; bf16 bit-identical, float32 ~1e-6 rounding; float32 copies "
+                                               "under bf16 autocast where oneDNN lacks bf16 kernels)")
     keep_decoders: bool = setting(True, help="native on a CPU: keep the decoder processes between steps; false: "
                                              "forked again each rollout, none during the update (less memory)")
 
@@ -80,7 +82,8 @@ class TrainConfig:
     device: str = setting("cpu", help="where the policy (and its reference) live: cpu, cuda, cuda:N, or auto "
                                       "(cuda when torch sees one, else cpu); the in-process samplers run there "
                                       "too")
-    autocast_bf16: bool = setting(False, help="bf16 autocast for the update's forward passes")
+    autocast_bf16: bool = setting(False, help="bf16 autocast for the update's forward passes; emulated and slow on "
+                                              "a CPU without AVX-512 (warned at start)")
     share_prompts: bool = setting(True, help="run each distinct prompt once per micro-batch and share its KV "
                                              "cache (same logits up to float rounding)")
     pack_responses: bool = setting(True, help="Llama-family: pack the responses of one prompt into rows under a "

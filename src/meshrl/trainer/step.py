@@ -27,7 +27,7 @@ import torch
 
 from meshrl.forkpool import release_free_heap, set_heap_mmap_threshold
 from meshrl.trainer.balance import StrategyBalance
-from meshrl.trainer.build import build_policy, build_sampler, build_task
+from meshrl.trainer.build import build_policy, build_sampler, build_task, emulated_bf16_event
 from meshrl.trainer.config import RunConfig
 from meshrl.trainer.failure import RunHealth
 from meshrl.trainer.forward import PolicyForward
@@ -73,6 +73,9 @@ class Trainer:
         self.step_idx, self.cursor, self.bad_in_row = 0, 0, 0
         self.last_data = StepData()
         self.pending_events: list[dict[str, Any]] = []
+        slow = emulated_bf16_event(cfg, self.model, self.step_idx + 1)  # the first step this process runs
+        if slow is not None:
+            self.pending_events.append(slow)
         # A checkpoint holds a step boundary: ``dirty`` is True from the moment a step starts changing the
         # trainer until its records are written; ``boundary_rng`` is the RNG state at the start of the step.
         self.dirty, self.boundary_rng, self.saved_step = False, None, None
@@ -254,6 +257,9 @@ class Trainer:
         self.bad_in_row = int(state.get("bad_in_row", 0))
         self.health.stalled_in_row = int(state.get("stalled_in_row", 0))
         self.saved_step = self.step_idx
+        for event in self.pending_events:  # said at start-up, before the step to resume from was known
+            if event.get("event") == "bf16_emulated":
+                event["step"] = self.step_idx + 1
         if self.mei and state.get("mei"):
             self.mei.load_state_dict(state["mei"])
         self.plugins.load_state_dict(state.get("plugins"))
