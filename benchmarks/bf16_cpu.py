@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from meshrl.cpu import cpu_info, describe
 from meshrl.models import load_model
 
 MODES = ("fp32", "autocast", "bf16-weights")
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> dict:
     ids = torch.randint(3, len(tok), (args.batch, args.seq), generator=rng)
     prompt = ids[:, : args.prompt_len]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    results: dict = {"model": args.model, "threads": torch.get_num_threads(), "load": os.getloadavg()[0]}
+    results: dict = {"model": args.model, "threads": torch.get_num_threads(), "load": os.getloadavg()[0],
+                     "cpu": cpu_info()}
     models = {mode: copy.deepcopy(model).to(torch.bfloat16) if mode == "bf16-weights" else model for mode in MODES}
     train = {mode: train_step_fn(models[mode], ids, mode) for mode in MODES}
     gen = {mode: generate_fn(models[mode], prompt, args.new_tokens, pad_id, mode) for mode in MODES}
@@ -102,6 +104,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def report(r: dict, args: argparse.Namespace) -> None:
+    print(describe(r["cpu"]))
     print(f"model={r['model']} threads={r['threads']} load_avg={r['load']:.2f}")
     print(
         f"fwd+bwd: batch {args.batch} x {args.seq} tokens; generate: batch {args.batch}, "

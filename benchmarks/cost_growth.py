@@ -59,6 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from growth_fit import Measured, Series, analyse, markdown, svg  # noqa: E402
 from memory_vs_trl import GB, SideRun, launch_side  # noqa: E402
 
+from meshrl.cpu import cpu_info, describe  # noqa: E402
+
 AXIS_VALUES: dict[str, tuple] = {
     "group": (4, 8, 16, 32, 64),
     "length": (32, 64, 128, 256, 512, 1024),
@@ -241,6 +243,7 @@ def run_point(point: Point, path: str, params: int, args: argparse.Namespace) ->
     if run.interrupted:
         raise KeyboardInterrupt
     status, reason = classify(run, tail, args)
+    cpu = run.report.pop("cpu", None) or cpu_info()  # the child's (its --threads); this process's if it sent none
     timed = range(args.warmup + 1, args.warmup + args.steps + 1)
     phases = step_phases(run.marks)
     step_s = [sum(phases[k].values()) for k in timed if k in phases]
@@ -259,7 +262,7 @@ def run_point(point: Point, path: str, params: int, args: argparse.Namespace) ->
         "phase_s": {n: statistics.median(phases[k].get(n, 0.0) for k in timed if k in phases) for n in names},
         "response_len": run.report.get("response_len_mean"), "steps_done": len(phases),
         "wall_s": time.monotonic() - t0, "load_before": list(load0), "load_after": list(os.getloadavg()),
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "child": run.report,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "child": run.report, "cpu": cpu,
     }
 
 
@@ -299,6 +302,7 @@ def sweep(args: argparse.Namespace) -> None:
     todo = [p for p in points if p.key not in done or (args.retry_failed and done[p.key]["status"] != "ok")]
     print(f"{len(points)} points ({len(points) - len(todo)} already in {args.out}), {len(todo)} to run; "
           f"memory limit {args.mem_limit_gb:.1f} GB, timeout {args.point_timeout or 'none'} s", file=sys.stderr)
+    print(describe(cpu_info()), file=sys.stderr)
     paths: dict[str, str] = {}
     params: dict[str, int] = {}
     start = time.monotonic()

@@ -51,6 +51,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput_vs_trl import TASK, Side, check_prompts, make_timer_callback, trl_trainer  # noqa: E402
 
+from meshrl.cpu import cpu_info, describe  # noqa: E402
+
 #: Qwen2.5's published sizes (config.json of Qwen/Qwen2.5-0.5B and -1.5B); ``tiny-qwen`` is the CPU dry run's;
 #: SmolLM2-135M and -360M (HuggingFaceTB's config.json, Llama architecture) for benchmarks/cost_growth.py. An entry's
 #: ``architecture`` (default ``qwen2``) picks the config class; the rest are that config's fields.
@@ -330,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": args.device,
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
-           "steps": args.steps, "warmup": args.warmup, "bf16_autocast": args.bf16, "peak_tflops": args.peak_tflops}
+           "steps": args.steps, "warmup": args.warmup, "bf16_autocast": args.bf16, "peak_tflops": args.peak_tflops,
+           "host_cpu": cpu_info()}
     with contextlib.suppress(ImportError):
         import transformers
 
@@ -339,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         import trl
 
         env["trl"] = trl.__version__
+    print(describe(env["host_cpu"]))
     print(json.dumps(env))
     start = time.perf_counter()
     results: list[dict[str, Any]] = []

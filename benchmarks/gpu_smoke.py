@@ -18,6 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
+from meshrl.cpu import cpu_info, describe
+
 BASE = ["model=tiny", "task=tiny:add", "steps=2", "seed=0", "log.progress=false", "rollout.prompts_per_step=2",
         "rollout.group_size=4", "rollout.max_new_tokens=8", "checkpoint.every=1000"]
 
@@ -82,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(CASES))
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    host_cpu = cpu_info()
+    print(describe(host_cpu), flush=True)
     results = []
     for name in names:
-        res = run_case(name, CASES[name], args.device)
+        res = {**run_case(name, CASES[name], args.device), "host_cpu": host_cpu}
         results.append(res)
         ok = f"ok ({res['steps']} steps, {res['s']} s)" if res["ok"] else ""
         print(f"{name:16s} {ok or 'FAIL ' + res['error'] + ' at ' + res['where']}", flush=True)

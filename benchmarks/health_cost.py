@@ -18,6 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from meshrl.cpu import cpu_info, describe
 from meshrl.trainer import load_config, train
 
 
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--samples-per-step", type=int, default=4, help="log.samples_per_step (the sample checks)")
     args = ap.parse_args()
+    print(describe(cpu_info()))
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         cfg = load_config(overrides=[f"model={args.model}", f"task={args.task}", f"steps={args.steps}",

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from meshrl.cpu import cpu_info, describe
 from meshrl.diagnostics import (
     bias_features,
     coupling_kernel,
@@ -125,9 +126,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    info = cpu_info()
+    if not args.json:
+        print(describe(info))
     out = run(args)
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps({**out, "cpu": info}))
         return
     print(f"tiny Llama: {int(out['params']):,} parameters ({args.layers} layers, d={args.d}, vocab={args.vocab}); "
           f"G={args.G}, prompt {args.prompt_len} + response {args.resp_len} tokens; device {args.device}, "

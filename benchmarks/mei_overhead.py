@@ -37,6 +37,7 @@ from unittest import mock
 
 import torch
 
+from meshrl.cpu import cpu_info, describe
 from meshrl.trainer import load_config, train
 
 TRL_ARMS = ("trl", "trl+mei", "trl+mei_fwd", "mesh", "mesh+mei")
@@ -209,6 +210,7 @@ def main() -> None:
     args.group_size = args.group_size or (4 if trl else 16)
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; cpus {os.cpu_count()}")
+    print(describe(cpu_info()))
     trl_engine(args) if trl else meshrl_engine(args)
     load = os.getloadavg()
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")

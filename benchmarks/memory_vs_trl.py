@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from meshrl.cpu import cpu_info, describe
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -507,18 +509,23 @@ def main() -> None:
         logging.getLogger("meshrl").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore")
         report = child_meshrl(args) if args.side == "meshrl" else child_trl(args)
+        report["cpu"] = cpu_info()  # here, not in the driver: torch's pages mapped there would lower the child's PSS
         print(f"{RESULT} {json.dumps(report)}", file=sys.__stdout__, flush=True)
         return
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the side under way, as Ctrl-C does
     results: dict[str, dict] = {}
+    cpu: dict | None = None  # the children's cpu_info (the same machine and --threads for every side)
     for side in (s for s in args.sides.split(",") if s):
         results[side] = run_side(side, args)
+        cpu = results[side].pop("cpu", None) or cpu
         if args.json:  # after each side: an interrupted run keeps what it measured
             meta = {k: v for k, v in vars(args).items() if k not in ("json", "side")}
-            args.json.write_text(json.dumps({"args": meta, "cpus": os.cpu_count(), "sides": results}, indent=1,
-                                            default=str))
+            args.json.write_text(json.dumps({"args": meta, "cpus": os.cpu_count(), "cpu": cpu, "sides": results},
+                                            indent=1, default=str))
         if not results[side]["complete"]:
             break
+    if cpu:
+        print(f"\n{describe(cpu)}", end="")
     print_table(results, args)
 
 

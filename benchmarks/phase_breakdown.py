@@ -46,6 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from meshrl.cpu import cpu_info, describe  # noqa: E402
 from meshrl.trainer import Trainer, load_config  # noqa: E402
 
 MODES = {"fp32": [], "bf16-autocast": ["train.autocast_bf16=true"]}
@@ -206,6 +207,8 @@ def main() -> None:
         f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; cpus {os.cpu_count()}; "
         f"torch threads {torch.get_num_threads()}"
     )
+    cpu = cpu_info()
+    print(describe(cpu))
     p32 = matmul_peak(args.peak_size, torch.float32, args.peak_seconds)
     p16 = matmul_peak(args.peak_size, torch.bfloat16, args.peak_seconds)
     peak = {
@@ -228,6 +231,7 @@ def main() -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "threads": torch.get_num_threads(),
+        "cpu": cpu,
         "peak_size": args.peak_size,
         "peak": peak,
         "modes": {m: summarise(records[m][args.warmup :], n_params, peak, m) for m in modes},

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 import meshrl.testbed  # noqa: F401  (registers the testbed tasks)
+from meshrl.cpu import cpu_info, describe
 from meshrl.trainer import Trainer, load_config
 from meshrl.trainer.mismatch import unsampled_rows
 
@@ -152,6 +153,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"model {args.model}, task {args.task}, P{args.prompts} G{args.group} L{args.tokens}, {args.rounds} rounds, "
           f"{args.threads} thread(s); load average at start {os.getloadavg()[0]:.2f}")
+    print(describe(cpu_info()))
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         write_traces(args.task, root)

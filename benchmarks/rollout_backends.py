@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from meshrl.cpu import cpu_info, describe
 from meshrl.models import load_model
 from meshrl.rollout import SamplingParams, make_backend
 
@@ -123,8 +124,9 @@ def serve_steps(name: str, model_spec: str, conn, group: int, tokens: int) -> No
         conn.send((time.perf_counter() - t0, m["time/rollout_s"], m["time/train_s"], torch.get_num_threads()))
 
 
-def main_steps(args) -> None:
-    """Whole training steps with each backend, alternating one step at a time across the backends' processes."""
+def main_steps(args, cpu: dict) -> None:
+    """Whole training steps with each backend, alternating one step at a time across the backends' processes;
+    ``cpu``: this machine's :func:`meshrl.cpu.cpu_info`, written beside the figures."""
     workers, starts = start_workers(args, serve_steps, (args.groups[0], args.tokens))
     rows: dict[str, list[tuple[float, float, float]]] = {}
     threads: dict[str, int] = {}
@@ -145,7 +147,7 @@ def main_steps(args) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "tokens": args.tokens, "group": args.groups[0], "starts": starts,
-                       "threads": threads, "steps": rows}, f, indent=1)
+                       "threads": threads, "steps": rows, "cpu": cpu}, f, indent=1)
 
 
 def start_workers(args, target, extra: tuple = (), stamp: bool = False) -> tuple[dict, dict]:
@@ -217,8 +219,10 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--step", action="store_true", help="time whole training steps (tiny:add, G = first --groups)")
     args = ap.parse_args()
+    cpu = cpu_info()  # torch_threads: this process's; the backends' own are in the table (and "threads")
+    print(describe(cpu))
     if args.step:
-        main_steps(args)
+        main_steps(args, cpu)
         return
     load0, up0 = os.getloadavg(), uptime()
     workers, starts = start_workers(args, serve, (args.dtype,), stamp=True)
@@ -241,7 +245,7 @@ def main() -> None:
             json.dump({"model": args.model, "dtype": args.dtype, "starts": starts, "threads": threads,
                        "load": [load0, load1], "uptime": [up0, up1],
                        "first_call_s": {f"{n}/{s}": v for (n, s), v in first.items()},
-                       "rates": {f"{n}/{s}": v for (n, s), v in rates.items()}}, f, indent=1)
+                       "rates": {f"{n}/{s}": v for (n, s), v in rates.items()}, "cpu": cpu}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ for _name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
 
 import torch  # noqa: E402
 
+from meshrl.cpu import cpu_info, describe  # noqa: E402
 from meshrl.models import encode_prompt, load_model  # noqa: E402
 from meshrl.tasks import load_task  # noqa: E402
 from meshrl.trainer import Trainer, load_config  # noqa: E402
@@ -515,6 +516,8 @@ def main() -> None:
         f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; cpus {os.cpu_count()}; "
         f"torch threads {torch.get_num_threads()}"
     )
+    cpu = cpu_info()
+    print(describe(cpu))
     results = []
     for spec in args.model or ["tiny:small"]:
         smol = spec.startswith("smollm")
@@ -523,6 +526,7 @@ def main() -> None:
         n = args.smol_max_new_tokens if smol else args.max_new_tokens
         r = run_pair(spec, p, g, n, args)
         r["load_avg_1m_end"] = os.getloadavg()[0]
+        r["cpu"] = cpu
         report(r)
         results.append(r)
     load1 = os.getloadavg()

@@ -94,6 +94,18 @@ def cpu_info() -> dict[str, Any]:
     return info
 
 
+def describe(info: dict[str, Any]) -> str:
+    """The one line a benchmark prints beside its figures, from a :func:`cpu_info` record: ``cpu: <model>; PyTorch
+    capability <capability>; native bf16 <yes/no>; flags <comma list>``, and the ISA overrides where any was in
+    force (a figure taken under ``ONEDNN_MAX_CPU_ISA`` is not this CPU's own)."""
+    line = (f"cpu: {info['model']}; PyTorch capability {info['capability']}; "
+            f"native bf16 {'yes' if info['bf16_native'] else 'no'}; flags {','.join(info['flags']) or 'none'}")
+    overrides = info.get("isa_overrides")
+    if overrides:
+        line += "; ISA overrides " + ",".join(f"{k}={v}" for k, v in overrides.items())
+    return line
+
+
 def emulated_bf16_settings(settings: dict[str, bool]) -> list[str]:
     """The settings among ``settings`` (``"key=value"`` as the config spells it -> in force) that ask for bf16 on
     a CPU without native bf16 (empty where the CPU has it or none is in force)."""

@@ -141,6 +141,27 @@ def test_classify_names_time_memory_and_errors():
     assert status == "error" and "ValueError: bad" in reason
 
 
+def test_a_point_records_the_cpu_it_ran_on_and_the_line_names_it(monkeypatch):
+    """Every JSON line carries the child's ``cpu_info`` (its torch threads), or this process's where the child sent
+    none (killed); ``describe``, the line every benchmark prints, names the model, capability, bf16 and flags."""
+    from meshrl.cpu import cpu_info, describe
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    info = cpu_info()
+    line = describe(info)
+    assert line.startswith(f"cpu: {info['model']}; PyTorch capability {info['capability']}; native bf16 ")
+    assert f"flags {','.join(info['flags']) or 'none'}" in line and line.endswith("ONEDNN_MAX_CPU_ISA=AVX2")
+    child_cpu = {**info, "torch_threads": 1}
+    point, args = cost_growth.Point("meshrl", "tiny", 2, 4, 8), _args("--warmup", "0", "--steps", "1")
+    runs = iter([SideRun([], 0, {"response_len_mean": 8.0, "cpu": child_cpu}, TreeSampler(0), []),
+                 SideRun([], -9, {}, TreeSampler(0), [], killed="timeout")])
+    monkeypatch.setattr(cost_growth, "launch_side", lambda *a, **kw: next(runs))
+    rec = cost_growth.run_point(point, "tiny", 1000, args)
+    assert rec["cpu"] == child_cpu and "cpu" not in rec["child"]
+    killed = json.loads(json.dumps(cost_growth.run_point(point, "tiny", 1000, args)))
+    assert killed["status"] == "timeout" and killed["cpu"] == info
+
+
 def test_bad_store_line_names_file_and_line(tmp_path: Path):
     out = tmp_path / "g.jsonl"
     out.write_text('{"key": "a", "status": "ok"}\nnot json\n')
