@@ -33,3 +33,44 @@ def test_crossings_and_thresholds():
     assert calibrated_threshold([5.0, 5.0], "up", min_sd=0.5) == pytest.approx(6.5)
     with pytest.raises(ValueError, match="baseline"):
         calibrated_threshold([1.0], "up")
+
+
+def test_distinct_rows_keeps_each_responses_first_copy():
+    from meshrl.testbed.signals import distinct_rows
+
+    assert distinct_rows([[1, 2], [3], [1, 2], [3], [4]]) == [0, 1, 4]
+    assert distinct_rows([]) == []
+
+
+def test_probe_reports_mei_over_distinct_rollouts(monkeypatch):
+    """``mei_distinct/*`` is MEI of the Gram matrix restricted to one row per distinct response: copies of one
+    response raise plain MEI (identical rows) and leave the distinct one alone."""
+    import torch
+
+    import meshrl.testbed  # noqa: F401  (registers the testbed tasks)
+    from meshrl.diagnostics import mei_from_gram
+    from meshrl.models import load_model
+    from meshrl.tasks import load_task
+    from meshrl.testbed import signals
+
+    model, tok = load_model("tiny:small", seed=0)
+    task = load_task("testbed:add", seed=0)
+    seen = []
+    real = signals._grams
+
+    def grams(*args, **kwargs):
+        out, ent = real(*args, **kwargs)
+        seen.append((args[3], out["bias"]))
+        return out, ent
+
+    monkeypatch.setattr(signals, "_grams", grams)
+    res = signals.probe_signals(model, tok, task, task.problems("eval")[:2], group_size=6, seed=0,
+                                features=("bias",), epsilons=(0.1,))
+    for rec, (responses, gram) in zip(res["per_problem"], seen, strict=True):
+        keep = signals.distinct_rows(responses)
+        assert rec["mei_distinct/bias"] == mei_from_gram(gram[keep][:, keep])
+        assert rec["distinct_frac"] == len(keep) / len(responses)
+    # a copy of a row raises plain MEI by its couplings and leaves the distinct version unchanged
+    g = torch.tensor([[2.0, 1.0], [1.0, 3.0]])
+    dup = torch.tensor([[2.0, 2.0, 1.0], [2.0, 2.0, 1.0], [1.0, 1.0, 3.0]])
+    assert mei_from_gram(dup) > mei_from_gram(g) == mei_from_gram(dup[[0, 2]][:, [0, 2]])

@@ -7,7 +7,9 @@ happens (parser labels):
 - truth: per-problem max strategy mass (mean over problems), overall masses, strategies in use, accuracy
   overall / per type / on the niches (``carry`` + ``decade``);
 - MEI and effective directions ``G / MEI`` per feature map (``bias``, ``head``, ``full`` = the exact
-  Fisher score over every parameter), mean over problems;
+  Fisher score over every parameter), mean over problems; and MEI over the *distinct* rollouts only
+  (``mei_distinct/*``: exact copies of one response add identical rows to the Gram matrix and raise MEI with no new
+  direction, and on this testbed most of a query's rollouts are copies);
 - the coupling-kernel epsilon-partition per feature map and epsilon: its max mass and its adjusted Rand
   index against the parser labels;
 - mean token entropy, and the log-probability of each procedure's reference trace (its drift from the
@@ -55,6 +57,18 @@ def adjusted_rand_index(a: Sequence[Any], b: Sequence[Any]) -> float:
     expected = sum_a * sum_b / c2(n)
     denom = 0.5 * (sum_a + sum_b) - expected
     return 1.0 if denom == 0 else (sum_ij - expected) / denom
+
+
+def distinct_rows(responses: Sequence[Sequence[int]]) -> list[int]:
+    """Index of the first occurrence of each distinct response, in order (duplicates dropped)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for i, r in enumerate(responses):
+        key = tuple(r)
+        if key not in seen:
+            seen.add(key)
+            out.append(i)
+    return out
 
 
 def _grams(model, tok, prompts: list[list[int]], responses: list[list[int]], temperature: float,
@@ -123,9 +137,11 @@ def probe_signals(model, tok, task, problems: Sequence, *, group_size: int = 12,
         for k, lab in zip(rows, labels, strict=True):
             pool.setdefault((i, lab), (prompts[i], roll.response_ids[k], lab))
         grams, rec["entropy"] = _grams(model, tok, [prompts[i]] * len(rows), responses, temperature, features)
+        first = distinct_rows(responses)
         for feat, gram in grams.items():
             mei = mei_from_gram(gram)
             rec[f"mei/{feat}"] = mei
+            rec[f"mei_distinct/{feat}"] = mei_from_gram(gram[first][:, first])
             rec[f"eff_dirs/{feat}"] = len(rows) / mei if mei and mei == mei else math.nan
             kt = normalise_kernel(gram)
             for eps in epsilons:
