@@ -14,6 +14,7 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     from experiments.collapse_testbed.experiment import ARMS, DEFAULT_PRESET, PRESETS
+    from experiments.collapse_testbed.shipped import WARM_STARTS
 
     p = argparse.ArgumentParser(
         prog="python -m experiments.collapse_testbed",
@@ -38,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-eval-every", type=int, default=None,
                    help="evaluate a checkpoint every N steps in every arm (0 = final only)")
     p.add_argument("--workers", type=int, default=None, help="runs in parallel (one thread each)")
+    p.add_argument("--warm", choices=list(WARM_STARTS), default=None,
+                   help="start every arm from this shipped warm start (warm_starts/, SHA-256 checked; its settings "
+                   "replace the preset's warm_* settings); default: build or reuse one from the preset's settings")
+    p.add_argument("--build-warm-starts", nargs="*", default=None, choices=list(WARM_STARTS), metavar="NAME",
+                   help="no runs: build the named shipped warm starts (default: all) that warm_starts/MANIFEST.json "
+                   "lacks, one thread each, and record their SHA-256; with --force rebuild them")
+    p.add_argument("--force", action="store_true", help="with --build-warm-starts: rebuild existing ones")
     p.add_argument("--summarize-only", action="store_true", help="only rebuild the tables and figures")
     p.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib needed)")
     p.add_argument("--pack", type=Path, default=None, metavar="FILE.json.gz",
@@ -60,7 +68,7 @@ def settings_from_args(args: argparse.Namespace):
 
     return preset_settings(args.preset, arms=tup(args.arms), seeds=tup(args.seeds), probe_arms=tup(args.probe_arms),
                            steps=args.steps, ckpt_eval_every=args.ckpt_eval_every, task=args.task,
-                           workers=args.workers)
+                           workers=args.workers, warm=args.warm)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     from experiments.collapse_testbed.pack import pack_experiment, unpack_experiment
     from experiments.collapse_testbed.results import summarize_experiment
 
+    if args.build_warm_starts is not None:
+        return build_warm(args)
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file, not a directory")
     if args.tables_from is not None:
@@ -86,6 +96,16 @@ def run(args: argparse.Namespace) -> int:
         write_tables(res, args)
         if args.pack is not None:
             pack_experiment(args.out, args.pack)
+    return 0
+
+
+def build_warm(args: argparse.Namespace) -> int:
+    """``--build-warm-starts``: build the missing shipped warm starts; print each one's files and SHA-256."""
+    from experiments.collapse_testbed.shipped import WARM_STARTS, build_warm_starts
+
+    names = args.build_warm_starts or list(WARM_STARTS)
+    manifest = build_warm_starts(names, force=args.force, progress=not args.no_progress)
+    print(json.dumps({n: {"bytes": manifest[n]["bytes"], "files": manifest[n]["files"]} for n in names}, indent=1))
     return 0
 
 

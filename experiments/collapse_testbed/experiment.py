@@ -94,6 +94,9 @@ class ExperimentSettings:
     probe_every: int = 4
     probe_problems: int = 16
     probe_group: int = 12
+    # feature maps the probes compute MEI and kernels on (meshrl.testbed.signals.FEATURES); "full", the exact
+    # Fisher score over every parameter, is most of a probe's time (about 7 of 9 s at 16 x 16 rollouts)
+    probe_features: tuple[str, ...] = ("bias", "head", "full")
     eval_problems: int = 256
     eval_n: int = 8
     ks: tuple[int, ...] = (1, 2, 4, 8)
@@ -108,6 +111,12 @@ class ExperimentSettings:
     # The applicable coach (arms.yaml) repeats procedures in other words (COACH_VARIANTS): every arm starts from
     # a warm start that was taught all the phrasings, so that all arms share one starting point.
     warm_coach_variants: bool = True
+    # A shipped warm start (shipped.py: W1, W2, W3) by name: its weights, SHA-256 checked, instead of a build from
+    # the warm_* settings above (which it sets to its own). "" builds or reuses the cached one, as before.
+    warm: str = ""
+    # Also evaluate the warm start on each seed's checkpoint-evaluation problems (warm_eval/seed_S): the step-0
+    # point of every arm's niche curve (persistence.py); off by default, so earlier experiments are unchanged.
+    ckpt_eval_warm: bool = False
     prune_checkpoints: bool = True  # keep only the last checkpoint once a run is evaluated and probed
     workers: int = 2
     niche_kept_at: float = 0.5  # a seed keeps the niche when its held-out headline-niche accuracy >= this
@@ -245,7 +254,8 @@ def probe_run(run_dir: Path, s: ExperimentSettings, seed: int, model_path: Path)
             if step in done:
                 continue
             model, tok, _ = load_policy(str(ckpt))
-            res = probe_signals(model, tok, task, problems, group_size=s.probe_group, seed=seed * 1000 + step)
+            res = probe_signals(model, tok, task, problems, group_size=s.probe_group, seed=seed * 1000 + step,
+                                features=s.probe_features)
             with (run_dir / "probes_per_problem.jsonl").open("a") as pp:
                 pp.writelines(json.dumps({"step": step, **rec}) + "\n" for rec in res["per_problem"])
             fh.write(json.dumps({"step": step, **res["scalars"]}) + "\n")
@@ -268,17 +278,50 @@ def baseline_probes(out: Path, s: ExperimentSettings, model_path: Path, n: int =
     model, tok = load_model(str(model_path))
     with path.open("a") as fh:
         for k in range(have, n):
-            res = probe_signals(model, tok, task, problems, group_size=s.probe_group, seed=10_000 + k)
+            res = probe_signals(model, tok, task, problems, group_size=s.probe_group, seed=10_000 + k,
+                                features=s.probe_features)
             fh.write(json.dumps({"probe_seed": 10_000 + k, **res["scalars"]}) + "\n")
             with (out / "baseline_per_problem.jsonl").open("a") as pp:
                 pp.writelines(json.dumps({"probe_seed": 10_000 + k, **rec}) + "\n" for rec in res["per_problem"])
     return {"baseline_probes": str(path)}
 
 
+def experiment_warm_start(s: ExperimentSettings, *, progress: bool) -> Path:
+    """The warm start's directory: the shipped one named by ``s.warm`` (SHA-256 verified), else built or
+    reused from the cache by its settings."""
+    from experiments.collapse_testbed.shipped import WARM_STARTS, shipped_warm_start
+    from meshrl.testbed.warm import warm_start
+
+    if s.warm:
+        fields_of = WARM_STARTS[s.warm].experiment_fields() if s.warm in WARM_STARTS else {}
+        differ = {k: getattr(s, k) for k, v in fields_of.items() if getattr(s, k) != v}
+        if differ:
+            raise ValueError(f"warm start {s.warm} is built with {fields_of}; these settings say {differ}")
+        return shipped_warm_start(s.warm, s.task)
+    return warm_start(seed=s.warm_seed, steps=s.warm_steps, progress=progress, task=s.task,
+                      coach_variants=s.warm_coach_variants)
+
+
+def eval_warm_start(out: Path, s: ExperimentSettings, seed: int, model_path: Path) -> dict[str, Any]:
+    """``out/warm_eval/seed_S/eval.json``: the warm start on seed ``seed``'s checkpoint-evaluation problems, with
+    the checkpoint evaluations' sampling (the step-0 point of the niche curves); done once per seed."""
+    import torch
+
+    import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
+    from meshrl.evaluation import run_eval
+    from meshrl.tasks import load_task
+
+    target = out / "warm_eval" / f"seed_{seed}"
+    if not (target / "eval.json").is_file():
+        torch.set_num_threads(1)
+        max_new = load_task(s.task, seed=seed).max_new_tokens
+        run_eval(eval_config(str(model_path), s, seed, max_new, s.ckpt_eval_problems), target, progress=False)
+    return {"warm_eval": seed}
+
+
 def run_experiment(out: Path, s: ExperimentSettings | None = None, *, progress: bool = True) -> Path:
     """Run every (arm, seed) of ``s`` into ``out/runs/ARM/seed_S``; return ``out``."""
     from meshrl.progress import progress_bar
-    from meshrl.testbed.warm import warm_start
 
     s = s or ExperimentSettings()
     unknown = [a for a in s.arms if a not in ARMS]
@@ -287,13 +330,16 @@ def run_experiment(out: Path, s: ExperimentSettings | None = None, *, progress: 
     check_resumable(out, s)
     out.mkdir(parents=True, exist_ok=True)
     with experiment_lock(out):
-        model_path = warm_start(seed=s.warm_seed, steps=s.warm_steps, progress=progress, task=s.task,
-                                coach_variants=s.warm_coach_variants)
+        model_path = experiment_warm_start(s, progress=progress)
         write_settings(out, s, model_path)
         jobs = [(a, seed, out / "runs" / a / f"seed_{seed}") for seed in s.seeds for a in s.arms]
         jobs.sort(key=lambda j: j[0] not in s.probe_arms)  # probed baselines first: the signal data comes early
-        with worker_pool(s.workers) as pool, progress_bar("experiment", total=len(jobs) + 1, enabled=progress) as bar:
-            futures = [pool.submit(_job, a, seed, d, s, model_path) for a, seed, d in jobs]
+        n_warm_evals = len(s.seeds) if s.ckpt_eval_warm and s.ckpt_eval_every > 0 else 0
+        with worker_pool(s.workers) as pool, progress_bar("experiment", total=len(jobs) + 1 + n_warm_evals,
+                                                          enabled=progress) as bar:
+            # the warm start's evaluations first (seconds each): a partial experiment's curves then have step 0
+            futures = [pool.submit(eval_warm_start, out, s, seed, model_path) for seed in s.seeds[:n_warm_evals]]
+            futures += [pool.submit(_job, a, seed, d, s, model_path) for a, seed, d in jobs]
             futures.append(pool.submit(baseline_probes, out, s, model_path))
             for fut in as_completed(futures):
                 res = fut.result()
@@ -383,7 +429,7 @@ def write_settings(out: Path, s: ExperimentSettings, model_path: Path) -> None:
 
 #: settings that change what a finished run means; resuming with other values would mix two experiments
 _PINNED = ("steps", "prompts_per_step", "group_size", "lr", "ppo_epochs", "mini_batches", "task", "warm_seed",
-           "warm_steps", "warm_coach_variants", "eval_problems", "eval_n", "extra")
+           "warm_steps", "warm_coach_variants", "warm", "eval_problems", "eval_n", "extra")
 
 
 def check_resumable(out: Path, s: ExperimentSettings) -> None:
@@ -393,6 +439,7 @@ def check_resumable(out: Path, s: ExperimentSettings) -> None:
     if not path.is_file():
         return
     old = json.loads(path.read_text())
+    old.setdefault("warm", "")  # written before shipped warm starts existed: built from the warm_* settings
     new = json.loads(json.dumps(asdict(s)))  # tuples -> lists, as stored
     diff = [k for k in _PINNED if k in old and old[k] != new[k]]
     if diff:
@@ -406,6 +453,11 @@ PRESETS: dict[str, dict[str, Any]] = load_presets(ARMS)
 
 def preset_settings(name: str, **changes: Any) -> ExperimentSettings:
     """``ExperimentSettings`` of preset ``name`` (``PRESETS``) with ``changes`` on top (None = keep)."""
+    from experiments.collapse_testbed.shipped import apply_warm
+
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    return ExperimentSettings(**{**PRESETS[name], **{k: v for k, v in changes.items() if v is not None}})
+    values = {**PRESETS[name], **{k: v for k, v in changes.items() if v is not None}}
+    if values.get("warm"):  # the shipped warm start's own settings replace the preset's warm_* settings
+        values = apply_warm(values["warm"], values)
+    return ExperimentSettings(**values)

@@ -47,6 +47,8 @@ def pack_experiment(out: Path, path: Path) -> dict[str, int]:
     for name in TOP_FILES:
         if (out / name).is_file():
             files[name] = (out / name).read_text()
+    for ev in sorted(out.glob("warm_eval/seed_*/eval.json")):  # the step-0 points of the niche curves
+        files[str(ev.relative_to(out))] = ev.read_text()
     if (out / "baseline_per_problem.jsonl").is_file():
         files["baseline_per_problem.jsonl"] = _trimmed(out / "baseline_per_problem.jsonl", _keep_probe_field)
     runs = sorted(d for d in (out / "runs").glob("*/seed_*") if (d / "eval" / "eval.json").is_file())

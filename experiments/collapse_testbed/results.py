@@ -25,6 +25,7 @@ log = logging.getLogger("meshrl")
 #: signal -> (probe key, direction of collapse). Thresholds: mean +- 3 sd over the warm-start probes.
 SIGNALS: dict[str, tuple[str, str]] = {
     **{f"MEI {f}": (f"mei/{f}", "up") for f in ("bias", "head", "full")},
+    **{f"MEI {f} (distinct rollouts)": (f"mei_distinct/{f}", "up") for f in ("bias", "head")},
     **{f"effective dirs {f}": (f"eff_dirs/{f}", "down") for f in ("bias", "head", "full")},
     "entropy": ("entropy", "down"),
     **{f"kernel max mass {f}": (f"kernel_max_mass/{f}@0.2", "up") for f in ("bias", "head", "full")},
@@ -186,7 +187,8 @@ def thresholds(out: Path, events: dict[str, tuple[str, str, float | None]] | Non
     base = [_with_niche_min(b, niches) for b in _read_jsonl(out / "baseline_probes.jsonl")]
     th: dict[str, tuple[float, str]] = {}
     for name, (key, direction) in SIGNALS.items():
-        th[name] = (calibrated_threshold([b[key] for b in base], direction), direction)
+        if base and all(key in b for b in base):  # a signal the probes did not compute (probe_features) is left out
+            th[name] = (calibrated_threshold([b[key] for b in base], direction), direction)
     for name, (key, direction, fixed) in (events or EVENTS).items():
         th[name] = (fixed if fixed is not None else calibrated_threshold([b[key] for b in base], direction),
                     direction)
@@ -203,7 +205,7 @@ def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
     task = experiment_task(out)
     events = niche_events(task)
     th = thresholds(out, events, task.niche_types)
-    keys = {**{n: k for n, (k, _) in SIGNALS.items()}, **{n: k for n, (k, _, _) in events.items()}}
+    keys = {**{n: k for n, (k, _) in SIGNALS.items() if n in th}, **{n: k for n, (k, _, _) in events.items()}}
     per_run = []
     for arm, seeds in _runs(out).items():
         for seed, d in sorted(seeds.items()):
@@ -218,7 +220,7 @@ def warning_table(out: Path, patience: int = 1) -> dict[str, Any]:
             per_run.append({"arm": arm, "seed": seed, "dir": str(d), "crossings": cross,
                             "final": {n: probes[-1].get(k) for n, k in keys.items()}})
     return {"thresholds": {k: {"value": v, "direction": d} for k, (v, d) in th.items()}, "runs": per_run,
-            "summary": lead_summary(per_run, tuple(SIGNALS), tuple(events))}
+            "summary": lead_summary(per_run, tuple(n for n in SIGNALS if n in th), tuple(events))}
 
 
 def lead_summary(per_run: list[dict[str, Any]], signals: tuple[str, ...], events: tuple[str, ...]
@@ -427,7 +429,7 @@ def mei_vs_truth(out: Path) -> dict[str, Any]:
     truth = [float(r["true_strategies"]) for r in recs]
     for f in FEATURES:
         for k in (f"mei/{f}", f"eff_dirs/{f}"):
-            pairs = [(t, r[k]) for t, r in zip(truth, recs, strict=True) if r.get(k) == r.get(k)]
+            pairs = [(t, r[k]) for t, r in zip(truth, recs, strict=True) if k in r and r[k] == r[k]]
             res["spearman"][k] = spearman([p[0] for p in pairs], [p[1] for p in pairs]) if pairs else math.nan
     res["spearman"]["distinct_frac"] = spearman(truth, [r["distinct_frac"] for r in recs])
     return res

@@ -278,3 +278,19 @@ def test_demo_arms_are_the_experiment_arms(tmp_path):
                                           f"checkpoint.every={max(s.steps, 1)}", "checkpoint.keep_last=1",
                                           *DEMO_ENGINE])
             assert arm_config(demo_arm, tmp_path, s, 3, 30) == want
+
+
+def test_signals_the_probes_did_not_compute_are_left_out(tmp_path):
+    """Probes limited to some feature maps (``probe_features``) calibrate only the signals they computed; the
+    duplicate-aware MEI is calibrated like the others where present."""
+    from experiments.collapse_testbed.results import thresholds
+
+    rows = [{"mei/bias": 1.0 + 0.1 * k, "mei_distinct/bias": 0.2 + 0.01 * k, "eff_dirs/bias": 10.0 - k,
+             "entropy": 0.5, "kernel_max_mass/bias@0.2": 0.5, "ref_logp/min": -3.0, "true_max_mass": 0.6,
+             "acc/type/carry": 0.3, "acc/type/decade": 0.4} for k in range(5)]
+    (tmp_path / "baseline_probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    th = thresholds(tmp_path)
+    assert "MEI bias" in th and "MEI bias (distinct rollouts)" in th
+    assert "MEI full" not in th and "MEI head" not in th and "kernel max mass full" not in th
+    sd = (sum((0.01 * k - 0.02) ** 2 for k in range(5)) / 4) ** 0.5
+    assert th["MEI bias (distinct rollouts)"][0] == pytest.approx(0.22 + 3 * sd)
