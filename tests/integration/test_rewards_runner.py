@@ -406,3 +406,11 @@ def test_scores_with_descriptors_past_fd_setsize(caplog: pytest.LogCaptureFixtur
             os.close(fd)
         if soft < 1200:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("isolation", ["inline", "process"])
+def test_an_int_past_floats_range_is_clamped_not_a_crash(isolation: str) -> None:
+    """``float(10**400)`` raises OverflowError: such a score is as far outside [0, 1] as inf, clamped and counted."""
+    runner = RewardRunner(lambda c, p: 10**400 if c == "up" else -(10**400), isolation=isolation)
+    assert runner(["up", "down"], [P("a"), P("b")]) == [1.0, 0.0]
+    assert runner.pop_stats()["reward/errors"] == 2

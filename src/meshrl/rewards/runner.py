@@ -185,7 +185,10 @@ class RewardRunner:
             self.stats["reward/errors"] += 1
             name = value.type_name if isinstance(value, NonNumber) else type(value).__name__
             return self._fail(problem, f"returned a non-number {name}", None)
-        x = float(value)
+        try:
+            x = float(value)
+        except OverflowError:  # an int past float's range (10**400): as far outside [0, 1] as +-inf
+            x = math.inf if value > 0 else -math.inf
         if math.isnan(x):
             self.stats["reward/errors"] += 1
             return self._fail(problem, "returned NaN", None)

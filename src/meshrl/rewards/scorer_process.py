@@ -22,6 +22,7 @@ import builtins
 import contextlib
 import ctypes
 import json
+import math
 import os
 import pickle
 import signal
@@ -98,7 +99,9 @@ def _reply_for(score_fn: Callable[[str, Any], Any], request: bytes) -> dict:
         return {"non_number": type(value).__name__}
     try:
         return {"value": float(value)}
-    except (TypeError, ValueError, OverflowError) as exc:
+    except OverflowError:  # an int past float's range (10**400): the parent clamps it like +-inf
+        return {"value": math.inf if value > 0 else -math.inf}
+    except (TypeError, ValueError) as exc:
         return {"raised": [type(exc).__name__, str(exc)[:2000]]}
 
 
