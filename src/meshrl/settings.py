@@ -16,17 +16,21 @@ from collections.abc import Iterator
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, get_type_hints
 
-__all__ = ["SettingDoc", "bounds_text", "check_settings", "iter_settings", "section", "setting"]
+__all__ = ["SettingDoc", "bounds_text", "check_settings", "iter_settings", "parse_settings", "section", "setting"]
 
 
 def setting(default: Any = MISSING, *, help: str, ge: float | None = None, gt: float | None = None,
             le: float | None = None, lt: float | None = None, choices: tuple[Any, ...] | None = None,
-            factory: Any = MISSING) -> Any:
+            factory: Any = MISSING, allow_inf: bool = False) -> Any:
     """A config field with its help text and bounds: ``ge``/``gt``/``le``/``lt`` for numbers, ``choices`` for a
-    value out of a fixed set (for a list field, every element). ``factory`` for mutable defaults."""
+    value out of a fixed set (for a list field, every element). ``factory`` for mutable defaults.
+
+    A number must be finite unless ``allow_inf`` (NaN never is: every comparison with it is false, so a bound
+    on it would silently pass or silently disable a check); the YAML loader refuses both already, this also holds
+    for a config built in Python."""
     if not help:
         raise ValueError("a setting needs its help text")
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt,
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "allow_inf": allow_inf,
             "choices": tuple(choices) if choices is not None else None}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
@@ -66,10 +70,18 @@ def _within(value: Any, m: dict[str, Any]) -> bool:
         return all(v in m["choices"] for v in items)
     if isinstance(value, bool) or not isinstance(value, int | float):
         return True  # bounds are for numbers; the type check is the loader's
-    if isinstance(value, float) and math.isnan(value):
+    if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not m.get("allow_inf", False))):
         return False
     return ((m.get("ge") is None or value >= m["ge"]) and (m.get("gt") is None or value > m["gt"])
             and (m.get("le") is None or value <= m["le"]) and (m.get("lt") is None or value < m["lt"]))
+
+
+def _allowed(f: dataclasses.Field, value: Any) -> str:
+    """What ``f`` allows, said of a refused ``value``: a non-finite number is told it must be finite."""
+    bounds = bounds_text(f)
+    if isinstance(value, float) and not math.isfinite(value) and f.metadata.get("choices") is None:
+        return f"a finite number {bounds}".rstrip()
+    return bounds
 
 
 def check_settings(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
@@ -81,8 +93,51 @@ def check_settings(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
         if is_dataclass(value) and not isinstance(value, type):
             bad.extend(check_settings(value, f"{key}."))
         elif f.metadata and not _within(value, f.metadata):
-            bad.append((key, value, bounds_text(f)))
+            bad.append((key, value, _allowed(f, value)))
     return bad
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "text"}
+
+
+def _typed(value: Any, hint: Any, allow_inf: bool) -> Any:
+    """``value`` as ``hint`` (bool, int, float or str), or ``MISSING`` when it is not one: an integer-valued float
+    is an integer (``3.0``), an integer is a number; a bool is neither (YAML's and a spec's ``true``)."""
+    if hint is bool:
+        return value if isinstance(value, bool) else MISSING
+    if hint is str:
+        return value if isinstance(value, str) else MISSING
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return MISSING
+    if isinstance(value, float) and not (math.isfinite(value) or (allow_inf and math.isinf(value))):
+        return MISSING
+    if hint is int:
+        return int(value) if float(value).is_integer() else MISSING
+    return float(value) if hint is float else MISSING
+
+
+def parse_settings(cls: type, values: dict[str, Any], where: str) -> Any:
+    """An instance of settings class ``cls`` (flat: bool, int, float and str fields) from ``values``, each typed
+    and bounded as declared; an unknown key, a wrong type or a value out of bounds is one ``ValueError``
+    ``"{where}: option KEY must be ..., got VALUE"`` (e.g. the options of a task spec)."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown option(s) {unknown}; known: {', '.join(known)}")
+    hints = get_type_hints(cls)
+    typed: dict[str, Any] = {}
+    for key, value in values.items():
+        f = known[key]
+        typed[key] = _typed(value, hints[key], bool(f.metadata.get("allow_inf")))
+        if typed[key] is MISSING:
+            raise ValueError(f"{where}: option {key} must be {_KINDS.get(hints[key], hints[key])}"
+                             f"{' ' + bounds_text(f) if bounds_text(f) else ''}, got {value!r}")
+    obj = cls(**typed)
+    bad = check_settings(obj)
+    if bad:
+        key, value, allowed = bad[0]
+        raise ValueError(f"{where}: option {key} must be {allowed}, got {value!r}")
+    return obj
 
 
 @dataclass(frozen=True)

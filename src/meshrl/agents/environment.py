@@ -13,6 +13,13 @@
 :class:`Toolbox` holds the tools one episode may call (its environment's bound methods plus standalone tool
 functions), their schemas, and :meth:`Toolbox.call`; :func:`load_environment` imports a factory from a
 ``"MODULE:FACTORY"`` string.
+
+What an environment does wrong fails in one line naming it (:class:`ConventionError`, a ``ValueError``): a module
+that raises or exits while imported, a factory that raises or returns ``None``, a ``reset`` that raises. Its
+reward follows the reward functions' policy (:class:`meshrl.rewards.RewardRunner`): a raising ``get_reward``, a
+non-number or NaN scores 0, a value outside [0, 1] is clamped, and each is logged naming the environment and
+carried on the reward (:class:`EnvironmentReward`) to be counted as a reward error; it never ends a run, since
+the episode it scores was written by the model.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,41 +121,137 @@ class Toolbox:
         return self.tools[name].invoke(arguments)
 
 
+def qualified_name(obj: Any) -> str:
+    """``module.QualName`` of a class or function (of ``type(obj)`` for an instance): how errors name it."""
+    target = obj if inspect.isclass(obj) or inspect.isroutine(obj) else type(obj)
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    return f"{module}.{name}" if module and module != "builtins" else name
+
+
+def checked_factory(factory: EnvironmentFactory) -> EnvironmentFactory:
+    """``factory`` made to fail in one line naming it: a raised exception (``SystemExit`` included: a factory must
+    not end the run without a word) or a ``None`` instance is a :class:`ConventionError`."""
+    name = qualified_name(factory)
+
+    def make() -> Any:
+        try:
+            env = factory()
+        except (Exception, SystemExit) as exc:
+            raise ConventionError(f"environment factory {name}() raised {_what(exc)}") from exc
+        if env is None:
+            raise ConventionError(f"environment factory {name}() returned None; it must return an environment "
+                                  "instance (an object with a reset(**kwargs) method)")
+        return env
+
+    make.__wrapped__ = factory  # type: ignore[attr-defined]  (inspect.unwrap finds the user's factory)
+    return make
+
+
+def _what(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r}) (sys.exit)"
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__  # one line
+
+
 def reset_environment(env: Any, **kwargs: Any) -> str | None:
-    """``env.reset(**kwargs)``; its result must be ``None`` or a string (text for the user message)."""
-    observation = env.reset(**kwargs)
+    """``env.reset(**kwargs)``; its result must be ``None`` or a string (text for the user message). A missing or
+    raising ``reset`` is a :class:`ConventionError` naming the class and the problem."""
+    reset = getattr(env, "reset", None)
+    if not callable(reset):
+        raise ConventionError(f"environment {qualified_name(env)} has no reset(**kwargs) method; every environment "
+                              "needs one (it may return None)")
+    try:
+        observation = reset(**kwargs)
+    except (Exception, SystemExit) as exc:
+        problem = f" for problem {kwargs['id']}" if "id" in kwargs else ""
+        raise ConventionError(f"{qualified_name(env)}.reset{problem} raised {_what(exc)}") from exc
     if observation is not None and not isinstance(observation, str):
         raise ConventionError(f"{type(env).__qualname__}.reset returned {type(observation).__name__}; it must "
                                 "return None or a string (text appended to the user message)")
     return observation
 
 
-def environment_reward(env: Any) -> float | None:
-    """``env.get_reward()`` as a float when the environment defines it (sync or ``async``), else ``None``."""
-    get_reward = getattr(type(env), "get_reward", None)
-    if get_reward is None:
+class EnvironmentReward(float):
+    """An environment's reward as it scores the episode (in [0, 1]), with ``failure``: the logged message when
+    ``get_reward`` failed (raised, returned a non-number or NaN: scored 0; outside [0, 1]: clamped), else
+    ``None``. A float, so every consumer of rewards reads it unchanged; :func:`count_reward_failures` counts it."""
+
+    failure: str | None
+
+    def __new__(cls, value: float, failure: str | None = None) -> EnvironmentReward:
+        reward = super().__new__(cls, value)
+        reward.failure = failure
+        return reward
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EnvironmentReward, (float(self), self.failure))
+
+
+@dataclass(frozen=True)
+class _RewardCall:
+    """What the reward runner scores: the environment, and ``id``, how its messages name the reward."""
+
+    env: Any
+    id: str
+
+
+def _get_reward(_completion: str, call: _RewardCall) -> Any:
+    env = call.env
+    value = asyncio.run(env.get_reward()) if inspect.iscoroutinefunction(type(env).get_reward) else env.get_reward()
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            float(value)
+        except OverflowError:  # an integer beyond float's range (10**400): infinitely far outside [0, 1]
+            return math.inf if value > 0 else -math.inf
+    return value
+
+
+def environment_reward(env: Any, problem_id: str | None = None, *, strict: bool = False
+                       ) -> EnvironmentReward | None:
+    """``env.get_reward()`` (sync or ``async``) under the reward functions' policy (module docstring) when the
+    environment defines it, else ``None``. ``strict``: raise :class:`meshrl.rewards.RewardError` instead."""
+    from meshrl.rewards import RewardRunner
+
+    if getattr(type(env), "get_reward", None) is None:
         return None
-    value = asyncio.run(env.get_reward()) if inspect.iscoroutinefunction(get_reward) else env.get_reward()
-    try:
-        return float(value)
-    except (TypeError, ValueError) as exc:
-        raise ConventionError(f"{type(env).__qualname__}.get_reward returned {value!r}; it must return a "
-                                "number") from exc
+    name = f"{problem_id if problem_id is not None else '?'} (environment {qualified_name(env)}.get_reward)"
+    runner = RewardRunner(_get_reward, timeout_s=None, strict=strict, isolation="inline")
+    value = runner.score_one("", _RewardCall(env, name))
+    failed = any(runner.pop_stats().values())
+    return EnvironmentReward(value, runner.last_failure if failed else None)
+
+
+def count_reward_failures(rewards: Iterable[Any], runner: Any) -> int:
+    """Add the failed environment rewards among ``rewards`` (:class:`EnvironmentReward` with a ``failure``) to
+    ``runner``'s ``reward/errors`` (a :class:`meshrl.rewards.RewardRunner`'s counters, so that they are reported
+    and checked as a reward function's errors) and its ``last_failure``; return how many there were."""
+    failures = [r.failure for r in rewards if isinstance(r, EnvironmentReward) and r.failure is not None]
+    if failures:
+        runner.stats["reward/errors"] = runner.stats.get("reward/errors", 0) + len(failures)
+        runner.last_failure = failures[-1]
+    return len(failures)
 
 
 def load_environment(spec: str) -> EnvironmentFactory:
     """The environment factory named by ``"MODULE:FACTORY"`` (a class or a function returning an instance), e.g.
-    ``"my_envs.wordle:WordleEnv"``; ``FACTORY`` may be dotted (``"pkg.mod:Outer.make"``)."""
+    ``"my_envs.wordle:WordleEnv"``; ``FACTORY`` may be dotted (``"pkg.mod:Outer.make"``). Whatever goes wrong is
+    one :class:`ConventionError` naming the spec and the module or attribute."""
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise ConventionError(f"environment spec {spec!r} must be 'MODULE:FACTORY' (e.g. 'my_envs:CounterEnv')")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConventionError(f"environment spec {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    if module_name.startswith("."):
+        raise ConventionError(f"environment spec {spec!r}: {module_name!r} is a relative module name; give the "
+                              "module's full import path (e.g. 'my_envs.wordle:WordleEnv')")
+    module = _import(spec, module_name)
     factory: Any = module
     for part in attribute.split("."):
-        if not hasattr(factory, part):
+        try:
+            found = hasattr(factory, part)
+        except Exception as exc:  # a module __getattr__ that raises something else than AttributeError
+            raise ConventionError(f"environment spec {spec!r}: looking up {part!r} raised {_what(exc)}") from exc
+        if not found:
             raise ConventionError(f"environment spec {spec!r}: module {module_name!r} has no attribute "
                                     f"{attribute!r} (missing {part!r})")
         factory = getattr(factory, part)
@@ -155,3 +259,19 @@ def load_environment(spec: str) -> EnvironmentFactory:
         raise ConventionError(f"environment spec {spec!r}: {attribute!r} is a {type(factory).__name__}, not a "
                                 "class or function")
     return factory
+
+
+def _import(spec: str, module_name: str) -> Any:
+    """``importlib.import_module(module_name)``; anything the import raises (a missing module, a syntax error, an
+    exception in its code, ``sys.exit``) is one line naming the module. Ctrl-C still interrupts."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConventionError(f"environment spec {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    except SyntaxError as exc:
+        where = f"{exc.filename}, line {exc.lineno}" if exc.filename else f"line {exc.lineno}"
+        raise ConventionError(f"environment spec {spec!r}: module {module_name!r} has a syntax error ({where}: "
+                              f"{exc.msg})") from exc
+    except (Exception, SystemExit) as exc:
+        raise ConventionError(f"environment spec {spec!r}: importing module {module_name!r} raised "
+                              f"{_what(exc)}") from exc

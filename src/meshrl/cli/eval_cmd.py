@@ -44,5 +44,8 @@ def run(args: argparse.Namespace) -> int:
                      seed=args.seed, by=args.by, backend=args.backend, kind=args.kind)
     out = args.out or Path("eval_out") / args.data.split("?")[0].replace(":", "_").replace("/", "_")
     summary = run_eval(cfg, out, progress=not args.no_progress)
-    print(json.dumps({"overall": summary["overall"], "out": str(out)}, indent=1))
+    unscored = summary.get("unscored")  # run_eval has logged its warning; the counts go beside the scores
+    print(json.dumps({"overall": summary["overall"], "out": str(out),
+                      **({"unscored": {k: unscored[k] for k in ("errors", "timeouts")}} if unscored else {})},
+                     indent=1))
     return 0

@@ -8,6 +8,7 @@ which keeps single noisy steps from deciding a trend.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -77,15 +78,33 @@ class Thresholds:
     stall_adv_abs: float = 0.05  # mean |advantage| below this: near-zero signal
 
     def with_overrides(self, overrides: dict[str, Any]) -> Thresholds:
-        """A copy with some fields replaced (``--set`` on the CLI); unknown names are a ``ValueError``."""
+        """A copy with some fields replaced (``--set`` on the CLI, ``health.thresholds``); unknown names are a
+        ``ValueError``, and so is a value that is not a finite number >= 0 (an integer for an integer field),
+        each naming the threshold: a NaN would make every comparison false and silently turn its check off."""
         known = {f.name: f.type for f in fields(self)}
         bad = sorted(set(overrides) - set(known))
         if bad:
             raise ValueError(f"unknown doctor threshold(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
         values = asdict(self)
         for k, v in overrides.items():
-            values[k] = type(values[k])(v)
+            values[k] = threshold_value(k, v, type(values[k]))
         return Thresholds(**values)
+
+
+def threshold_value(name: str, value: Any, kind: type) -> int | float:
+    """``value`` of threshold ``name`` as ``kind`` (int or float): a number, or its text (``--set``)."""
+    number: Any = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    ok = (not isinstance(number, bool) and isinstance(number, int | float) and math.isfinite(number)
+          and number >= 0 and (kind is float or float(number).is_integer()))
+    if not ok:
+        what = "an integer >= 0" if kind is int else "a finite number >= 0"
+        raise ValueError(f"threshold {name} must be {what}, got {value!r}")
+    return kind(number)
 
 
 DEFAULT = Thresholds()

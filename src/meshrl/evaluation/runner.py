@@ -110,6 +110,7 @@ def _check_code_sandbox(task: Any) -> None:
 
 def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     """Sample, grade and summarise; resumes from ``out_dir/eval_samples.jsonl`` when present."""
+    from meshrl.agents.environment import count_reward_failures
     from meshrl.models import encode_prompt
     from meshrl.rewards import RewardRunner, scorer_time_limit
     from meshrl.rewards.grading import extract_for_kind
@@ -167,6 +168,8 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                     cfg.seed * 1_000_003 + ci, runner,
                     lambda i, obs, enc=encoded: prompt_encoder(tok, task.format_prompt(enc[i][0]) + obs))
                 all_episodes.extend(episodes)  # a tool-using task's (turns, tool calls, errors)
+                # an environment's failed get_reward scored 0: counted beside the grader's errors
+                count_reward_failures([e.env_reward for e in episodes], runner)
                 counts: dict[str, int] = defaultdict(int)
                 for text, prob, score, trunc in zip(texts, probs, scores, truncated, strict=True):
                     row = {"problem_id": prob.id, "sample": counts[prob.id], "completion": text,
@@ -187,16 +190,33 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
                          f"with --max-new-tokens {cfg.max_new_tokens}); nothing was evaluated")
     wanted = {p.id for p in problems} - set(budget.too_long)
     summary = summarize([r for r in done_rows if r["problem_id"] in wanted], cfg.ks, cfg.by)
+    reward_stats = runner.pop_stats()
     summary.update({"config": asdict(cfg), "model_loaded": desc, "provenance": provenance,
-                    "reward_stats": runner.pop_stats(),
+                    "reward_stats": reward_stats,
                     "reward_kind": task.reward_kind, "instruction": task.instruction,
                     "skipped_long_prompts": dict(budget.too_long), "seconds": time.perf_counter() - t0})
     if all_episodes:  # of the episodes drawn in this call (a resumed evaluation: the new ones only)
         from meshrl.agents import episode_metrics
 
         summary["episodes"] = episode_metrics(all_episodes)
+    unscored = unscored_note(reward_stats, runner.last_failure)
+    if unscored is not None:
+        summary["unscored"] = unscored
+        log.warning("%s", unscored["message"])
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def unscored_note(reward_stats: dict[str, int], last_failure: str | None) -> dict[str, Any] | None:
+    """What this evaluation could not score (``None``: it scored every sample): its counts and a one-line
+    message. Such a sample scored 0 and counts as wrong, so mean@k and pass@k are lower bounds."""
+    errors, timeouts = int(reward_stats.get("reward/errors", 0)), int(reward_stats.get("reward/timeouts", 0))
+    if not errors and not timeouts:
+        return None
+    message = (f"{errors + timeouts} reward(s) could not be scored ({errors} errors, {timeouts} timeouts): each "
+               "scored 0 and counts as wrong, so mean@k and pass@k are lower bounds"
+               + (f"; last: {last_failure}" if last_failure else ""))
+    return {"errors": errors, "timeouts": timeouts, "last": last_failure, "message": message}
 
 
 def trained_task(model: str) -> dict[str, Any] | None:

@@ -47,7 +47,8 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """Split ``"BASE?k=v&k2=v2"`` into ``("BASE", {"k": v, "k2": v2})`` with coerced values.
 
     Values are percent-decoded (``%26`` for ``&``) but ``+`` is kept literally, so arithmetic
-    operators survive.  A key without ``=`` raises ``ValueError``.
+    operators survive.  A key without ``=``, or a key given twice (which value was meant is not ours to guess),
+    raises ``ValueError``.
     """
     base, _, query = spec.partition("?")
     options: dict[str, Any] = {}
@@ -55,7 +56,11 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, eq, value = part.partition("=")
         if not eq or not key:
             raise ValueError(f"task spec {spec!r}: option {part!r} is not of the form key=value")
-        options[unquote(key)] = coerce_value(unquote(value))
+        name = unquote(key)
+        if name in options:
+            raise ValueError(f"task spec {spec!r}: option {name} is given twice ({options[name]!r}, then "
+                             f"{unquote(value)!r}); give it once")
+        options[name] = coerce_value(unquote(value))
     return base, options
 
 

@@ -9,7 +9,9 @@ spec that gives the prompts and answers (``jsonl:problems.jsonl?...``, ``gsm8k:.
 turn). Options before ``data=``: ``max_turns`` (4), ``max_tool_calls`` (8), ``max_total_tokens`` (1024: every
 token after the prompt, tool output included), ``tool_timeout_s`` (10), ``max_tool_output_chars`` (4000),
 ``on_parse_failure`` (``respond`` | ``end``), ``tools`` (built-in tool sets offered beside the environment's,
-``calculator`` and/or ``python``, comma-separated), ``python_timeout_s`` (5).
+``calculator`` and/or ``python``, comma-separated), ``python_timeout_s`` (5). Each is declared in
+:class:`EnvOptions` with its type and bounds (finite, time limits at most a day) and given at most once; anything
+else is one line naming the option.
 
     env:calculator?max_turns=3&data=jsonl:gsm8k.jsonl?problem=question&answer=answer
     env:my_envs.wordle:WordleEnv?data=jsonl:words.jsonl?problem=prompt&answer=word
@@ -21,14 +23,36 @@ returns is appended to the user message, as TRL does.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
+from meshrl.settings import parse_settings, setting
 from meshrl.tasks._spec import split_spec
 from meshrl.tasks.base import Problem, Task
 
 BUILTIN_TOOLSETS = ("calculator", "python")
 LIMIT_OPTIONS = ("max_turns", "max_tool_calls", "max_total_tokens", "tool_timeout_s", "max_tool_output_chars",
                  "on_parse_failure")
+#: the longest time limit a tool call may be given: a day (a longer wait is no limit, and far longer ones
+#: overflow ``threading``'s timeout)
+MAX_TIMEOUT_S = 86_400.0
+
+
+@dataclass(frozen=True)
+class EnvOptions:
+    """The options of an ``env:`` spec, declared as the config's settings are (type, default, bounds and help
+    once, :mod:`meshrl.settings`): the first six are :class:`meshrl.agents.EpisodeLimits`' with its defaults."""
+
+    max_turns: int = setting(4, help="model turns per episode", ge=1)
+    max_tool_calls: int = setting(8, help="executed tool calls per episode", ge=1)
+    max_total_tokens: int = setting(1024, help="tokens after the prompt, tool output included", ge=1)
+    tool_timeout_s: float = setting(10.0, help="time limit of one tool call, seconds", gt=0, le=MAX_TIMEOUT_S)
+    max_tool_output_chars: int = setting(4000, help="characters of a tool result the model reads", ge=1)
+    on_parse_failure: str = setting("respond", help="what a refused tool-call turn does",
+                                    choices=("respond", "end"))
+    tools: str = setting("", help="built-in tool sets offered beside the environment's, comma-separated")
+    python_timeout_s: float = setting(5.0, help="time limit of the python tool's program, seconds", gt=0,
+                                      le=MAX_TIMEOUT_S)
 
 
 def split_env_spec(spec: str) -> tuple[str, dict[str, Any], str]:
@@ -53,8 +77,10 @@ class EnvTask(Task):
 
     def __init__(self, name: str, data: Task, factory: Callable[[], Any] | None, tools: list[Callable[..., Any]],
                  limits: Any) -> None:
-        from meshrl.agents import Toolbox
+        from meshrl.agents.environment import Toolbox, checked_factory
 
+        # checked: a factory that raises or returns None is one line naming it, here and in every episode
+        factory = checked_factory(factory) if factory is not None else None
         self.name, self.data, self.factory, self.tools, self.limits = name, data, factory, tools, limits
         self.reward_kind, self.instruction, self.splits = data.reward_kind, data.instruction, data.splits
         probe = factory() if factory is not None else None  # one instance, not reset: its tools and reward
@@ -116,15 +142,24 @@ class EnvTask(Task):
         return {**problem.meta, "prompt": problem.prompt, "answer": problem.answer, "id": problem.id}
 
 
-def _toolset(name: str, options: dict[str, Any], spec: str) -> Callable[..., Any]:
+def _toolset(name: str, options: EnvOptions, spec: str) -> Callable[..., Any]:
     from meshrl.agents import calculator, python_tool
 
     if name == "calculator":
         return calculator
     if name == "python":
-        timeout = float(options.pop("python_timeout_s", 5.0))
-        return python_tool(timeout_s=timeout)
+        return python_tool(timeout_s=options.python_timeout_s)
     raise ValueError(f"task spec {spec!r}: unknown tool set {name!r}; built-in: {', '.join(BUILTIN_TOOLSETS)}")
+
+
+def env_options(spec: str, options: dict[str, Any]) -> EnvOptions:
+    """``options`` of ``spec`` typed and bounded (:class:`EnvOptions`); anything else is one ``ValueError`` naming
+    the spec and the option."""
+    known = [f.name for f in fields(EnvOptions)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"task spec {spec!r}: unknown option(s) {unknown}; known: {', '.join([*known, 'data'])}")
+    return parse_settings(EnvOptions, options, f"task spec {spec!r}")
 
 
 def load_env_task(spec: str, *, seed: int = 0, **extra: Any) -> EnvTask:
@@ -133,17 +168,12 @@ def load_env_task(spec: str, *, seed: int = 0, **extra: Any) -> EnvTask:
     from meshrl.tasks.base import load_task
 
     env, options, data_spec = split_env_spec(spec)
-    options = {**options, **extra}
-    limits = EpisodeLimits(**{k: options.pop(k) for k in LIMIT_OPTIONS if k in options})
+    opts = env_options(spec, {**options, **extra})
+    limits = EpisodeLimits(**{k: getattr(opts, k) for k in LIMIT_OPTIONS})
     names = [env] if env in BUILTIN_TOOLSETS else []
-    extra_sets = options.pop("tools", "")
-    names += [t for t in str(extra_sets).split(",") if t] if extra_sets else []
+    names += [t for t in opts.tools.split(",") if t]
     factory = None if env in BUILTIN_TOOLSETS else load_environment(env)
-    tools = [_toolset(name, options, spec) for name in dict.fromkeys(names)]
-    options.pop("python_timeout_s", None)
-    if options:
-        raise ValueError(f"task spec {spec!r}: unknown option(s) {sorted(options)}; known: "
-                         f"{', '.join([*LIMIT_OPTIONS, 'tools', 'python_timeout_s', 'data'])}")
+    tools = [_toolset(name, opts, spec) for name in dict.fromkeys(names)]
     data = load_task(data_spec, seed=seed)
     if getattr(data, "episodic", False):
         raise ValueError(f"task spec {spec!r}: data={data_spec!r} is itself an environment")
