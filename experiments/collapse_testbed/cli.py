@@ -143,11 +143,33 @@ def load_results(path: Path) -> dict:
     return data
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the option for a value no experiment can use, before any work (an experiment started
+    from a negative step count would otherwise run the preset's full default into ``--out``)."""
+    if args.build_warm_starts is None and args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a directory")
+    for flag, value, low in (("--steps", args.steps, 1), ("--workers", args.workers, 1),
+                             ("--ckpt-eval-every", args.ckpt_eval_every, 0)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.seeds is not None:
+        if min(args.seeds) < 0:
+            raise ValueError(f"--seeds must be >= 0, got {min(args.seeds)}")
+        if len(set(args.seeds)) < len(args.seeds):
+            raise ValueError(f"--seeds names a seed twice: {' '.join(map(str, args.seeds))}")
+    for flag, path in (("--unpack", args.unpack), ("--tables-from", args.tables_from)):
+        if path is not None and not path.is_file():
+            raise ValueError(f"{flag} {path}: no such file")
+    if args.pack is not None and args.pack.is_dir():
+        raise ValueError(f"--pack {args.pack} is a directory, not a file")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        check_args(args)
         return run(args)
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

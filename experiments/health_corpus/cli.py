@@ -71,11 +71,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the option for a value that cannot work, before anything is read or written."""
+    if args.every < 1:
+        raise ValueError(f"--every must be >= 1, got {args.every}")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a directory")
+    if args.from_pack is not None and not args.from_pack.is_file():
+        raise ValueError(f"--from-pack {args.from_pack}: no such file")
+    for flag, paths in (("--corpus", args.corpus), ("--testbed-pack", args.testbed_pack),
+                        ("--testbed-dir", args.testbed_dir)):
+        for path in paths:
+            if not path.exists():
+                raise ValueError(f"{flag} {path}: no such file or directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    if args.every < 1:
-        print(f"--every must be >= 1, got {args.every}", file=sys.stderr)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:  # bad input: one line and exit status 2, as in ``meshrl``
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     try:
         if args.from_pack:

@@ -27,20 +27,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the option for a value no experiment can use, before any work."""
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a directory")
+    if args.summarize and not (args.out / "settings.json").is_file():
+        raise ValueError(f"--summarize: {args.out} holds no experiment (no settings.json)")
+    for flag, value, low in (("--steps", args.steps, 1), ("--ckpt-every", args.ckpt_every, 1),
+                             ("--report-problems", args.report_problems, 2)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.seeds is not None:
+        if min(args.seeds) < 0:
+            raise ValueError(f"--seeds must be >= 0, got {min(args.seeds)}")
+        if len(set(args.seeds)) < len(args.seeds):
+            raise ValueError(f"--seeds names a seed twice: {' '.join(map(str, args.seeds))}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from experiments.tools_testbed.experiment import ToolsSettings, run_experiment, summarize
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     changes = {"arms": tuple(args.arms) if args.arms else None, "seeds": tuple(args.seeds) if args.seeds else None,
                "steps": args.steps, "ckpt_every": args.ckpt_every, "report_problems": args.report_problems}
     try:
+        check_args(args)
         if args.summarize:
             summarize(args.out)
         else:
             run_experiment(args.out, ToolsSettings(**{k: v for k, v in changes.items() if v is not None}))
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     print((args.out / "results.md").read_text())
     return 0

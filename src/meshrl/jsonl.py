@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["BadLines", "JsonlWriter", "atomic_write_text", "fsync_dir", "iter_jsonl", "read_jsonl",
-           "truncate_after_step"]
+           "truncate_after_step", "umask_mode"]
 
 log = logging.getLogger("meshrl")
 TEMP_PREFIX = "."  # temporary files are hidden siblings: ".metrics.jsonl.<random>"
@@ -131,11 +131,40 @@ class JsonlWriter:
             listener(json.loads(line))
 
     def close(self) -> None:
-        self._f.close()
+        # Closing flushes what a failed write left buffered: on a full disk that fails again (the file is closed
+        # all the same), and is told as the same one-line error.
+        try:
+            self._f.close()
+        except OSError as e:
+            if e.errno in DISK_FULL_ERRNOS:
+                raise disk_full(self.path, e) from e
+            raise
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``): setting it to
+    read it back would, for that moment, give files other threads create the wrong mode."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_mode(mode: int) -> int:
+    """``mode`` as ``open``/``mkdir`` would create it under the user's umask (``0o666`` -> ``0o644`` at 022):
+    ``tempfile`` makes its files 600 and directories 700, which an atomic rename would otherwise keep."""
+    return mode & ~current_umask()
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary sibling, fsync it, rename it over ``path`` and fsync the directory."""
+    """Write ``text`` to a temporary sibling, fsync it, rename it over ``path`` and fsync the directory. The file
+    gets the mode a plain write would create (the umask's), not ``tempfile``'s private 600."""
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.")
     except OSError as e:
@@ -143,6 +172,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             raise disk_full(path, e) from e
         raise
     try:
+        os.fchmod(fd, umask_mode(0o666))
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

@@ -147,6 +147,13 @@ def gspo_loss(
     ``L_i`` is written on every response token of sequence ``i``, so ``seq-mean-token-mean`` aggregation
     gives the paper's ``(1/G) sum_i L_i``. Sequence advantages are required (``[B]``, or ``[B, T]`` constant
     along each row, of which the first masked value is used). Paper defaults eps 3e-4 / 4e-4.
+
+    Clamp: every token log-ratio is clamped to ``[-20, 20]`` before the mean, as the PPO clip's is (verl's
+    ``compute_policy_loss_vanilla`` clamps ``negative_approx_kl`` so), so the sequence log-ratio, a mean of them,
+    lies in ``[-20, 20]`` and ``s_i <= e^20``; a clamped token carries no gradient. This departs from verl's
+    ``compute_policy_loss_gspo`` (``verl/trainer/ppo/core_algos.py``), which leaves the tokens unclamped and clamps
+    the sequence log-ratio above at 10 only: the two agree wherever every token log-ratio lies in ``[-20, 20]`` and
+    their mean is at most 10; meshrl's bound is the one its other losses share.
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}/{clip_high}")
@@ -190,7 +197,8 @@ def gspo_token_loss(
         L_{i,t} = max(-A_{i,t} s_{i,t}, -A_{i,t} clip(s_{i,t}, 1 - eps_low, 1 + eps_high))
 
     Numerically ``s_{i,t} = s_i``; its gradient is ``s_i grad log pi(y_t)``. With ``A_{i,t} = A_i`` and
-    ``seq-mean-token-mean`` aggregation it equals GSPO in value and gradient.
+    ``seq-mean-token-mean`` aggregation it equals GSPO in value and gradient. The sequence log-ratio is bounded as
+    in :func:`gspo_loss` (token log-ratios clamped to ``[-20, 20]``), and ``log s_{i,t}`` is clamped above at 20.
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}/{clip_high}")

@@ -17,6 +17,8 @@ policy's, so an export that would not reproduce the checkpoint fails instead of 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import tempfile
 import time
@@ -37,9 +39,11 @@ from meshrl.models.tiny import TINY_PRESETS
 from meshrl.rollout import SamplingParams
 from meshrl.rollout.base import eos_ids
 from meshrl.rollout.hf import generation_config
-from meshrl.runs.checkpoint import latest_checkpoint
+from meshrl.runs.checkpoint import latest_checkpoint, read_pointer
 from meshrl.runs.policy import is_run_dir, load_policy
 from meshrl.trainer import RunConfig, load_config
+
+log = logging.getLogger("meshrl")
 
 INFO_FILE = "meshrl.json"
 BASE_SUBDIR = "base_model"  # adapter exports of a base that exists only in memory (the tiny models)
@@ -62,14 +66,33 @@ class Checkpoint:
 
 def run_checkpoints(run_dir: Path) -> dict[int, Path]:
     """``{step: directory}`` of the complete checkpoints in ``run_dir/checkpoints`` (``step_N`` with a
-    ``state.json``; the hidden temporary directories of a checkpoint being written are not listed)."""
+    ``state.json``; the hidden temporary directories of a checkpoint being written are not listed, nor a ``step_N``
+    that is a symbolic link: it leads outside the run, and meshrl never follows it)."""
     root = run_dir / "checkpoints"
     found = {}
     for path in root.glob("step_*") if root.is_dir() else ():
         digits = path.name.removeprefix("step_")
-        if digits.isdigit() and (path / "state.json").is_file():
+        if digits.isdigit() and not path.is_symlink() and (path / "state.json").is_file():
             found[int(digits)] = path
     return dict(sorted(found.items()))
+
+
+def _linked_step(run_dir: Path, step: int) -> str:
+    """``"; checkpoints/step_N is a symbolic link (to X), not followed"`` when it is one, else ``""``."""
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    return f"; {path} is a symbolic link (to {os.readlink(path)}), not followed" if path.is_symlink() else ""
+
+
+def _warn_newer_links(run_dir: Path, step: int) -> None:
+    """Log each ``step_N`` newer than ``step`` that is a symbolic link, unless ``latest`` names it (then
+    :func:`latest_checkpoint` has said so): the final checkpoint exported is the run's own, not the link."""
+    pointer = read_pointer(run_dir)
+    named = pointer.name if pointer is not None and pointer.is_symlink() else None
+    for link in sorted((run_dir / "checkpoints").glob("step_*")):
+        digits = link.name.removeprefix("step_")
+        if link.is_symlink() and link.name != named and digits.isdigit() and int(digits) > step:
+            log.warning("%s is a symbolic link (to %s), not followed; exporting step_%06d", link,
+                        os.readlink(link), step)
 
 
 def _kept(found: dict[int, Path]) -> str:
@@ -81,22 +104,27 @@ def select_checkpoint(run_dir: Path, which: str | int) -> Checkpoint:
     run's ``summary.json`` names best by its selection metric) or a step number."""
     found = run_checkpoints(run_dir)
     if not found:
-        raise ValueError(f"run {run_dir} has no checkpoint yet (checkpoints/step_N)")
+        links = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if p.is_symlink())
+        linked = f"; {', '.join(links)}: symbolic link(s), not followed" if links else ""
+        raise ValueError(f"run {run_dir} has no checkpoint yet (checkpoints/step_N){linked}")
     if which == "final":
         latest = latest_checkpoint(run_dir)
         if latest is None:  # no pointer: the highest complete step is the last one written
             step = max(found)
+            _warn_newer_links(run_dir, step)
             return Checkpoint(found[step], step, "final")
         step = next((s for s, p in found.items() if p.name == latest.name), None)
         if step is None:
             raise ValueError(f"run {run_dir}: checkpoints/latest names {latest.name}, which is not a step_N "
                              f"checkpoint (kept: {_kept(found)})")
+        _warn_newer_links(run_dir, step)
         return Checkpoint(latest, step, "final")
     if which == "best":
         return _best_checkpoint(run_dir, found)
     step = _as_step(which)
     if step not in found:
-        raise ValueError(f"run {run_dir} has no checkpoint for step {step} (kept: {_kept(found)})")
+        raise ValueError(f"run {run_dir} has no checkpoint for step {step} (kept: {_kept(found)})"
+                         f"{_linked_step(run_dir, step)}")
     return Checkpoint(found[step], step, "step")
 
 

@@ -165,8 +165,8 @@ def run_tests(payload: dict, remote: Remote) -> str:
             ns["check"](remote.proxy(entry_point))
         return "passed"
     except BaseException as exc:
-        if isinstance(exc, ProgramExited):
-            print(f"sandbox: {exc} before the tests finished", file=sys.stderr)
+        if isinstance(exc, ProgramExited):  # its message already says when ("before its code finished running")
+            print(f"sandbox: {exc}", file=sys.stderr)
         else:
             traceback.print_exc()
         return _status(exc)

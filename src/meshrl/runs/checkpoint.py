@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
-from meshrl.jsonl import atomic_write_text, fsync_dir
+from meshrl.jsonl import atomic_write_text, fsync_dir, umask_mode
 
 log = logging.getLogger("meshrl")
 
@@ -179,8 +179,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return target
     candidates = [p for p in step_dirs(run_dir / "checkpoints") if (p / "state.json").is_file()]
     if target is not None:
-        log.warning("checkpoint pointer %s names %s, which is missing or incomplete%s", run_dir / "checkpoints"
-                    / "latest", target.name, f"; using {candidates[-1].name}" if candidates else "")
+        what = (f"a symbolic link (to {os.readlink(target)}), not followed" if target.is_symlink()
+                else "missing or incomplete")
+        log.warning("checkpoint pointer %s names %s, which is %s%s", run_dir / "checkpoints" / "latest",
+                    target.name, what, f"; using {candidates[-1].name}" if candidates else "")
     return candidates[-1] if candidates else None
 
 
@@ -264,6 +266,7 @@ def save_checkpoint(
         raise _space_error(root, step, needed, None)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{TEMP_PREFIX}{name}."))
     try:
+        os.chmod(tmp, umask_mode(0o777))  # mkdtemp's 700 would stay on the step directory after the rename
         _write_files(tmp, step, model, optimizer, state, rng if rng is not None else rng_state())
         _move_into_place(tmp, final, root)
         fsync_dir(root)

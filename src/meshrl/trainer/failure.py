@@ -27,6 +27,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from meshrl.jsonl import DiskFullError
 from meshrl.runs.checkpoint import CheckpointError
 from meshrl.trainer.signals import RunInterrupted
 
@@ -47,7 +48,42 @@ class RewardsFailed(RuntimeError):
 
 class HealthStop(RuntimeError):
     """Raised when a finding of the live run-health checks asks for ``stop`` (``health.on``): the run ends at the
-    last healthy checkpoint, the state of the unhealthy step is not saved."""
+    last healthy checkpoint, the state of the unhealthy step is not saved.
+
+    ``onset``: the first step whose records show the finding (None: unknown). Step ``s``'s records measure the
+    policy the step started from, the one checkpoint ``s - 1`` holds, so the last healthy checkpoint is the newest
+    one at or before ``onset - 2`` (:func:`healthy_checkpoint`); ``detail`` says which, or that none is kept."""
+
+    def __init__(self, message: str, onset: int | None = None) -> None:
+        super().__init__(message)
+        self.onset, self.detail = onset, ""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}{self.detail}"
+
+
+def healthy_checkpoint(trainer, err: HealthStop) -> Path | None:
+    """The newest complete checkpoint of the run from before ``err``'s onset, which ``checkpoints/latest`` is moved
+    to (so ``--resume`` continues from it); None when none is kept. Sets ``err.detail`` to say so either way."""
+    from meshrl.jsonl import atomic_write_text
+    from meshrl.runs.checkpoint import step_dirs, step_of
+
+    if err.onset is None:
+        return trainer.saved_path()
+    root = trainer.run_dir / "checkpoints"
+    kept = [p for p in step_dirs(root) if (p / "state.json").is_file()]
+    healthy = [p for p in kept if step_of(p) <= err.onset - 2]
+    later = ", ".join(p.name for p in kept if step_of(p) > err.onset - 2)
+    if not healthy:
+        err.detail = (f"; no checkpoint from before the finding is kept (seen in step {err.onset}'s records, which "
+                      f"measure the policy after step {err.onset - 1}" + (f"; {later} hold the unhealthy policy"
+                                                                         if later else "")
+                      + "): start the run again, or keep more checkpoints (checkpoint.keep_last)")
+        return None
+    atomic_write_text(root / "latest", healthy[-1].name)
+    if later:
+        err.detail = f"; {later} already hold the unhealthy policy: --resume continues from {healthy[-1].name}"
+    return healthy[-1]
 
 
 class RunHealth:
@@ -138,7 +174,7 @@ def record_stop(trainer, events, err: BaseException, stops) -> Path | None:
     if isinstance(err, CheckpointError):  # the save itself failed; the last checkpoint stands
         log.error("%s", err)
     elif isinstance(err, HealthStop):  # the step's state is the unhealthy one: the last healthy checkpoint stands
-        path = trainer.saved_path()
+        path = healthy_checkpoint(trainer, err)
     elif trainer.dirty:
         log.warning("stopped in the middle of step %d: that state is no step boundary, so it is not saved; "
                     "a resume continues from the last checkpoint (step %s)", trainer.step_idx + 1,
@@ -154,10 +190,13 @@ def record_stop(trainer, events, err: BaseException, stops) -> Path | None:
         record["signal"] = err.signum
     elif kind != "interrupted":
         record["error"] = f"{type(err).__name__}: {err}"
-    events.write(record)
     if path is not None:
         with contextlib.suppress(AttributeError):  # for the CLI's one-line message
             err.checkpoint = path
+    try:
+        events.write(record)
+    except (OSError, DiskFullError) as write_err:  # e.g. the full disk that stopped the run: report that, not this
+        log.error("could not record the stop in events.jsonl: %s", write_err)
     if kind == "interrupted" and path is not None:
         log.warning("interrupted: checkpoint saved at %s; continue with --resume %s", path, trainer.run_dir)
     return path

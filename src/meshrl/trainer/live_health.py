@@ -11,7 +11,9 @@ finding raised for the first time writes ``health_finding`` (what, evidence, the
 - ``checkpoint``: a checkpoint of this step, whatever ``checkpoint.every`` says;
 - ``stop``: the run ends (:class:`meshrl.trainer.failure.HealthStop`, one line naming the finding) without saving
   the unhealthy step. So that a healthy checkpoint exists to go back to, a run with any ``stop`` action saves a
-  checkpoint at every check that raises no stop (``checkpoint.keep_last`` still prunes the older ones).
+  checkpoint at every check that raises no stop (``checkpoint.keep_last`` still prunes the older ones). The stop
+  names, and points ``checkpoints/latest`` at, the newest kept checkpoint from before the finding's first step
+  (:func:`meshrl.trainer.failure.healthy_checkpoint`), or says that none is kept.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class LiveHealth:
         log_raised(report)
         action = report.action()
         if action == "stop":
-            raise HealthStop(stop_reason(report))
+            onsets = [min(f.steps) for f, a in report.raised if a == "stop" and f.steps]
+            raise HealthStop(stop_reason(report), onset=min(onsets) if onsets else None)
         if action == "checkpoint" or self.keeps_healthy:
             trainer.save()
         return report

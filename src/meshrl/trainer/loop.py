@@ -51,6 +51,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
     trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
     history = StepHistory(run_dir / "metrics.jsonl", trainer.step_idx)
     with StopRequests() as stops:
+        stopping = False
         try:
             with progress_bar("train", cfg.steps, cfg.log.progress, start=trainer.step_idx) as advance:
                 while trainer.step_idx < cfg.steps and not stops.requested:
@@ -71,15 +72,33 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
             if stops.requested:
                 raise RunInterrupted(stops.signum)
         except BaseException as err:
+            stopping = True
             record_stop(trainer, writers["events"], err, stops)
             raise
         finally:
-            trainer.close()
-            for w in writers.values():
-                w.close()
-            trackers.close()
-            write_summary(run_dir)
+            _close_run(trainer, writers, trackers, run_dir, stopping=stopping)
     return history
+
+
+def _close_run(trainer: Trainer, writers: dict[str, JsonlWriter], trackers: Trackers, run_dir: Path, *,
+               stopping: bool) -> None:
+    """Close everything the run holds and write its summary, each even when an earlier one fails.
+
+    While an error is stopping the run, a failure here is logged, never raised: it is most often the same cause
+    again (a full disk fails the record writers' last flush too), and raised from ``finally`` it would replace the
+    first, clear error with a traceback. Otherwise the first failure is raised once all are closed."""
+    first: Exception | None = None
+    closers = [trainer.close, *(w.close for w in writers.values()), trackers.close, lambda: write_summary(run_dir)]
+    for close in closers:
+        try:
+            close()
+        except Exception as err:  # noqa: BLE001 - reported below, after the others are closed
+            if stopping:
+                log.warning("while the run stopped, closing it failed too: %s", err)
+            elif first is None:
+                first = err
+    if first is not None:
+        raise first
 
 
 def _step_and_record(trainer: Trainer, writers: dict[str, JsonlWriter], trackers: Trackers) -> dict[str, Any]:

@@ -4,9 +4,11 @@ Preemption on clusters arrives as SIGTERM, at any moment, often mid-update. Rais
 ``KeyboardInterrupt`` would) leaves weights half-way through a step's mini-batches next to the previous
 step's counters, and a checkpoint of that state resumes into a different run. So the first signal only
 records the request: the loop finishes the step, writes its records, saves and stops. A second signal
-stops at once (:class:`RunInterrupted` raised where the program is), except inside a section that must not
-be cut (a checkpoint save), where it waits for the section's end; the trainer then saves only if the state
-it holds is still a step boundary.
+stops the run (:class:`RunInterrupted` raised where the program is) as soon as Python runs again: Python acts on a
+signal between bytecodes, so a native operation under way (one matmul, one C++ kernel) finishes first, which takes
+seconds on a long update and tens of seconds where bf16 is emulated. Inside a section that must not be cut (a
+checkpoint save) it waits for the section's end; the trainer then saves only if the state it holds is still a
+step boundary.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class StopRequests:
         if self.signum is None:
             self.signum = signum
             log.warning("%s received: finishing this step, then saving a checkpoint and stopping "
-                        "(send it again to stop at once)", name)
+                        "(send it again to stop as soon as the operation under way returns)", name)
             return
         if self._critical:
             self._pending = signum

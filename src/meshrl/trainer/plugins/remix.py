@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from meshrl.algos import aggregate, kl_penalty
+from meshrl.algos.divergences import LOG_RATIO_CLAMP
 from meshrl.settings import setting
 from meshrl.trainer.batch import token_logprobs
 from meshrl.trainer.loss import pad_rows
@@ -216,10 +217,16 @@ class Remix(Plugin):
 def mix_ppg_loss(logp: torch.Tensor, behaviour: torch.Tensor, start: torch.Tensor, adv: torch.Tensor,
                  mask: torch.Tensor, *, clip_low: float, clip_high: float) -> tuple[torch.Tensor, Stats]:
     """``-min(r A, clip(r, c - eps_low, c + eps_high) A)`` per token, ``r = pi_theta / pi_b``, ``c = pi_k / pi_b``
-    (all ``[n, T]`` but ``adv``, ``[n]`` or ``[n, T]``); ``mask`` only weighs the metrics."""
+    (all ``[n, T]`` but ``adv``, ``[n]`` or ``[n, T]``); ``mask`` only weighs the metrics.
+
+    Both log-ratios are clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` (20) before ``exp``, as the recipe's PPO
+    clip does (:func:`meshrl.algos.ppo_clip_loss`, after verl's ``compute_policy_loss_vanilla`` in
+    ``verl/trainer/ppo/core_algos.py``, which clamps ``negative_approx_kl`` to ``[-20, 20]``): a token that far off
+    its behaviour policy gives at most ``e^20`` (about 4.9e8) with gradient 0, never ``inf``/NaN. Inside the clamp
+    nothing changes, bit for bit."""
     a = adv[:, None] if adv.dim() == 1 else adv
-    ratio = torch.exp(logp - behaviour)
-    centre = torch.exp(start - behaviour).detach()
+    ratio = torch.exp((logp - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    centre = torch.exp((start - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
     clipped = torch.maximum(torch.minimum(ratio, centre + clip_high), centre - clip_low)
     mat = torch.maximum(-a * ratio, -a * clipped)  # masked by the aggregation, as the recipe's losses
     n = mask.sum().clamp(min=1)
