@@ -212,3 +212,24 @@ def test_a_resumed_tool_using_run_equals_the_uninterrupted_one(tmp_path):
     assert rows(resumed) == rows(full) and "turns/mean" in rows(full)[-1]
     a, b = (load_file(str(r / "checkpoints" / "step_000003" / "model.safetensors")) for r in (full, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_environments_failed_rewards_count_as_reward_errors(tmp_path, monkeypatch):
+    """NaN from ``get_reward`` scores 0 and reaches ``reward/errors`` (and so ``failure.max_reward_failed``), as a
+    reward function's NaN does; a reward of 5 is clamped to 1 and counted too."""
+    (tmp_path / "nan_env_mod.py").write_text(
+        "from agents_support import CounterEnv\n\n"
+        "class HalfBrokenEnv(CounterEnv):\n"
+        "    def get_reward(self):\n"
+        "        return float('nan') if self.count == 3 else 5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(overrides=[*RUN, "task=env:nan_env_mod:HalfBrokenEnv?max_turns=3&data=tiny:repeat"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        trainer.sampler.backend = ScriptedBackend(trainer.tokenizer, _counter_script(trainer.tokenizer))
+        metrics = trainer.step()
+        assert trainer.last_data.scores == [0.0, 1.0] * 8
+        assert metrics["reward/errors"] == 16
+        assert "HalfBrokenEnv.get_reward" in trainer.last_reward_failure()
+    finally:
+        trainer.close()

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshrl.agents.environment import count_reward_failures
 from meshrl.algos import Recipe, advantage_estimator, dynamic_sampling_mask, overlong_penalty
 from meshrl.runs.correct import is_correct
 
@@ -372,6 +373,8 @@ class RolloutStep:
                 data.response_masks.append(list(row["model_mask"]))
                 data.label_texts.append(row["transcript"])
         if getattr(self.task, "owns_reward", False):  # the environment's get_reward() scores the episode
+            # its failures count as the reward function's would (reward/errors, failure.max_reward_failed)
+            count_reward_failures([row["env_reward"] for row in rows], self.rewards)
             data.scores = [float(row["env_reward"]) for row in rows]
         else:
             data.scores = self.rewards(data.texts, data.problems)
