@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from experiments._args import check_at_least, check_seeds
+
 
 def build_parser() -> argparse.ArgumentParser:
     from experiments.collapse_testbed.experiment import ARMS, DEFAULT_PRESET, PRESETS
@@ -148,15 +150,9 @@ def check_args(args: argparse.Namespace) -> None:
     from a negative step count would otherwise run the preset's full default into ``--out``)."""
     if args.build_warm_starts is None and args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file, not a directory")
-    for flag, value, low in (("--steps", args.steps, 1), ("--workers", args.workers, 1),
-                             ("--ckpt-eval-every", args.ckpt_eval_every, 0)):
-        if value is not None and value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if args.seeds is not None:
-        if min(args.seeds) < 0:
-            raise ValueError(f"--seeds must be >= 0, got {min(args.seeds)}")
-        if len(set(args.seeds)) < len(args.seeds):
-            raise ValueError(f"--seeds names a seed twice: {' '.join(map(str, args.seeds))}")
+    check_at_least((("--steps", args.steps, 1), ("--workers", args.workers, 1),
+                    ("--ckpt-eval-every", args.ckpt_eval_every, 0)))
+    check_seeds(args.seeds)
     for flag, path in (("--unpack", args.unpack), ("--tables-from", args.tables_from)):
         if path is not None and not path.is_file():
             raise ValueError(f"{flag} {path}: no such file")

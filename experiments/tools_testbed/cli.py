@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from experiments._args import check_at_least, check_seeds
+
 
 def build_parser() -> argparse.ArgumentParser:
     from experiments.tools_testbed.experiment import ARMS
@@ -33,15 +35,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out} is a file, not a directory")
     if args.summarize and not (args.out / "settings.json").is_file():
         raise ValueError(f"--summarize: {args.out} holds no experiment (no settings.json)")
-    for flag, value, low in (("--steps", args.steps, 1), ("--ckpt-every", args.ckpt_every, 1),
-                             ("--report-problems", args.report_problems, 2)):
-        if value is not None and value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if args.seeds is not None:
-        if min(args.seeds) < 0:
-            raise ValueError(f"--seeds must be >= 0, got {min(args.seeds)}")
-        if len(set(args.seeds)) < len(args.seeds):
-            raise ValueError(f"--seeds names a seed twice: {' '.join(map(str, args.seeds))}")
+    check_at_least((("--steps", args.steps, 1), ("--ckpt-every", args.ckpt_every, 1),
+                    ("--report-problems", args.report_problems, 2)))
+    check_seeds(args.seeds)
 
 
 def main(argv: list[str] | None = None) -> int:
