@@ -230,6 +230,7 @@ def test_an_environments_failed_rewards_count_as_reward_errors(tmp_path, monkeyp
         metrics = trainer.step()
         assert trainer.last_data.scores == [0.0, 1.0] * 8
         assert metrics["reward/errors"] == 16
-        assert "HalfBrokenEnv.get_reward" in trainer.last_reward_failure()
+        failure = trainer.last_reward_failure()
+        assert "HalfBrokenEnv.get_reward" in failure and trainer.last_data.problems[-1].id in failure
     finally:
         trainer.close()

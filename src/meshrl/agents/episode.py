@@ -87,7 +87,9 @@ class Episode:
     ``ids[t]``, 0 on tool-response tokens; ``engine_logprobs`` is aligned with ``ids`` (the backend's log-prob on
     model tokens, 0.0 on tool tokens, which the mask excludes), ``None`` when the backend returns none;
     ``turn_spans`` are the ``[start, stop)`` ranges of the model turns in ``ids``. ``env_reward`` is the
-    environment's ``get_reward()`` after the episode, when it defines one."""
+    environment's ``get_reward()`` after the episode, when it defines one; ``observation_cut`` the characters of
+    its ``reset`` observation left out of the prompt to fit the model (``meshrl.trainer.episodes``; ``None`` when
+    there was no observation)."""
 
     prompt_index: int
     prompt_ids: list[int]
@@ -101,6 +103,7 @@ class Episode:
     end_reason: str | None = None
     final_text: str = ""
     env_reward: float | None = None
+    observation_cut: int | None = None  # characters of the reset observation cut to fit the model; None: none
 
     @property
     def env(self) -> Any:
@@ -173,7 +176,8 @@ def run_episodes(backend: RolloutBackend, prompt_ids: list[list[int]], env_facto
                  tokenizer, params: SamplingParams, limits: EpisodeLimits, seed: int, *,
                  tools: Sequence[Callable[..., Any]] = (), reset_kwargs: Sequence[dict[str, Any]] | None = None,
                  envs: Sequence[Any] | None = None, chat_template_kwargs: dict | None = None,
-                 tool_workers: int = 8, openings: Sequence[Sequence[int]] | None = None) -> list[Episode]:
+                 tool_workers: int = 8, openings: Sequence[Sequence[int]] | None = None,
+                 problem_ids: Sequence[str] | None = None) -> list[Episode]:
     """Run ``params.n`` episodes per prompt (prompt-major: the ``n`` of prompt 0 first), see the module docstring.
 
     ``env_factory`` makes one environment per episode (TRL's convention; ``None``: only standalone ``tools``),
@@ -190,6 +194,8 @@ def run_episodes(backend: RolloutBackend, prompt_ids: list[list[int]], env_facto
     starts its first model turn with, forced rather than sampled (:func:`first_turn`). They count as the model's
     tokens (mask 1), within the turn's ``max_new_tokens``; a guided episode has no engine log-probs (``None``),
     since the engine did not choose its opening. An empty opening is a free episode.
+
+    ``problem_ids[i]`` names episode ``i``'s problem in the message of a failed ``get_reward``.
     """
     if tool_workers < 1:
         raise ValueError(f"tool_workers must be >= 1, got {tool_workers}")
@@ -208,9 +214,9 @@ def run_episodes(backend: RolloutBackend, prompt_ids: list[list[int]], env_facto
             _check_rows(out, len(live), f"turn {turn + 1}")
             _advance(live, out, tokenizer, renderer, limits, pool)
             turn += 1
-    for episode in episodes:
+    for i, episode in enumerate(episodes):
         if episode.env is not None:
-            episode.env_reward = environment_reward(episode.env)
+            episode.env_reward = environment_reward(episode.env, problem_ids[i] if problem_ids else None)
     return episodes
 
 

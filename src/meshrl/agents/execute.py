@@ -4,8 +4,10 @@
 that cannot be shown becomes an error :class:`ToolResult` whose message is what the model reads next, counted
 by the episode. Tools run in a daemon thread so that an environment method keeps its instance's state; a thread
 cannot be killed, so a tool that hangs keeps running in the background after its call has timed out (its result
-is discarded). Code that may hang or misbehave belongs in :func:`python_tool`, which runs it in meshrl's sandbox
-(a separate, killed process).
+is discarded, and a warning says so once per tool). A call that holds the interpreter (one long C call, a large
+allocation) cannot even be waited for: it returns late, past the limit, and its result is refused as timed out.
+Code that may hang or misbehave belongs in :func:`python_tool`, which runs it in meshrl's sandbox (a separate,
+killed process); the built-in :func:`calculator` bounds its own work before each operation.
 
 Built-in tools (standalone functions in TRL's convention, pass them as ``tools=``):
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import decimal
+import logging
 import math
 import operator
 import threading
@@ -28,7 +31,9 @@ from fractions import Fraction
 from typing import Any
 
 from meshrl.agents.environment import Toolbox
-from meshrl.agents.tool_calls import ToolCall, tool_result_text
+from meshrl.agents.tool_calls import ToolCall, as_text, tool_result_text
+
+log = logging.getLogger("meshrl")
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ def execute_call(toolbox: Toolbox, call: ToolCall, *, timeout_s: float, max_outp
             box["value"] = toolbox.call(call.name, call.arguments)
         except BaseException as exc:  # SystemExit / KeyboardInterrupt raised by a tool must not end the run
             box["error"] = f"{type(exc).__name__}: {exc}"
+        box["took"] = time.monotonic() - start  # the tool's own time, not the wait's
 
     start = time.monotonic()
     thread = threading.Thread(target=target, name=f"tool-{call.name}", daemon=True)
@@ -72,18 +78,39 @@ def execute_call(toolbox: Toolbox, call: ToolCall, *, timeout_s: float, max_outp
     thread.join(timeout_s)
     duration = time.monotonic() - start
     if thread.is_alive():
+        _warn_once(("running", call.name), "tool %r timed out after %g s and keeps running in a thread of this "
+                   "process (a thread cannot be stopped): it may slow the rest of the run and still change its "
+                   "environment; run work that may not end in a subprocess (python_tool)", call.name, timeout_s)
         return _error(call.name, f"tool {call.name!r} timed out after {timeout_s:g} s", duration, True)
+    if box.get("took", 0.0) > timeout_s:  # it held the interpreter (one long C call): the wait could not return
+        _warn_once(("late", call.name), "tool %r returned after %.1f s, past its %g s limit: a call that holds the "
+                   "interpreter (a long C call, a large allocation) cannot be stopped by the time limit; its result "
+                   "is refused as timed out", call.name, duration, timeout_s)
+        return _error(call.name, f"tool {call.name!r} took {duration:.1f} s, more than its limit of {timeout_s:g} s",
+                      duration, True)
     if "error" in box:
         return _error(call.name, box["error"], duration, False)
     try:
         text = tool_result_text(box["value"])
     except Exception as exc:  # a __str__ that raises
         return _error(call.name, f"the result cannot be shown ({type(exc).__name__}: {exc})", duration, False)
-    content, cut = cap_text(text, max_output_chars)
+    content, cut = cap_text(as_text(text), max_output_chars)  # what the model reads: no surrogates
     return ToolResult(call.name, content, None, False, duration, cut)
 
 
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(key: tuple[str, str], message: str, *args: Any) -> None:
+    """Log ``message`` once per process for ``key`` (what happened, tool name): a run of many episodes would
+    otherwise repeat it per call; each call is still counted in ``tools/error_frac``."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
 def _error(name: str, message: str, duration: float, timed_out: bool) -> ToolResult:
+    message = as_text(message)  # an exception may quote the model's argument, lone surrogates included
     return ToolResult(name, tool_result_text({"error": message}), message, timed_out, duration)
 
 
@@ -116,6 +143,19 @@ def _power(base: Fraction, exponent: Fraction) -> Fraction:
     return base**e
 
 
+def _fold(function: Callable[[int, int], int], values: list[int]) -> int:
+    """``function`` (gcd or lcm) over ``values`` two at a time, each partial result checked against
+    :data:`MAX_RESULT_BITS`: one C call over all of them would build a result of millions of bits (lcm of 180
+    large terms: 73 s, holding the interpreter) before any check could refuse it; two operands within the limit
+    cost microseconds."""
+    value = values[0]
+    for other in values[1:]:
+        value = function(value, other)
+        if value.bit_length() > MAX_RESULT_BITS:
+            raise CalculatorError(f"the result has more than {MAX_RESULT_BITS} bits")
+    return abs(value)  # as math.gcd and math.lcm: never negative, also for one argument
+
+
 def _apply(op: type, left: Fraction, right: Fraction) -> Fraction:
     if op is ast.Pow:
         return _power(left, right)
@@ -142,8 +182,10 @@ def _evaluate(node: ast.AST) -> Fraction:
         args = [_evaluate(a) for a in node.args]
         if node.func.id in ("gcd", "lcm") and any(a.denominator != 1 for a in args):
             raise CalculatorError(f"{node.func.id} takes whole numbers")
-        whole = [a.numerator for a in args] if node.func.id in ("gcd", "lcm") else args
-        value = Fraction(_FUNCTIONS[node.func.id](*whole))
+        if node.func.id in ("gcd", "lcm"):
+            value = Fraction(_fold(_FUNCTIONS[node.func.id], [a.numerator for a in args]))
+        else:
+            value = Fraction(_FUNCTIONS[node.func.id](*args))
     else:
         raise CalculatorError(f"unsupported syntax: {ast.dump(node)[:80]}")
     if _bits(value) > MAX_RESULT_BITS:

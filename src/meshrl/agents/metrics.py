@@ -5,7 +5,9 @@
 * ``tools/calls_mean``: executed tool calls per episode;
 * ``tools/error_frac``: failed calls (raised, timed out, unprintable result) / executed calls;
 * ``tools/parse_fail_frac``: model turns whose tool-call markup was refused / model turns;
-* ``tools/share/<name>``: calls of tool ``name`` / executed calls, for every tool called at least once.
+* ``tools/share/<name>``: calls of tool ``name`` / executed calls, for every tool called at least once;
+* ``env/observation_cut_frac``: fraction of episodes whose ``reset`` observation was cut to fit the model
+  (in every step of an environment whose ``reset`` returns text, absent for the others).
 
 A fraction with a zero denominator (no calls in the batch) is 0.0, so that every key is a number in every step.
 """
@@ -37,6 +39,8 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "tools/error_frac": _ratio(sum(e.tool_errors for e in episodes), total_calls),
         "tools/parse_fail_frac": _ratio(sum(len(e.parse_failures) for e in episodes), turns),
     }
+    if any(e.observation_cut is not None for e in episodes):
+        metrics["env/observation_cut_frac"] = sum(bool(e.observation_cut) for e in episodes) / n
     for name in sorted(calls):
         metrics[f"tools/share/{name}"] = calls[name] / total_calls
     return metrics

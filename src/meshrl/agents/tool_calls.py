@@ -15,15 +15,27 @@ list), ``nullable``, ``enum``, ``items``, ``prefixItems``, ``properties``/``requ
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Mapping
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger("meshrl")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-PARSE_FAILURE_REASONS = ("unclosed_block", "stray_close", "nested_block", "bad_json", "not_an_object",
-                         "bad_shape", "unknown_tool", "missing_argument", "extra_argument", "wrong_type")
+PARSE_FAILURE_REASONS = ("unclosed_block", "stray_close", "nested_block", "bad_json", "too_large", "too_deep",
+                         "not_an_object", "bad_shape", "unknown_tool", "missing_argument", "extra_argument",
+                         "wrong_type")
+# Checked before decoding, so that no block can make the decoder recurse past Python's stack (a RecursionError
+# near 1,000 levels) or work for long; a real call is a few hundred characters, a few levels deep.
+MAX_BLOCK_CHARS = 100_000
+MAX_JSON_DEPTH = 64
+MAX_DETAIL_CHARS = 2000  # a refusal's detail is shown to the model: a huge value is not echoed whole
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
 
 
 @dataclass(frozen=True)
@@ -44,7 +56,10 @@ class ParseFailure:
     block: int
 
     def message(self) -> str:
-        return f"invalid tool call (block {self.block + 1}): {self.reason}: {self.detail}"
+        detail = self.detail
+        if len(detail) > MAX_DETAIL_CHARS:
+            detail = f"{detail[:MAX_DETAIL_CHARS]} [{len(detail) - MAX_DETAIL_CHARS} more characters]"
+        return f"invalid tool call (block {self.block + 1}): {self.reason}: {detail}"
 
 
 @dataclass(frozen=True)
@@ -85,20 +100,41 @@ def tool_blocks(text: str) -> list[str]:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    repeated = sorted({k for k in keys if keys.count(k) > 1})
-    if repeated:
+    value = dict(pairs)
+    if len(value) != len(pairs):  # linear: count the keys only when some key repeats
+        repeated = sorted(k for k, count in Counter(k for k, _ in pairs).items() if count > 1)
         raise ValueError(f"duplicate keys {repeated}")
-    return dict(pairs)
+    return value
 
 
 def _no_constants(name: str) -> float:
     raise ValueError(f"{name} is not JSON")
 
 
+def json_depth(body: str) -> int:
+    """The deepest nesting of ``[]``/``{}`` in JSON text ``body``, brackets inside strings not counted (an
+    unterminated string runs to the end), in linear time and without recursion."""
+    bare = _JSON_STRING.sub("0", body)  # a complete string holds no structure
+    quote = bare.find('"')
+    if quote >= 0:
+        bare = bare[:quote]
+    depth = deepest = 0
+    for bracket in _BRACKET.findall(bare):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def _decode(body: str) -> Any:
+    if len(body) > MAX_BLOCK_CHARS:
+        raise _Refused("too_large", f"the block has {len(body)} characters, more than {MAX_BLOCK_CHARS}")
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise _Refused("too_deep", f"the block nests {depth} levels of arrays/objects, more than {MAX_JSON_DEPTH}")
     try:
         return json.loads(body, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except RecursionError as exc:  # not reached past the depth check; kept so that the parser never raises
+        raise _Refused("too_deep", "the block nests too deeply to decode") from exc
     except ValueError as exc:  # json.JSONDecodeError is a ValueError, as are the hooks' refusals
         raise _Refused("bad_json", f"the block is not one JSON object ({exc})") from exc
 
@@ -253,9 +289,17 @@ def encode_agent_prompt(tokenizer, user_text: str, tools: list[dict], *, observa
     tokens again (as :func:`meshrl.models.prompts.encode_prompt`). Otherwise the :func:`hermes_tools_block` is
     appended to the system prompt and the prompt is built by ``encode_prompt``.
     """
+    def encode(text: str) -> list[int]:
+        return _encode_agent_prompt(tokenizer, user_text + text, tools, system, chat_template_kwargs)
+
+    # the observation is environment text: encoded as text, never as special tokens (encode_around)
+    return encode_around(encode, tokenizer, observation) if observation else encode("")
+
+
+def _encode_agent_prompt(tokenizer, content: str, tools: list[dict], system: str | None,
+                         chat_template_kwargs: dict | None) -> list[int]:
     from meshrl.models.prompts import encode_prompt
 
-    content = user_text + (observation or "")
     if getattr(tokenizer, "chat_template", None) and tools:
         messages = [{"role": "system", "content": system}] if system is not None else []
         messages.append({"role": "user", "content": content})
@@ -270,6 +314,61 @@ def encode_agent_prompt(tokenizer, user_text: str, tools: list[dict], *, observa
     if tools:
         system = hermes_tools_block(tools) if system is None else f"{system}\n\n{hermes_tools_block(tools)}"
     return encode_prompt(tokenizer, content, system=system)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_BREAK = "\u2060"  # WORD JOINER: splits a special token's spelling where no other way of encoding it as text exists
+
+
+def as_text(text: str) -> str:
+    """``text`` with every surrogate code point (which UTF-8 cannot encode, so a tokenizer raises on it; a model
+    reaches one by writing ``"\\ud800"`` into an argument a tool echoes) replaced by U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def special_strings(tokenizer) -> tuple[str, ...]:
+    """The spellings a tokenizer encodes as special tokens (``added_tokens_decoder`` entries marked special, plus
+    ``all_special_tokens``), longest first."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {token.content for token in decoder.values() if getattr(token, "special", False)}
+    found.update(getattr(tokenizer, "all_special_tokens", None) or [])
+    return tuple(sorted((s for s in found if s), key=lambda s: (-len(s), s)))
+
+
+def holds_special(text: str, specials: tuple[str, ...]) -> bool:
+    return any(s in text for s in specials)
+
+
+def encode_as_text(tokenizer, text: str) -> list[int]:
+    """``text`` encoded as plain text: the spelling of a special token inside it (``<|im_end|>``) becomes ordinary
+    tokens, never the special one (``split_special_tokens=True``), so environment text cannot end a turn."""
+    return list(tokenizer.encode(as_text(text), add_special_tokens=False, split_special_tokens=True))
+
+
+def encode_around(encode: Callable[[str], list[int]], tokenizer, text: str) -> list[int]:
+    """``encode(text)`` where ``encode`` puts environment ``text`` inside a prompt (e.g. a ``reset`` observation in
+    the user message), with ``text`` read as text: surrogates become U+FFFD, and when ``text`` spells a special
+    token it is encoded on its own (:func:`encode_as_text`) and spliced where a one-token marker lands in the
+    prompt; text that spells none is encoded exactly as ``encode`` does."""
+    text, specials = as_text(text), special_strings(tokenizer)
+    if not holds_special(text, specials):
+        return list(encode(text))
+    bare, marked = list(encode("")), list(encode(specials[-1]))
+    marker = tokenizer.convert_tokens_to_ids(specials[-1])
+    at = next((k for k, (a, b) in enumerate(zip(bare, marked, strict=False)) if a != b), len(bare))
+    if marked[at:at + 1] == [marker] and marked[at + 1:] == bare[at:]:  # the text sits at ``at``
+        return bare[:at] + encode_as_text(tokenizer, text) + bare[at:]
+    log.warning("environment text spells special tokens and the prompt cannot be split around it; the spellings "
+                "are broken with U+2060 before encoding")
+    return list(encode(break_specials(text, specials)))
+
+
+def break_specials(text: str, specials: tuple[str, ...]) -> str:
+    """``text`` with a WORD JOINER after the first character of every special token spelling: the last resort
+    where a template's text cannot be split from the environment's."""
+    for special in specials:
+        text = text.replace(special, special[0] + _BREAK + special[1:])
+    return text
 
 
 def tool_result_text(value: Any) -> str:
@@ -304,6 +403,7 @@ class ToolResponseRenderer:
     def __init__(self, tokenizer, chat_template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.kwargs = chat_template_kwargs or {}
+        self.specials = special_strings(tokenizer)
         self.mode, self.reason = self._probe()
 
     def _probe(self) -> tuple[str, str]:
@@ -340,5 +440,37 @@ class ToolResponseRenderer:
         return "".join(f"\n{RESPONSE_OPEN}\n{content}\n{RESPONSE_CLOSE}" for _, content in responses) + "\n"
 
     def ids(self, responses: list[tuple[str, str]]) -> list[int]:
-        """:meth:`text` encoded once, without special tokens added."""
-        return list(self.tokenizer.encode(self.text(responses), add_special_tokens=False))
+        """:meth:`text` encoded once, without special tokens added. Tool output is text: surrogates become U+FFFD
+        (:func:`as_text`), and when a result spells a special token (``<|im_end|>``, ``</s>``) the results are
+        encoded apart from the template's own markers, as plain text (:func:`encode_as_text`), so that no tool can
+        write an end of turn or an assistant turn into the context. Other results encode exactly as before."""
+        responses = [(name, as_text(content)) for name, content in responses]
+        if not any(holds_special(content, self.specials) for _, content in responses):
+            return list(self.tokenizer.encode(self.text(responses), add_special_tokens=False))
+        pieces = self._split_text(responses)
+        if pieces is None:  # the template changed a marker: break the spellings instead
+            log.warning("tool output spells special tokens and the chat template's tool rendering cannot be split "
+                        "around it; the spellings are broken with U+2060 before encoding")
+            broken = [(name, break_specials(content, self.specials)) for name, content in responses]
+            return list(self.tokenizer.encode(self.text(broken), add_special_tokens=False))
+        ids: list[int] = []
+        for index, piece in enumerate(pieces):
+            if index % 2:  # a tool's content
+                ids += encode_as_text(self.tokenizer, piece)
+            elif piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids
+
+    def _split_text(self, responses: list[tuple[str, str]]) -> list[str] | None:
+        """The suffix text as ``[template, content 1, template, content 2, ..., template]``, found by rendering a
+        marker in place of each content; ``None`` when a marker does not come back unchanged and in order."""
+        markers = [f"{_SENTINEL}_{i}_" for i in range(len(responses))]
+        rendered = self.text([(name, marker) for (name, _), marker in zip(responses, markers, strict=True)])
+        pieces, pos = [], 0
+        for marker, (_, content) in zip(markers, responses, strict=True):
+            at = rendered.find(marker, pos)
+            if at < 0 or rendered.count(marker) != 1:
+                return None
+            pieces += [rendered[pos:at], content]
+            pos = at + len(marker)
+        return [*pieces, rendered[pos:]]

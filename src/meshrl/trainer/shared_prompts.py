@@ -99,7 +99,9 @@ class HFPasses:
 
         cache = DynamicCache()
         for layer, (k, v) in enumerate(prompt_kv):
-            cache.update(k[src], v[src], layer)
+            # index_select, not k[src]: the latter's backward (index_put with accumulate) adds in parallel
+            # atomics on a CPU past 32,768 elements, so two identical runs differed in their gradients
+            cache.update(k.index_select(0, src), v.index_select(0, src), layer)
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                           **{self.key: cache}).logits
 
@@ -167,7 +169,8 @@ def _bucketed_logits(passes, mb: MicroBatch, device: torch.device, buckets: int)
     parts = []
     for rows in (order[a:b] for a, b in zip(cuts, cuts[1:], strict=False)):
         src = inverse[rows].to(device)
-        first_token = head_logits[src]  # [r, 1, V]: the prompt's last position predicts response token 0
+        # [r, 1, V]: the prompt's last position predicts response token 0 (index_select: a deterministic backward)
+        first_token = head_logits.index_select(0, src)
         width = int(lengths[rows].max())
         if width <= 1:
             parts.append(F.pad(first_token, (0, 0, 0, t - 1)))
