@@ -337,10 +337,11 @@ def run_experiment(out: Path, s: ExperimentSettings | None = None, *, progress: 
         n_warm_evals = len(s.seeds) if s.ckpt_eval_warm and s.ckpt_eval_every > 0 else 0
         with worker_pool(s.workers) as pool, progress_bar("experiment", total=len(jobs) + 1 + n_warm_evals,
                                                           enabled=progress) as bar:
-            # the warm start's evaluations first (seconds each): a partial experiment's curves then have step 0
+            # the warm start's evaluations and probes first (seconds each): a partial experiment's curves then
+            # have step 0, and its signals their thresholds
             futures = [pool.submit(eval_warm_start, out, s, seed, model_path) for seed in s.seeds[:n_warm_evals]]
-            futures += [pool.submit(_job, a, seed, d, s, model_path) for a, seed, d in jobs]
             futures.append(pool.submit(baseline_probes, out, s, model_path))
+            futures += [pool.submit(_job, a, seed, d, s, model_path) for a, seed, d in jobs]
             for fut in as_completed(futures):
                 res = fut.result()
                 log.info("experiment: %s", res)

@@ -24,8 +24,10 @@ SAMPLE_FIELDS = ("problem_id", "group", "completion")  # what the tables read fr
 
 
 def _keep_probe_field(key: str) -> bool:
-    """What ``mei_vs_truth`` reads from a per-problem probe record."""
-    return key in ("step", "probe_seed", "true_strategies", "distinct_frac") or key.startswith(("mei/", "eff_dirs/"))
+    """What ``mei_vs_truth`` and the MEI analysis of the persistence experiment read from a per-problem probe
+    record (MEI over all and over the distinct rollouts, per query)."""
+    return (key in ("step", "probe_seed", "id", "true_strategies", "distinct_frac")
+            or key.startswith(("mei/", "mei_distinct/", "eff_dirs/")))
 
 
 def _trimmed(path: Path, keep) -> str:
