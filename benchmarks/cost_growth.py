@@ -60,6 +60,7 @@ from growth_fit import Measured, Series, analyse, markdown, svg  # noqa: E402
 from memory_vs_trl import GB, SideRun, launch_side  # noqa: E402
 
 from meshrl.cpu import cpu_info, describe  # noqa: E402
+from meshrl.kernel_caches import bound_kernel_caches  # noqa: E402
 
 AXIS_VALUES: dict[str, tuple] = {
     "group": (4, 8, 16, 32, 64),
@@ -413,6 +414,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    bound_kernel_caches()  # the children inherit it: meshrl's side as its command line runs (memory_vs_trl.py)
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the point under way, as Ctrl-C does
     if not args.no_run:

@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"dense bf16 peak for MFU (default {H200_BF16_DENSE_TFLOPS} on CUDA, none on CPU)")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="start another default shape only while under half of this many seconds have passed")
-    ap.add_argument("--json", type=Path, default=Path("gpu_check.json"))
+    ap.add_argument("--json", type=Path, default=Path("runs/gpu_check.json"),
+                    help="where the results go (default runs/gpu_check.json, git-ignored)")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.device, args.prompts, args.group, args.max_new_tokens = "cpu", 2, 4, 8
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         env["trl"] = trl.__version__
     print(describe(env["host_cpu"]))
     print(json.dumps(env))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     results: list[dict[str, Any]] = []
     for i, shape in enumerate(args.shape or ["qwen2.5-0.5b", "qwen2.5-1.5b"]):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # meshrl's trainer against TRL's GRPOTrainer on one GPU (benchmarks/gpu_check.py says what is measured and how), in
 # under 8 minutes: Qwen2.5-0.5B-shaped, then 1.5B-shaped while the time allows, bf16 autocast, models built from
-# their config. Results: $OUT/gpu_check.json (or ./gpu_check.json) and the printed table.
+# their config. Results: $OUT/gpu_check.json (or runs/gpu_check.json, git-ignored) and the printed table.
 #
 # On the GPU machine (no network; torch, transformers, accelerate there; TRL and datasets not): first, here, with
 # network, `bash scripts/gpu_wheels.sh` puts their wheels into .whl/ (1.8 MB); carry `.whl` and run
@@ -16,4 +16,4 @@ if ! "$PY" -c "import trl, datasets" >/dev/null 2>&1 && compgen -G ".whl/*.whl" 
   export PYTHONPATH="/tmp/meshrl-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-timeout 470 "$PY" benchmarks/gpu_check.py --json "${OUT:-.}/gpu_check.json" "$@"
+timeout 470 "$PY" benchmarks/gpu_check.py --json "${OUT:-runs}/gpu_check.json" "$@"

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import IO
 
 from meshrl.cpu import cpu_info, describe
+from meshrl.kernel_caches import CACHE_VARIABLES, bound_kernel_caches
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -297,11 +298,9 @@ TORCH_KERNEL_CACHE_ENTRIES = "1024"  # ideep's and oneDNN's own capacity, what a
 
 
 def side_env(side: str, args: argparse.Namespace) -> dict[str, str]:
-    """A child's environment. Importing meshrl bounds oneDNN's kernel caches (meshrl.kernel_caches); TRL's child
-    imports meshrl too (for the problem order), so it is given PyTorch's own capacities back, as its users run it,
+    """A child's environment. The driver bounds oneDNN's kernel caches as meshrl's command line does
+    (meshrl.kernel_caches; :func:`main`), so TRL's child is given PyTorch's own capacities back, as its users run it,
     unless ``--trl-kernel-caches meshrl``. meshrl's child inherits this process's (meshrl's bound, or the caller's)."""
-    from meshrl.kernel_caches import CACHE_VARIABLES
-
     env = dict(os.environ)
     if side == "trl" and getattr(args, "trl_kernel_caches", "torch") == "torch":
         env.update({name: TORCH_KERNEL_CACHE_ENTRIES for name in CACHE_VARIABLES})
@@ -497,6 +496,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    # first, in the driver and in each child: meshrl's side runs with the bound its command line sets, which
+    # importing meshrl does not; the driver hands TRL's child PyTorch's sizes back (side_env)
+    bound_kernel_caches()
     args = parse_args()
     if args.side:
         import logging

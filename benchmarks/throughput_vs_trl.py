@@ -76,7 +76,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Both sides share this process, so one oneDNN kernel-cache size serves both: PyTorch's own (1,024 entries), as TRL's
-# users run it and as the published figures were measured, not the bound importing meshrl sets (it measured no
+# users run it and as the published figures were measured, not the bound meshrl's command line sets (it measured no
 # difference in meshrl's step time; benchmarks/README.md, "Memory").
 for _name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     os.environ.setdefault(_name, "1024")

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from experiments._args import check_at_least, check_seeds
+from meshrl.kernel_caches import bound_kernel_caches
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,6 +162,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    bound_kernel_caches()  # first: oneDNN reads its cache sizes once (meshrl.kernel_caches)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -26,6 +26,7 @@ from experiments.health_corpus.corpus import (
 from experiments.health_corpus.pack import pack_corpus, unpack_corpus, verify_trimmed
 from experiments.health_corpus.score import score_run, signal_grids, summarize
 from experiments.health_corpus.tables import render
+from meshrl.kernel_caches import bound_kernel_caches
 
 log = logging.getLogger("meshrl")
 
@@ -87,6 +88,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    bound_kernel_caches()  # first: oneDNN reads its cache sizes once (meshrl.kernel_caches)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)

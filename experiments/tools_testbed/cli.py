@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from experiments._args import check_at_least, check_seeds
+from meshrl.kernel_caches import bound_kernel_caches
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    bound_kernel_caches()  # first: oneDNN reads its cache sizes once (meshrl.kernel_caches)
     from experiments.tools_testbed.experiment import ToolsSettings, run_experiment, summarize
 
     parser = build_parser()

@@ -7,8 +7,4 @@ Layers (imports point down only):
 4. faces: ``meshrl.cli``, ``meshrl.integrations``, ``meshrl.report``.
 """
 
-from meshrl.kernel_caches import bound_kernel_caches
-
 __version__ = "0.1.0"
-
-bound_kernel_caches()  # before any oneDNN kernel is built: they read their capacity once (see meshrl.kernel_caches)

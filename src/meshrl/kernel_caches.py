@@ -12,9 +12,12 @@ a kernel is rebuilt only when a shape comes back after many others: an A/B of 10
 in step time. A recompiled kernel computes what the cached one did: no value changes.
 
 The caches read their capacity once, when the first kernel is built, from the environment: :func:`bound_kernel_caches`
-runs when :mod:`meshrl` is imported and sets only the variables the user has not set (``LRU_CACHE_CAPACITY=1024
-ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024`` restores PyTorch's own sizes). A process that built oneDNN kernels before
-importing meshrl keeps the sizes it started with.
+sets only the variables the user has not set (``LRU_CACHE_CAPACITY=1024 ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024``
+restores PyTorch's own sizes). Importing meshrl changes nothing: meshrl's own entry points call it first thing (the
+``meshrl`` command line, the experiments' command lines, the memory benchmarks), and their worker processes inherit
+the variables. A program that uses meshrl's Python API (``Trainer``, the TRL callback, the verl plug-in) runs with
+PyTorch's sizes unless it calls ``meshrl.kernel_caches.bound_kernel_caches()`` itself, before it builds a model or
+runs a matmul; a process that has built oneDNN kernels already keeps the sizes it started with.
 """
 
 from __future__ import annotations

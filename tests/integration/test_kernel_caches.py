@@ -1,5 +1,5 @@
-"""meshrl bounds oneDNN's kernel caches (meshrl.kernel_caches): set on import, the user's own values kept, RSS
-bounded over many matmul shapes, and a rebuilt kernel computes the same values."""
+"""meshrl bounds oneDNN's kernel caches (meshrl.kernel_caches): by its entry points, never on import, the user's own
+values kept, RSS bounded over many matmul shapes, and a rebuilt kernel computes the same values."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import pytest
 from meshrl.kernel_caches import CACHE_VARIABLES, KERNEL_CACHE_ENTRIES, bound_kernel_caches
 
 GROWTH = """
-import re, torch, meshrl
+import re, sys, torch
+from meshrl.kernel_caches import bound_kernel_caches
+if sys.argv[1:] == ["bound"]:
+    bound_kernel_caches()  # what a Python-API user does, before the first matmul
 torch.set_num_threads(1)
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1024
@@ -32,8 +35,8 @@ def _env(**caches: str) -> dict[str, str]:
     return env
 
 
-def _run(code: str, env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+def _run(code: str, env: dict[str, str], *args: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -46,18 +49,50 @@ def test_bound_sets_only_what_the_environment_leaves_unset(monkeypatch):
         bound_kernel_caches(0)
 
 
-def test_importing_meshrl_bounds_both_caches():
-    printed = _run("import os, meshrl; print(os.environ['LRU_CACHE_CAPACITY'], "
-                   "os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])", _env())
-    assert printed.split() == [str(KERNEL_CACHE_ENTRIES)] * 2
-    assert _run("import os, meshrl; print(os.environ['LRU_CACHE_CAPACITY'])", _env(LRU_CACHE_CAPACITY="7")) == "7"
+def test_importing_meshrl_changes_no_environment_and_builds_no_kernel():
+    """A library leaves its host's environment alone: verl imports meshrl's plug-in in every process, TRL scripts
+    import its callbacks. Importing the command line builds no oneDNN kernel either, so ``main`` bounding the caches
+    first is in time (``ONEDNN_VERBOSE`` prints a line once oneDNN builds anything)."""
+    code = f"import os, meshrl, meshrl.cli; print(*(name in os.environ for name in {CACHE_VARIABLES!r}))"
+    printed = _run(code, _env(ONEDNN_VERBOSE="1"))
+    assert printed == "False False", printed
+
+
+def _entry_points() -> dict[str, object]:
+    from experiments.collapse_testbed.cli import main as collapse_testbed
+    from experiments.health_corpus.cli import main as health_corpus
+    from experiments.tools_testbed.cli import main as tools_testbed
+
+    from meshrl.cli import main as meshrl_cli
+
+    return {"meshrl": meshrl_cli, "collapse_testbed": collapse_testbed, "health_corpus": health_corpus,
+            "tools_testbed": tools_testbed}
+
+
+@pytest.mark.parametrize("entry", ["meshrl", "collapse_testbed", "health_corpus", "tools_testbed"])
+def test_entry_points_bound_both_caches_unless_the_user_set_them(entry, monkeypatch, capsys):
+    main = _entry_points()[entry]
+    for name in CACHE_VARIABLES:
+        monkeypatch.setenv(name, "")  # recorded, so that the test's end restores the variable's absence
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit) as done:  # --help: the bound comes first, before the arguments are parsed
+        main(["--help"])
+    assert done.value.code == 0
+    assert {name: os.environ[name] for name in CACHE_VARIABLES} == dict.fromkeys(CACHE_VARIABLES,
+                                                                                  str(KERNEL_CACHE_ENTRIES))
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_ENTRIES)
 
 
 def test_the_bound_keeps_memory_flat_over_many_shapes():
     torch_sizes = float(_run(GROWTH, _env(LRU_CACHE_CAPACITY="1024", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")))
     if torch_sizes < 60:
         pytest.skip(f"bf16 matmuls here do not cache oneDNN kernels (+{torch_sizes:.0f} MB over 400 shapes)")
-    bounded = float(_run(GROWTH, _env()))
+    bounded = float(_run(GROWTH, _env(), "bound"))
     # measured: +276 MB with PyTorch's sizes, +117 MB with meshrl's 128 entries, +19 MB with 16
     assert bounded < 0.6 * torch_sizes, (bounded, torch_sizes)
 

@@ -96,7 +96,7 @@ def test_both_sides_draw_meshrls_problem_order_on_tiny(tmp_path: Path) -> None:
 
 
 def test_trl_child_runs_with_pytorch_kernel_cache_sizes_unless_asked(monkeypatch):
-    """Importing meshrl bounds oneDNN's kernel caches; TRL's child imports meshrl too, so it is handed PyTorch's own
+    """The driver bounds oneDNN's kernel caches as meshrl's command line does, so TRL's child is handed PyTorch's own
     sizes back (as TRL's users run it) unless --trl-kernel-caches meshrl. meshrl's child inherits the driver's."""
     import argparse
 

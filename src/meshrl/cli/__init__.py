@@ -22,6 +22,7 @@ from meshrl.cli import (
     train_cmd,
 )
 from meshrl.errors import MissingDependency
+from meshrl.kernel_caches import bound_kernel_caches
 
 COMMANDS = [demo_cmd, train_cmd, eval_cmd, compare_cmd, sweep_cmd, report_cmd, coach_cmd, mei_cmd,
             census_cmd, probe_cmd, export_cmd, doctor_cmd]
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    bound_kernel_caches()  # first: oneDNN reads its cache sizes once, when it builds its first kernel
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
