@@ -36,10 +36,36 @@ COMMITTED: dict[str, tuple[str, list[str]]] = {
 }
 
 
+#: persistence tables (persistence.py, preregistration.md) -> (committed table, warm start -> its pack)
+PERSISTENCE: dict[str, tuple[str, dict[str, str]]] = {
+    "persistence": ("testbed_persistence_results.md", {"W2": "data/testbed_persistence_W2.json.gz"}),
+}
+
+
+def regenerate_persistence(name: str, work: Path) -> tuple[str, str]:
+    """(regenerated, committed) text of persistence table ``name``: each warm start's pack unpacked under ``work``,
+    then ``persistence.py`` over all of them."""
+    from experiments.collapse_testbed import persistence
+    from experiments.collapse_testbed.pack import unpack_experiment
+
+    table, packs = PERSISTENCE[name]
+    dirs = []
+    for warm, pack in packs.items():
+        unpack_experiment(HERE / pack, work / name / warm)
+        dirs.append(f"{warm}={work / name / warm}")
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = persistence.main([*dirs, "--out", str(work / name / "persistence.md")])
+    if rc != 0:
+        raise RuntimeError(f"regenerating {name} failed (exit status {rc})")
+    return (work / name / "persistence.md").read_text(), (DATA / table).read_text()
+
+
 def regenerate(name: str, work: Path) -> tuple[str, str]:
     """(regenerated, committed) text of table ``name``, made under ``work``."""
     from experiments.collapse_testbed.cli import main
 
+    if name in PERSISTENCE:
+        return regenerate_persistence(name, work)
     table, args = COMMITTED[name]
     out = work / name
     argv = [str(HERE / a) if a.startswith("data/") else a for a in args]
@@ -52,7 +78,8 @@ def regenerate(name: str, work: Path) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.collapse_testbed.regenerate", description=__doc__)
-    p.add_argument("--only", nargs="+", choices=list(COMMITTED), default=list(COMMITTED))
+    names = [*COMMITTED, *PERSISTENCE]
+    p.add_argument("--only", nargs="+", choices=names, default=names)
     p.add_argument("--keep", type=Path, default=None, help="work here (kept) instead of a temporary directory")
     args = p.parse_args(argv)
     failed = 0
@@ -61,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.only:
             new, old = regenerate(name, work)
             same = new == old
-            print(f"{name}: {'identical' if same else 'DIFFERS'} ({COMMITTED[name][0]})")
+            table = {**COMMITTED, **PERSISTENCE}[name][0]
+            print(f"{name}: {'identical' if same else 'DIFFERS'} ({table})")
             if not same:
                 failed += 1
                 sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
