@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # meshrl's trainer against TRL's GRPOTrainer on one GPU (benchmarks/gpu_check.py says what is measured and how), in
 # under 8 minutes: Qwen2.5-0.5B-shaped, then 1.5B-shaped while the time allows, bf16 autocast, models built from
-# their config. Results: $OUT/gpu_check.json (or runs/gpu_check.json, git-ignored) and the printed table.
+# their config. Results: $OUT/gpu_decode.json and $OUT/gpu_check.json (or under runs/, git-ignored) and the tables.
 #
 # On the GPU machine (no network; torch, transformers, accelerate there; TRL and datasets not): first, here, with
 # network, `bash scripts/gpu_wheels.sh` puts their wheels into .whl/ (1.8 MB); carry `.whl` and run
@@ -16,4 +16,10 @@ if ! "$PY" -c "import trl, datasets" >/dev/null 2>&1 && compgen -G ".whl/*.whl" 
   export PYTHONPATH="/tmp/meshrl-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-timeout 470 "$PY" benchmarks/gpu_check.py --json "${OUT:-runs}/gpu_check.json" "$@"
+# First the decoder alone (benchmarks/gpu_decode.py: dynamic loop against the static decoder and its CUDA graphs,
+# tokens/s, bandwidth use, graph = eager bit for bit), then the trainers; a failing decode check does not stop them.
+DECODE_ARGS=()
+for a in "$@"; do [[ $a == --dry-run ]] && DECODE_ARGS+=(--dry-run); done
+timeout 140 "$PY" benchmarks/gpu_decode.py --json "${OUT:-runs}/gpu_decode.json" \
+  ${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"} || echo "gpu_decode.py: exit status $?" >&2
+timeout 330 "$PY" benchmarks/gpu_check.py --budget-s 300 --json "${OUT:-runs}/gpu_check.json" "$@"

@@ -37,6 +37,8 @@ CASES: dict[str, list[str]] = {
     "ppo_epochs": ["recipe=grpo", "train.ppo_epochs=2", "train.mini_batches=2"],
     "no_share": ["recipe=grpo", "train.share_prompts=false"],
     "hf_backend": ["recipe=grpo", "rollout.backend=hf"],
+    "static_decode": ["recipe=grpo", "rollout.backend=native", "rollout.decoder=static", "diag.mei.every=1"],
+    "dynamic_decode": ["recipe=grpo", "rollout.backend=native", "rollout.decoder=dynamic"],
     "eval_every": ["recipe=grpo", "eval.every=1", "eval.limit=4"],
     "mesh": ["recipe=mesh", "mesh.m=2", "diag.mei.every=1"],
     "mesh_support": ["recipe=mesh", "mesh.m=2", "mesh.balance=support", "mesh.mu=0.1"],

@@ -27,3 +27,32 @@ def tiny_config(*overrides: str, steps: int = 2) -> Any:
     from meshrl.trainer import load_config
 
     return load_config(overrides=[*TINY_RUN, f"steps={steps}", *overrides])
+
+
+def family_model(kind: str) -> tuple[Any, Any]:
+    """``(model, tokenizer)``: a randomly initialised 2-layer model of a Llama-family type other than the tiny
+    one, with the tiny tokenizer, for tests of code that reads a model's layout (the native decoder). ``kind``:
+    ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k RMSNorm, explicit head_dim), ``llama+bias`` (biases on every
+    projection), anything else a Llama with a non-default RoPE base and an untied head. Every parameter gets
+    random noise (biases and norm weights too), so that a dropped term would show."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from meshrl.models import build_tiny
+
+    _, tok = build_tiny("tiny")
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, use_sliding_window=False))
+    elif kind == "llama+bias":
+        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=500.0, tie_word_embeddings=False))
+    for p in model.parameters():
+        p.data.add_(0.05 * torch.randn_like(p))
+    return model.eval(), tok

@@ -46,7 +46,7 @@ def test_tokenizer_encodes_like_tiny_and_decodes_every_id():
     assert tok.decode([299, 150], skip_special_tokens=True) == "<|x299|><|x150|>"
 
 
-@pytest.mark.slow  # two meshrl trainers and TRL, one warm-up and one timed step each on a tiny shape (~15 s)
+@pytest.mark.slow  # the decoders, two meshrl trainers and TRL, a warm-up and a timed step each, tiny shape (~20 s)
 def test_dry_run_writes_every_figure(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
@@ -63,6 +63,12 @@ def test_dry_run_writes_every_figure(tmp_path):
         assert s["tflops_per_step"] > 0
     assert r["mei_overhead"] > -1 and r["ratio_tokens_per_s"] > 0
     assert "MEI overhead" in proc.stdout and "meshrl / TRL tokens/s" in proc.stdout
+    decode = json.loads((tmp_path / "gpu_decode.json").read_text())
+    (d,) = decode["results"]
+    assert decode["env"]["gpu"] is None and d["shape"] == "tiny-qwen"
+    for name in ("dynamic", "static_eager"):  # no graphs on a CPU: the static decoder runs eagerly (its twin)
+        assert d[name]["tokens_per_s"] > 0 and d[name]["bytes_per_step_floor"] > 0, d[name]
+    assert "static" not in d and d["rows_equal_to_dynamic"] == "8/8"
 
 
 def test_train_device_is_checked_when_read():
@@ -88,9 +94,10 @@ def test_gpu_smoke_cases_pass_on_cpu(tmp_path):
     import gpu_smoke
 
     out = tmp_path / "smoke.json"
-    assert gpu_smoke.main(["--device", "cpu", "--only", "grpo,grpo_kl,mesh,tools", "--json", str(out)]) == 0
+    cases = ["grpo", "grpo_kl", "mesh", "tools", "static_decode"]
+    assert gpu_smoke.main(["--device", "cpu", "--only", ",".join(cases), "--json", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert [r["case"] for r in results] == ["grpo", "grpo_kl", "mesh", "tools"]
+    assert [r["case"] for r in results] == cases
     assert all(r["ok"] and r["steps"] == 2 for r in results)
     assert gpu_smoke.main(["--device", "cpu", "--only", "grpo", "--json", str(out)]) == 0
 

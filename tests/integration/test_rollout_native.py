@@ -18,8 +18,6 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 from transformers.generation.logits_process import TopPLogitsWarper
 
@@ -30,6 +28,7 @@ from meshrl.rollout import choice as choice_mod
 from meshrl.rollout import native as native_mod
 from meshrl.rollout.choice import StepShape
 from meshrl.rollout.native import NativeDecodeBackend, RowNoise, distinct_prompts, sample_tokens
+from meshrl.testing import family_model
 
 
 @pytest.fixture(scope="module")
@@ -41,29 +40,9 @@ def _prompts(tok, texts: list[str]) -> list[list[int]]:
     return [encode_prompt(tok, t) for t in texts]
 
 
-def _family_model(kind: str):
-    """A randomly initialised 2-layer model of another Llama-family type, with the tiny tokenizer."""
-    _, tok = build_tiny("tiny")
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    torch.manual_seed(0)
-    if kind == "qwen2":  # q/k/v biases
-        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
-    elif kind == "qwen3":  # per-head q/k RMSNorm, explicit head_dim
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, use_sliding_window=False))
-    elif kind == "llama+bias":  # biases everywhere: q/k/v/o (attention_bias) and gate/up/down (mlp_bias)
-        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True))
-    else:  # llama with a non-default rope base and untied head
-        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=500.0, tie_word_embeddings=False))
-    for p in model.parameters():  # random biases/norm weights too, so that a dropped term would show
-        p.data.add_(0.05 * torch.randn_like(p))
-    return model.eval(), tok
-
-
 @pytest.mark.parametrize("kind", ["tiny:small", "qwen2", "qwen3", "llama-untied", "llama+bias-"])
 def test_decode_logits_equal_the_models_forward_and_greedy_equals_generate(kind, small):
-    model, tok = small if kind == "tiny:small" else _family_model(kind.split("-")[0])
+    model, tok = small if kind == "tiny:small" else family_model(kind.split("-")[0])
     prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
     backend = make_backend("native", model, tok, workers=1)
     assert backend.verify(prompts + prompts[:1], new_tokens=6) < 1e-4
@@ -415,7 +394,7 @@ def test_pool_has_as_many_processes_as_shards_and_grows_on_demand(small):
 def test_fused_weights_in_autocast_dtype_change_no_sample(kind, small, monkeypatch):
     """Under autocast the decoder keeps its fused q|k|v and gate|up copies in bf16 (what autocast cast them to
     at every call): the same samples and log-probs, bit for bit, as fused fp32 copies cast per call."""
-    model, tok = small if kind == "tiny:small" else _family_model(kind)
+    model, tok = small if kind == "tiny:small" else family_model(kind)
     prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
     params = SamplingParams(max_new_tokens=10, n=3, temperature=0.8)
 
@@ -527,7 +506,7 @@ def test_prepacked_decoder_same_samples(kind, small, monkeypatch):
     """The native backend with and without prepacked weights: under bf16 autocast the same samples and
     log-probs bit for bit; in float32 log-probs to float rounding (and, on these models, the same samples)."""
     monkeypatch.setattr(llama_fast, "PREPACK_MIN_HIDDEN", 0)  # these models are below it
-    model, tok = small if kind == "tiny:small" else _family_model(kind)
+    model, tok = small if kind == "tiny:small" else family_model(kind)
     prompts = _prompts(tok, ["1+2=", "Repeat: hello there", "x"])
     params = SamplingParams(max_new_tokens=12, n=3, temperature=0.8)
     for autocast in ("bfloat16", None) if cpu.bf16_gemm_native() else (None,):  # else: the float32 prepack test

@@ -192,12 +192,14 @@ class PackedBlock:
     ``dtype``: store the fused copies in this dtype, the one autocast would cast them to at every call (a fused
     weight is not a parameter, so autocast's per-region cast cache does not hold it). The matmuls see exactly
     the values they saw before, the copies take half the memory, and no cast runs per decode step.
-    ``prepack``: run every projection as a :class:`PrepackedGemm` (decoding without gradients on a CPU)."""
+    ``prepack``: run every projection as a :class:`PrepackedGemm` (decoding without gradients on a CPU).
+    ``cast_all``: the unfused ``o`` and ``down`` weights in ``dtype`` too (copies; by default they are the
+    parameters, cast by autocast at each call), as the prepacked ones are."""
 
-    def __init__(self, layer, dtype: torch.dtype | None = None, prepack: bool = False):
+    def __init__(self, layer, dtype: torch.dtype | None = None, prepack: bool = False, cast_all: bool = False):
         a, m = layer.self_attn, layer.mlp
         gemm = PrepackedGemm if prepack else Gemm
-        low = dtype if prepack else None  # the unfused o / down weights: autocast's dtype for the packed copy
+        low = dtype if prepack or cast_all else None  # the unfused o / down weights: autocast's dtype, copied
         self.qkv = gemm(_fused([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dtype),
                         _cat_bias([a.q_proj, a.k_proj, a.v_proj], dtype))  # qwen2: q/k/v biases
         self.o = gemm(_cast(a.o_proj.weight, low), _cast(a.o_proj.bias, low))

@@ -16,7 +16,9 @@ around small matmuls, and it keeps computing every row until the longest one end
 
 The blocks run through :class:`meshrl.models.llama_fast.LlamaRunner` on the model's own parameters (fused
 weights for plain layers, the model's modules for peft LoRA layers), and the backend checks itself once
-against the model's own forward (:meth:`NativeDecodeBackend.verify`). Supported: ``model_type`` in
+against the model's own forward (:meth:`NativeDecodeBackend.verify`). On a GPU the loop runs the static decoder
+instead (:mod:`meshrl.rollout.static_decode`: fixed shapes, its step replayed as a CUDA graph). Supported:
+``model_type`` in
 :data:`meshrl.models.llama_fast.SUPPORTED_TYPES` with full attention everywhere and a static RoPE;
 anything else is refused with the reason (``rollout.backend=auto`` then falls back to ``hf``; where it picks
 ``vllm`` instead: :mod:`meshrl.rollout.choice`).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,12 +41,16 @@ from meshrl.rollout.base import RolloutBackend, Rollouts, SamplingParams, regist
 from meshrl.rollout.choice import StepShape, choose_sampler, log_once, vllm_installed
 from meshrl.rollout.hf import HFGenerateBackend, InProcessBackend, eval_mode, left_pad
 
+if TYPE_CHECKING:
+    from meshrl.rollout.static_decode import StaticDecoder
+
 log = logging.getLogger("meshrl")
 
 # Compact the KV cache once this fraction of the running rows has finished. A compaction copies only the
 # rows it moves (_Decoder.compact) plus a few small ops; each dropped row saves its remaining steps. On
 # tiny:small (32 rows, 64 steps) 1/16 to 1/4 measured within 3% of each other.
 COMPACT_FRACTION = 0.0625
+DECODERS = ("auto", "static", "dynamic")  # static: meshrl.rollout.static_decode; auto = static on a CUDA device
 MAX_DEFAULT_WORKERS = 8  # decoders started by default (each shard is >= 16 rows, so more rarely pay)
 
 
@@ -209,15 +216,33 @@ class _Decoder(LlamaRunner):
         cache: the query heads of one kv head form a ``[group, d]`` block, and the (row, kv head) pairs are
         the batch of one ``baddbmm`` that also adds the ``-inf`` padding ``bias [n * KV, 1, col + 1]``."""
         n, kv, d = q.shape[0], self.kv_heads, self.head_dim
-        self.k_cache[li][:, :, col] = k
-        self.v_cache[li][:, :, col] = v
-        keys = self.k_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
-        values = self.v_cache[li][:, :, : col + 1].reshape(n * kv, col + 1, d)
+        self._write_kv(li, k, v, col)
+        keys, values = self._read_kv(li, n, bias.shape[-1])
         low = values.dtype != torch.float32  # bf16 weights or autocast: softmax in float32, back for the bmm
         scores = torch.baddbmm(bias.to(q.dtype) if low else bias, q.reshape(n * kv, -1, d), keys.transpose(1, 2),
                                alpha=self.scale)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
         return torch.bmm(weights.to(values.dtype) if low else weights, values)
+
+    def _write_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, col: int) -> None:
+        """This step's keys and values ``[n, KV, d]`` into cache column ``col`` of block ``li``."""
+        self.k_cache[li][:, :, col] = k
+        self.v_cache[li][:, :, col] = v
+
+    def _read_kv(self, li: int, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``li``'s keys and values of columns ``[0, width)`` as ``[n * KV, width, d]`` (a view: the cache's
+        row stride is ``KV`` times its head stride)."""
+        kv, d = self.kv_heads, self.head_dim
+        return (self.k_cache[li][:, :, :width].reshape(n * kv, width, d),
+                self.v_cache[li][:, :, :width].reshape(n * kv, width, d))
+
+    def keep_slots(self, running: torch.Tensor) -> torch.Tensor | None:
+        """The slots to keep if the cache should be compacted now (``running`` once at least
+        :data:`COMPACT_FRACTION` of the slots have finished), else None."""
+        slots = running.shape[0]
+        if slots - int(running.sum()) >= max(1, math.ceil(COMPACT_FRACTION * slots)):
+            return running
+        return None
 
     def compact(self, running: torch.Tensor) -> torch.Tensor:
         """Drop the finished rows from the cache: running rows past the first ``m = running.sum()`` slots move
@@ -271,19 +296,28 @@ class NativeDecodeBackend(InProcessBackend):
     the rows are decoded in ``workers`` shards at once, the first here and the others in forked processes
     (default: one per torch thread; :mod:`meshrl.forkpool`). Samples depend on the seed and the row only
     (:class:`RowNoise`), not on ``batch_size`` or ``workers``, up to float rounding of the logits (other
-    batch shapes round differently, which can flip a near-tie).
+    batch shapes round differently, which can flip a near-tie). ``decoder``: ``"static"``
+    (:mod:`meshrl.rollout.static_decode`; eagerly on a CPU, the GPU path's twin), ``"dynamic"`` (this module's
+    loop) or ``"auto"`` (static on a CUDA device, else dynamic).
     """
 
     name = "native"
 
     def __init__(self, model, tokenizer, *, batch_size: int | None = None, autocast: str | None = None,
-                 verify: bool = True, workers: int | None = None, prepack: bool = True):
+                 verify: bool = True, workers: int | None = None, prepack: bool = True, decoder: str = "auto"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"rollout backend 'native' cannot run this model: {reason}; use 'hf'")
         super().__init__(model, tokenizer, batch_size=batch_size, autocast=autocast)
         self._verified = not verify
         self.prepack = prepack
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        # The static decoder pays on a GPU (its step as one CUDA graph); on a CPU it is the twin the tests run.
+        self.static = decoder == "static" or (decoder == "auto" and on_cuda)
+        self.capture_graphs = on_cuda  # False: the static decoder's step eagerly (the graph's reference)
+        self._static: StaticDecoder | None = None
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1 or None, got {workers}")
         # One decoder per torch thread on a CPU (forked processes, see meshrl.forkpool); a GPU runs the batch as one.
@@ -336,7 +370,7 @@ class NativeDecodeBackend(InProcessBackend):
         ids, mask = left_pad(distinct, self.pad_id, device)
         rows = torch.tensor(inverse, device=device)
         width, steps = ids.shape[1], params.max_new_tokens
-        dec = _Decoder(self.model, width + steps, device, prepack=self.prepack)
+        dec = self._decoder(len(prompts), width + steps)
         logits = dec.prefill(ids, mask, rows, width + steps)[rows]
         n = rows.shape[0]
         out = torch.full((n, steps), self.pad_id, dtype=torch.long, device=device)
@@ -350,8 +384,8 @@ class NativeDecodeBackend(InProcessBackend):
         sampled = noise is not None and not params.greedy
         plan = noise.plan(slot_row + first_row) if sampled else None
         for t in range(steps):
-            if record_logits:
-                recorded.append(logits.float())
+            if record_logits:  # a copy: a static decoder's logits live in a buffer the next step overwrites
+                recorded.append(logits.float().clone())
             step_noise = noise.draw(plan, t) if sampled else None
             tokens, logp, probs = sample_with_probs(logits, params, step_noise, full_probs=features)
             if phi is not None:  # the tokens of the rows running before this step are theirs (eos included)
@@ -362,13 +396,29 @@ class NativeDecodeBackend(InProcessBackend):
             live = int(running.sum())
             if live == 0 or t == steps - 1:
                 break
-            if running.shape[0] - live >= max(1, math.ceil(COMPACT_FRACTION * running.shape[0])):
-                keep = dec.compact(running)
+            kept = dec.keep_slots(running)
+            if kept is not None:
+                keep = dec.compact(kept)
                 slot_row, tokens, pos, running = slot_row[keep], tokens[keep], pos[keep], running[keep]
                 plan = noise.plan(slot_row + first_row) if sampled else None
             logits = dec.decode(tokens, pos, width + t)
             pos = pos + 1
         return out, out_logp, recorded, phi
+
+    def _decoder(self, rows: int, total_len: int) -> _Decoder:
+        """A decoder for a batch of ``rows`` rows and ``total_len`` columns: a new dynamic one, or the kept
+        static one when it fits (its weights refreshed in place), else a new static one (kept)."""
+        if not self.static:
+            return _Decoder(self.model, total_len, self.device, prepack=self.prepack)
+        if self._static is not None and self._static.fits(rows, total_len):
+            self._static.refresh(self.model)
+            return self._static
+        from meshrl.rollout.static_decode import StaticDecoder
+
+        self._static = None  # free the old buffers (and graphs) before allocating the new ones
+        self._static = StaticDecoder(self.model, rows, total_len, self.device,
+                                     capture=self.capture_graphs)
+        return self._static
 
     def _shards(self, start: int, stop: int) -> list[tuple[int, int]]:
         """Split rows ``[start, stop)`` into contiguous ``(first, end)`` ranges, one per decoder, cut at
@@ -409,9 +459,11 @@ class NativeDecodeBackend(InProcessBackend):
         return self._pool
 
     def release_workers(self) -> None:
-        """End the worker processes now; the next :meth:`generate` forks them again (``rollout.keep_decoders``:
-        a trainer's update then does not hold their private pages)."""
+        """End the worker processes and drop the static decoder's buffers and graphs now; the next
+        :meth:`generate` forks and builds them again (``rollout.keep_decoders``: a trainer's update then does not
+        hold their pages or its KV cache)."""
         self.close()
+        self._static = None
 
     def close(self) -> None:
         """Stop the worker processes (also done when the backend is garbage-collected or at exit)."""
@@ -456,7 +508,8 @@ def probe_prompts(tokenizer) -> list[list[int]]:
 
 
 def auto_backend(model, tokenizer, *, shape: StepShape | None = None, batch_size: int | None = None,
-                 workers: int | None = None, prepack: bool = True, **kwargs) -> RolloutBackend:
+                 workers: int | None = None, prepack: bool = True, decoder: str = "auto",
+                 **kwargs) -> RolloutBackend:
     """``rollout.backend=auto``: ``vllm`` where :func:`meshrl.rollout.choice.choose_sampler` picks it for the
     policy's device and the step's ``shape`` (sequences x new tokens) and vLLM is installed (its build failing,
     e.g. a head size vLLM's CPU build lacks, falls through to native with a warning); else ``native`` when it can
@@ -480,7 +533,7 @@ def auto_backend(model, tokenizer, *, shape: StepShape | None = None, batch_size
     reason = unsupported_reason(model)
     if reason is None:
         native = NativeDecodeBackend(model, tokenizer, batch_size=batch_size, workers=workers, prepack=prepack,
-                                     **kwargs)
+                                     decoder=decoder, **kwargs)
         try:
             native.verify(probe_prompts(tokenizer))
             return native

@@ -102,8 +102,8 @@ def build_sampler(cfg: Any, recipe: Any, task: Any, problems: list[Any], policy:
     from meshrl.rollout.choice import StepShape
 
     name = cfg.rollout.backend
-    extra: dict[str, Any] = ({"workers": cfg.rollout.decode_workers or None, "prepack": cfg.rollout.prepack_weights}
-                             if name in ("auto", "native") else {})
+    extra: dict[str, Any] = ({"workers": cfg.rollout.decode_workers or None, "prepack": cfg.rollout.prepack_weights,
+                              "decoder": cfg.rollout.decoder} if name in ("auto", "native") else {})
     if name == "auto":  # the rule picks by the step's shape (meshrl.rollout.choice)
         extra["shape"] = StepShape(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens)
     if name != "vllm":  # the in-process samplers' precision (vllm: its own dtype)

@@ -52,8 +52,14 @@ class RolloutConfig:
     prepack_weights: bool = setting(True, help="native on a CPU: oneDNN-reordered weight copies per generate call "
                                                "(faster; bf16 bit-identical, float32 ~1e-6 rounding; float32 copies "
                                                "under bf16 autocast where oneDNN lacks bf16 kernels)")
-    keep_decoders: bool = setting(True, help="native on a CPU: keep the decoder processes between steps; false: "
-                                             "forked again each rollout, none during the update (less memory)")
+    decoder: str = setting("auto", choices=("auto", "static", "dynamic"),
+                           help="native: static = preallocated KV cache kept between steps, the decode step "
+                                "replayed as a CUDA graph (meshrl.rollout.static_decode; eager on a CPU: the GPU "
+                                "path's twin); dynamic = per-step shapes; auto = static on a CUDA device, else "
+                                "dynamic")
+    keep_decoders: bool = setting(True, help="native: keep the decoder processes (CPU) and the static decoder's "
+                                             "KV cache and graphs (GPU) between steps; false: built again each "
+                                             "rollout, none held during the update (less memory)")
 
 
 @dataclass
