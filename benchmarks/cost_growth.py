@@ -397,7 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-cache", type=Path, default=default_cache_root(), help="where random:<shape> is built")
     ap.add_argument("--retry-failed", action="store_true", help="rerun stored points that did not finish")
     ap.add_argument("--no-run", action="store_true", help="only report what --out holds")
-    ap.add_argument("--markdown", action="store_true", help="print tables for benchmarks/README.md")
+    ap.add_argument("--markdown", action="store_true", help="print tables for benchmarks/JOURNAL.md")
     ap.add_argument("--svg", type=Path, default=None, help="write the figure here")
     args = ap.parse_args(argv)
     args.axes = [a for a in args.axes.split(",") if a]

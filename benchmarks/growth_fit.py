@@ -172,7 +172,7 @@ def _cell(p: Measured | None, metric: str, spec: str) -> str:
 
 
 def markdown(series: Series, fits: dict, titles: dict[str, str], max_gb: float | None) -> str:
-    """Per axis, a table of the measured points and one of the fits, ready for benchmarks/README.md."""
+    """Per axis, a table of the measured points and one of the fits, ready for benchmarks/JOURNAL.md."""
     lines: list[str] = []
     for axis, sides in series.items():
         names = list(sides)

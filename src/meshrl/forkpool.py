@@ -80,10 +80,10 @@ def set_heap_mmap_threshold(kib: int) -> bool:
     glibc's default threshold is dynamic: once a block of up to 32 MiB that had its own mapping is freed, blocks of
     that size come from the heap from then on, and freed ones stay there, fragmented (a training step frees and
     allocates tensors of many sizes). On SmolLM2-135M that kept about 2.5 GB of heap resident between steps and
-    raised the peak by about 0.5 GB (benchmarks/README.md, memory). A fixed threshold gives large tensors' pages
-    back on free. Memory management only: no value changes; the cost is a page fault per fresh page of a large
-    tensor, which measured ~1.5x slower steps at 128 KiB (decode allocates its logits every token), so it is off by
-    default (``train.heap_mmap_kib``)."""
+    raised the peak by about 0.5 GB (benchmarks/JOURNAL.md, "Memory, continued"). A fixed threshold gives large
+    tensors' pages back on free. Memory management only: no value changes; the cost is a page fault per fresh page of
+    a large tensor, which measured ~1.5x slower steps at 128 KiB (decode allocates its logits every token), so it is
+    off by default (``train.heap_mmap_kib``)."""
     if kib <= 0:
         return False
     try:

@@ -6,10 +6,11 @@ cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). Training meets a new shape at almos
 count differs; the decoder's batch shrinks as rows finish), and measured here one cached bf16 linear shape held
 about 0.7 MB (400 shapes of a 576 x 1536 linear: +276 MB of RSS with the defaults, +19 MB with 16 entries). On
 SmolLM2-135M the trainer and its decode worker each grew by ~0.35 GB over their first ten steps, the growth of the
-whole run (benchmarks/README.md, "Memory"). Both caches are bounded to :data:`KERNEL_CACHE_ENTRIES` entries, far more
-than the shapes one step reuses (a layer's forward and backward take about 15; decode about 5 per batch size), so
-a kernel is rebuilt only when a shape comes back after many others: an A/B of 10-step runs measured no difference
-in step time. A recompiled kernel computes what the cached one did: no value changes.
+whole run (benchmarks/JOURNAL.md, "Memory: bounded kernel caches, the defaults at 0.46x"). Both caches are bounded to
+:data:`KERNEL_CACHE_ENTRIES` entries, far more than the shapes one step reuses (a layer's forward and backward take
+about 15; decode about 5 per batch size), so a kernel is rebuilt only when a shape comes back after many others: an
+A/B of 10-step runs measured no difference in step time. A recompiled kernel computes what the cached one did: no
+value changes.
 
 The caches read their capacity once, when the first kernel is built, from the environment: :func:`bound_kernel_caches`
 sets only the variables the user has not set (``LRU_CACHE_CAPACITY=1024 ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024``

@@ -27,6 +27,7 @@ class _Cfg:
     class train:  # noqa: N801
         micro_batch_size = 2
         head_chunk = 0
+        speed, device = "plain", "cpu"
 
 
 class _Data:

@@ -1,6 +1,8 @@
 """Multi-turn, tool-using episodes (engine layer): environments and tools in TRL's convention, a strict parser of
 Qwen/Hermes ``<tool_call>`` blocks, tool execution with time limits, token-exact episodes over any rollout
-backend, and their metrics. Not yet used by the trainer's step (docs/agents.md)."""
+backend, and their metrics. The trainer's step samples a tool-using task's rollouts through :func:`run_episodes`
+(``env:`` tasks, :mod:`meshrl.tasks.env`; :mod:`meshrl.trainer.episodes`), and ``meshrl eval`` runs them the same way
+(docs/agents.md)."""
 
 from meshrl.agents.environment import (
     ConventionError,

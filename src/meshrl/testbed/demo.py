@@ -30,7 +30,8 @@ ARMS = tuple(DEMO_ARMS)
 #: The demo runs meshrl's default engines on top of the testbed's base, which pins transformers' ``generate``, one
 #: update process and no prompt sharing or zero-advantage skip so that the experiments' documented results
 #: reproduce sample for sample. Here: the native decoder, forked update workers, shared prompts: 179 s instead of
-#: 360 s on 2 cores, the same verdict (benchmarks/README.md, "Speed claims"); the demo's table is its own (README).
+#: 360 s on 2 cores, the same verdict (benchmarks/JOURNAL.md, "Speed claims and their spread"); the demo's table is
+#: its own (README).
 DEMO_ENGINE: tuple[str, ...] = ("rollout.backend=auto", "train.share_prompts=true", "train.update_workers=0",
                                 "train.skip_zero_advantage=true")
 

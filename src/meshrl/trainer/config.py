@@ -90,6 +90,10 @@ class TrainConfig:
                                       "too")
     autocast_bf16: bool = setting(False, help="bf16 autocast for the update's forward passes; emulated and slow on "
                                               "a CPU without AVX-512 (warned at start)")
+    speed: str = setting("auto", choices=("auto", "plain"),
+                         help="the update's speed path (meshrl.trainer.speed): auto = by train.device, each saving "
+                              "behind its own setting below; plain = the model's own forward, one padded pass, whole "
+                              "logits, no memory management (the reference the fast paths are tested equal to)")
     share_prompts: bool = setting(True, help="run each distinct prompt once per micro-batch and share its KV "
                                              "cache (same logits up to float rounding)")
     pack_responses: bool = setting(True, help="Llama-family: pack the responses of one prompt into rows under a "

@@ -3,7 +3,7 @@
 Autocast runs ``scaled_dot_product_attention`` in bf16, where PyTorch picks its flash-attention kernel. On a CPU
 that kernel's bf16 backward is slow for the update's short sequences: for SmolLM2-135M's layer (9 heads of 64, 23
 rows of 47 response tokens over 81 positions) forward + backward took 22.0 ms in bf16 flash attention and 11.8 ms
-with the float32 math kernel on 2 threads (``benchmarks/README.md``, "Step rate"). Thirty such layers were 12% of
+with the float32 math kernel on 2 threads (``benchmarks/JOURNAL.md``, "Step rate"). Thirty such layers were 12% of
 an update of the step-rate protocol.
 
 Inside :func:`float32_attention`, every layer that dispatches through transformers' ``sdpa`` attention function
@@ -17,12 +17,12 @@ keeps float32 copies of the query, of keys and values repeated for every query h
 the softmax, per layer, which raised the update's peak by 0.3-0.4 GB at the step-rate protocol (more than the bf16
 flash kernel keeps). ``_Float32Attention`` multiplies each key/value head's stacked query heads by its keys
 directly (no repeated copies) and keeps the inputs as given plus the float32 softmax, with the backward written
-out; it was also 7% faster over a whole update than the math kernel (``benchmarks/README.md``). Calls it does not
-reproduce (an additive mask, dropout, keys longer than queries without a mask, other keywords) take the math
-kernel. The result differs from the bf16 path by bf16 rounding and is no further from a float32 model's (query and
-key leave the rotary embedding in float32 and are no longer rounded to bf16 before their product; the projections'
-bf16 matmuls, unchanged, make most of the distance either way: 2-4% closer log-probs on small Llama and Qwen2
-models, ``tests/integration/test_float32_attention.py``).
+out; it was also 7% faster over a whole update than the math kernel (``benchmarks/JOURNAL.md``, "Memory back under
+0.5x"). Calls it does not reproduce (an additive mask, dropout, keys longer than queries without a mask, other
+keywords) take the math kernel. The result differs from the bf16 path by bf16 rounding and is no further from a
+float32 model's (query and key leave the rotary embedding in float32 and are no longer rounded to bf16 before their
+product; the projections' bf16 matmuls, unchanged, make most of the distance either way: 2-4% closer log-probs on
+small Llama and Qwen2 models, ``tests/integration/test_float32_attention.py``).
 """
 
 from __future__ import annotations

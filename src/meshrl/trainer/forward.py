@@ -1,7 +1,7 @@
 """The policy's forward passes for the update: micro-batches, response logits, per-row log-probs.
 
-One object holds what every forward of a run shares (the model, the frozen reference, autocast, prompt sharing and
-packing, the micro-batch size, the sampling temperature), so that the step, the plug-ins and the Mesh balancing term
+One object holds what every forward of a run shares (the model, the frozen reference, autocast, the speed path, the
+micro-batch size, the sampling temperature), so that the step, the plug-ins and the Mesh balancing term
 all score rollouts the same way.
 """
 
@@ -13,57 +13,45 @@ from typing import Any
 import torch
 
 from meshrl.rollout.truncation import truncated_logprobs
-from meshrl.trainer.batch import MicroBatch, collate, response_logits, token_entropy, token_logprobs
+from meshrl.trainer.batch import MicroBatch, collate, token_entropy, token_logprobs
+from meshrl.trainer.speed import SpeedPath, make_speed_path
 
 
 class PolicyForward:
     def __init__(self, cfg: Any, model: torch.nn.Module, ref_model: torch.nn.Module | None, pad_id: int,
-                 bare_prompt: Callable[[Any], list[int]]) -> None:
+                 bare_prompt: Callable[[Any], list[int]], speed: SpeedPath | None = None) -> None:
         self.model, self.ref_model, self.pad_id = model, ref_model, pad_id
         self.temperature = cfg.rollout.temperature
         self.micro_batch_size = cfg.train.micro_batch_size
         self._train = cfg.train
         self._bare_prompt = bare_prompt  # problem -> its prompt ids without a coach prefix
-        self.head_chunk = cfg.train.head_chunk
+        # How the forwards are made cheaper (prompt sharing, the chunked head, lean activations...): the run's
+        # speed path, chosen once (meshrl.trainer.speed); this module names none of them.
+        self.speed = speed if speed is not None else make_speed_path(cfg.train)
 
     def logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        """Response logits ``[n, T, V]`` of ``model`` with the configured autocast and prompt sharing."""
-        from meshrl.trainer.float32_attention import float32_attention
-        from meshrl.trainer.lean_activations import lean_activations
-
-        tc = self._train
+        """Response logits ``[n, T, V]`` of ``model`` with the configured autocast, in the speed path's layout."""
         # Autocast's weight cache stays on: with it the prompt and response passes share one bf16 copy of a weight,
         # whose gradient autograd then sums in bf16; casting at each use would sum it in float32, a (small) change.
-        # Both contexts are no-ops without a graph.
-        with lean_activations(model, tc.lean_activations), float32_attention(tc.float32_attention):
-            return response_logits(model, mb, tc.autocast_bf16, share_prompts=tc.share_prompts,
-                                   pack=tc.pack_responses, length_buckets=tc.length_buckets)
+        return self.speed.forward_logits(model, mb, self._train.autocast_bf16)
 
     def chunks_head(self, model: torch.nn.Module) -> bool:
-        """Whether :meth:`token_terms` computes ``model``'s head in chunks (``train.head_chunk`` > 0 and a head that
-        can be set aside), instead of from the whole logits."""
-        from meshrl.trainer.head import output_head
-
-        return self.head_chunk > 0 and output_head(model) is not None
+        """Whether :meth:`token_terms` computes ``model``'s head in chunks (the speed path's ``head_chunk`` > 0 and
+        a head that can be set aside), instead of from the whole logits."""
+        return self.speed.chunks_head(model)
 
     def token_terms(self, model: torch.nn.Module, mb: MicroBatch,
                     entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs ``[n, T]`` (with a graph when grad is enabled) and, with ``entropy``, detached
-        entropies ``[n, T]`` of the responses under ``model``: from chunks of the head (:mod:`meshrl.trainer.head`,
-        never the whole logits) when :meth:`chunks_head`, else from :meth:`logits`. Equal up to float rounding at
-        every response token; the chunked head skips the right padding (0 there), which every reader masks."""
+        entropies ``[n, T]`` of the responses under ``model``: from chunks of the head (never the whole logits)
+        when :meth:`chunks_head`, else from :meth:`logits`. Equal up to float rounding at every response token; the
+        chunked head skips the right padding (0 there), which every reader masks."""
         if not self.chunks_head(model):
             logits = self.logits(model, mb)
             logp = token_logprobs(logits, mb.response_ids, self.temperature)
             return logp, token_entropy(logits.detach(), self.temperature) if entropy else None
-        from meshrl.trainer.head import chunked_token_terms, head_set_aside
-
-        with head_set_aside(model) as head:
-            hidden = self.logits(model, mb)  # the same layout, the head's input in place of its output
-        return chunked_token_terms(hidden, mb.response_ids, head, chunk=self.head_chunk, entropy=entropy,
-                                   autocast_bf16=self._train.autocast_bf16, temperature=self.temperature,
-                                   keep_mib=self._train.head_keep_mib,
-                                   positions=mb.attention_mask[:, mb.prompt_len :].bool())  # not the padding
+        return self.speed.chunked_token_terms(model, mb, lambda m: self.logits(m, mb), entropy=entropy,
+                                              autocast_bf16=self._train.autocast_bf16, temperature=self.temperature)
 
     def micro_batches(self, rows: list[int], data: Any, *, bare: bool = False) -> Iterator[tuple[list[int],
                                                                                                 MicroBatch]]:

@@ -4,7 +4,8 @@ The plain path (:func:`meshrl.trainer.batch.response_logits`, then :func:`~meshr
 and :func:`~meshrl.trainer.batch.token_entropy`) holds the response logits ``[n, T, V]`` whole: in float32, plus
 the log-softmax that autograd keeps for the backward, plus its gradient there, plus bf16 copies under autocast.
 For SmolLM2-135M (V = 49,152) and 32 rollouts of 48 tokens each of those is 302 MB, and together they are the
-largest term of the update's peak after the weights and AdamW's state (benchmarks/README.md, "Memory").
+largest term of the update's peak after the weights and AdamW's state (benchmarks/JOURNAL.md, "Memory:
+memory_vs_trl.py (2026-12-04)").
 
 Here the forward runs with the head set aside (:func:`head_set_aside`), so that the same shared-prompt / packed /
 one-pass layout yields the hidden states ``[n, T, H]`` (H = 576 for SmolLM2) where it yielded logits. Then, per

@@ -19,8 +19,9 @@ terms. The recomputed values are bit for bit the forward's (same kernels, same i
 are unchanged (tests/integration/test_lean_activations.py, against the plain forward on several model families).
 
 Per layer and token of SmolLM2-135M (hidden 576, intermediate 1536) under bf16 autocast that is 16.5 KB less, and
-the bf16 copy of the weights (0.27 GB) is no longer held through the backward; measured in benchmarks/README.md
-("Memory"). The cost is a second cast of each weight per pass in the backward.
+the bf16 copy of the weights (0.27 GB) is no longer held through the backward; measured in benchmarks/JOURNAL.md
+("Memory: same problems, no growth, leaner update"). The cost is a second cast of each weight per pass in the
+backward.
 
 Only module classes whose forward is known to be exactly the one re-run here are touched (:data:`NORM_CLASSES`,
 :data:`MLP_CLASSES`); anything else runs its own forward. Used for forwards that build a graph

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from meshrl.forkpool import release_free_heap, set_heap_mmap_threshold
 from meshrl.trainer.balance import StrategyBalance
 from meshrl.trainer.build import build_policy, build_sampler, build_task, emulated_bf16_event
 from meshrl.trainer.config import RunConfig
@@ -38,6 +37,7 @@ from meshrl.trainer.mismatch import MismatchMonitor, unsampled_rows
 from meshrl.trainer.plugins import PluginContext, TrainPlugins
 from meshrl.trainer.rollout_step import StepData
 from meshrl.trainer.schedule import lr_at
+from meshrl.trainer.speed import make_speed_path
 from meshrl.trainer.update import StepPlan, make_engine
 
 log = logging.getLogger("meshrl")
@@ -46,7 +46,8 @@ log = logging.getLogger("meshrl")
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         self.cfg, self.run_dir = cfg, run_dir
-        set_heap_mmap_threshold(cfg.train.heap_mmap_kib)  # before the model's tensors exist
+        self.speed = make_speed_path(cfg.train)
+        self.speed.at_start()  # before the model's tensors exist
         self.recipe = cfg.resolved_recipe()
         torch.manual_seed(cfg.seed)
         self.task, self.problems = build_task(cfg)
@@ -55,7 +56,7 @@ class Trainer:
         self.backend, self.sampler, self.evaluator = build_sampler(cfg, self.recipe, self.task, self.problems, p,
                                                                    run_dir)
         self.forward = PolicyForward(cfg, self.model, self.ref_model, p.pad_id,
-                                     lambda problem: self.sampler.prompt_ids(problem, -1))
+                                     lambda problem: self.sampler.prompt_ids(problem, -1), self.speed)
         self.plugins = TrainPlugins(cfg.plugins, PluginContext(
             cfg=cfg, recipe=self.recipe, forward=self.forward, tokenizer=self.tokenizer, task=self.task,
             problems=self.problems, seed=cfg.seed, rollouts=self.sampler))
@@ -108,10 +109,7 @@ class Trainer:
         # AdamW has read the gradients: drop them now rather than at the next update's zero_grad, so that the
         # next rollout (and the checkpoint between) does not hold a weights-sized buffer nobody reads.
         self.optimizer.zero_grad(set_to_none=True)
-        # The update's activations and gradients are free now, but glibc keeps their pages resident, and the next
-        # rollout's allocations rarely fit those holes: without this the run's peak rose ~0.5 GB over 8 steps
-        # (SmolLM2-135M, benchmarks/README.md "Memory"); with it, it stays flat. No value changes.
-        release_free_heap()
+        self.speed.after_update()  # the update's memory back before the next rollout (meshrl.trainer.speed)
         # 4. diagnostics
         metrics.update(self.mismatch_metrics())
         if collect_mei:
