@@ -110,7 +110,10 @@ def test_without_get_reward_the_data_grades_the_final_answer(tmp_path):
 
 def test_plugins_that_read_one_sampled_stream_are_refused(tmp_path):
     from meshrl.trainer.episodes import check_episodic_config
+    from meshrl.trainer.plugins import REGISTRY
 
+    # each plug-in declares it (Plugin.episodes_ok); the check names none of them
+    assert {n for n, c in REGISTRY.items() if not c.episodes_ok} == {"luffy", "ssd", "opsd", "remix", "calib"}
     for name in ("luffy", "ssd", "opsd", "remix", "calib"):
         cfg = load_config(overrides=RUN)
         getattr(cfg.plugins, name).enabled = True

@@ -1,8 +1,9 @@
 """The native decoder with fixed shapes, so that a CUDA graph can replay its decode step.
 
 Why: on a GPU a decode step of a small model is bound by launching its kernels from Python, not by reading the
-weights (an H200 took ~22 ms a step at batch 64 where reading Qwen2.5-0.5B's bf16 weights once takes 0.2 ms;
-benchmarks/README.md, "GPU"). A CUDA graph replays a whole step's kernels with one launch, but every tensor it
+weights: on an H200 the dynamic loop ran Qwen2.5's 0.5B and 1.5B shapes at about the same rate, at 1-4% of the
+bf16 FLOP peak (benchmarks/README.md, "GPU"), where reading the 0.5B shape's bf16 weights once takes ~0.2 ms at
+4.8 TB/s. A CUDA graph replays a whole step's kernels with one launch, but every tensor it
 touches must keep its shape and its address. So, unlike :class:`meshrl.rollout.native._Decoder`:
 
 * the KV cache and the attention bias are allocated once, at their full length, and **kept between batches** of

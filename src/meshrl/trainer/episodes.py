@@ -117,10 +117,11 @@ def transcript(tokenizer: Any, episode: Any) -> str:
 
 def check_episodic_config(cfg: Any) -> None:
     """Settings that cannot act on multi-turn episodes, refused by key before any rollout."""
-    p = cfg.plugins
-    for name in ("luffy", "ssd", "opsd", "remix", "calib"):  # coach_guide forces the first turn's opening
-        section = getattr(p, name, None)
-        if section is not None and getattr(section, "enabled", False):
+    from meshrl.trainer.plugins import REGISTRY
+
+    for name, cls in REGISTRY.items():  # the plug-ins that declare ``episodes_ok = False``
+        section = getattr(cfg.plugins, name, None)
+        if not cls.episodes_ok and section is not None and cls.is_enabled(section):
             raise ValueError(f"plugins.{name}.enabled: not available with a tool-using task (env:...): it reads "
                              "each response as one sampled stream, and an episode interleaves tool output")
 

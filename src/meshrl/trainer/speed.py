@@ -97,7 +97,8 @@ class SpeedPath:
     def after_update(self) -> None:
         """The update's activations and gradients are free: hand the C heap's free pages back. glibc keeps them
         resident and the next rollout's allocations rarely fit those holes: without this the peak rose ~0.5 GB over
-        8 steps of SmolLM2-135M on a CPU (benchmarks/README.md, "Memory"); with it, it stays flat. No value
+        8 steps of SmolLM2-135M on a CPU (benchmarks/JOURNAL.md, "Memory: same problems, no growth, leaner
+        update"); with it, it stays flat. No value
         changes."""
         from meshrl.forkpool import release_free_heap
 

@@ -91,6 +91,7 @@ class Plugin:
     token_level: ClassVar[bool] = True
     excludes: ClassVar[tuple[str, ...]] = ()
     needs_reference: ClassVar[bool] = False  # scores rollouts under the frozen reference (the trainer keeps one)
+    episodes_ok: ClassVar[bool] = True  # False: reads a response as one sampled stream (refused for tool episodes)
     summary: ClassVar[str] = ""  # one line for the docs and `--help-config`
 
     def __init__(self, cfg: Any, ctx: PluginContext) -> None:

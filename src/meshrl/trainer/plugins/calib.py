@@ -56,6 +56,7 @@ class CalibConfig:
 @register
 class Calib(Plugin):
     name = "calib"
+    episodes_ok = False  # reads each response as one sampled stream; an episode interleaves tool output
     Config = CalibConfig
     stage = Stage.EXTRA_LOSS
     order = 0.5

@@ -34,6 +34,7 @@ class LuffyConfig:
 @register
 class Luffy(Plugin):
     name = "luffy"
+    episodes_ok = False  # reads each response as one sampled stream; an episode interleaves tool output
     Config = LuffyConfig
     stage = Stage.OFF_POLICY
     order = 1.0

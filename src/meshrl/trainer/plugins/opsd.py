@@ -91,6 +91,7 @@ class Opsd(Plugin):
     """The teacher's prompts per problem (cached), its forward per micro-batch, the divergence (module docstring)."""
 
     name = "opsd"
+    episodes_ok = False  # reads each response as one sampled stream; an episode interleaves tool output
     Config = OpsdConfig
     stage = Stage.EXTRA_LOSS
     order = 1.5

@@ -23,7 +23,7 @@ class PromptFilterConfig:
 
 @register
 class PromptFilter(Plugin):
-    """Wraps the sampler's problem stream in :class:`FilteredProblems` when the run starts."""
+    """Wraps the sampler's problem stream in :class:`FilteredProblems` before the run's first sampling."""
 
     name = "prompt_filter"
     Config = PromptFilterConfig
@@ -35,8 +35,11 @@ class PromptFilter(Plugin):
 
     def __init__(self, cfg: PromptFilterConfig, ctx: PluginContext) -> None:
         super().__init__(cfg, ctx)
-        self.filter = FilteredProblems(ctx.rollouts.sampler, ctx.problems, cfg)
-        ctx.rollouts.sampler = self.filter
+        self.filter = FilteredProblems(None, ctx.problems, cfg)  # its stream comes with the first sampling
+
+    def before_sampling(self, sampler: Any) -> None:
+        if sampler.sampler is not self.filter:  # once: the filter reads the stream it replaces
+            self.filter.inner, sampler.sampler = sampler.sampler, self.filter
 
     def after_sampling(self, step: int, data: Any, sampler: Any) -> Any:
         data.stats.update(self.filter.record(step, data.seen))

@@ -69,6 +69,7 @@ class RemixConfig:
 @register
 class Remix(Plugin):
     name = "remix"
+    episodes_ok = False  # reads each response as one sampled stream; an episode interleaves tool output
     Config = RemixConfig
     stage = Stage.BASE_LOSS
     order = 2.0

@@ -66,6 +66,7 @@ class Ssd(Plugin):
     """Extra samples per fresh batch (:meth:`batch_ready`), an NLL term per micro-batch (module docstring)."""
 
     name = "ssd"
+    episodes_ok = False  # reads each response as one sampled stream; an episode interleaves tool output
     Config = SsdConfig
     stage = Stage.EXTRA_LOSS
     order = 3.0
