@@ -1,0 +1,159 @@
+"""GRPO and forking tokens on SmolLM2-135M-Instruct, as pre-registered in preregistration.md: the data, the pilot
+that fixes the task's operand range, the runs (resumable), the step-0 evaluations and the pack.
+
+Every run is ``meshrl train`` with :func:`run_overrides`; a run resumes from its last checkpoint, and a finished one
+(``done.json``) is skipped, so the command can be stopped and started again. The pack keeps what the analysis reads:
+per run the held-out evaluations and the per-step metrics it needs (MEI, reward, time), not the weights.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("meshrl")
+
+ARMS: dict[str, list[str]] = {"grpo": ["recipe=grpo"], "fork": ["recipe=grpo", "plugins.fork.enabled=true"]}
+PILOT_RANGES = (20, 9, 99)  # A = 20 first; below 0.10 -> 9, above 0.40 -> 99 (preregistration.md)
+PILOT_BAND = (0.10, 0.40)
+#: the per-step metrics the pack keeps (besides ``step``): MEI, reward, accuracy, timing
+KEPT_METRICS = ("mei/query", "mei/directions", "reward/mean", "acc/mean", "time/step_s", "len/response_mean",
+                "eval/mean@1")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The pre-registered sizes (defaults) or a smaller plumbing check (tests)."""
+
+    model: str = "smollm2-135m"
+    steps: int = 150
+    prompts_per_step: int = 8
+    group_size: int = 16
+    max_new_tokens: int = 64
+    lr: float = 5e-6
+    warmup_steps: int = 10
+    eval_every: int = 10
+    eval_n: int = 4
+    problems: int = 1000
+    seeds: tuple[int, ...] = (0, 1, 2)
+    arms: tuple[str, ...] = ("grpo", "fork")
+    threads: int = 1
+    extra: tuple[str, ...] = field(default=())  # more ``meshrl train`` keys (tests: a tiny model)
+
+
+def write_data(path: Path, high: int, n: int = 1000) -> Path:
+    """``n`` problems "What is a + b?" with a, b uniform on 1..``high`` from ``random.Random(0)``."""
+    rng = random.Random(0)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(1, high), rng.randint(1, high)
+        rows.append(json.dumps({"problem": f"What is {a} + {b}?", "answer": a + b}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def task_spec(data: Path) -> str:
+    return f"jsonl:{data}?kind=last_number&eval_fraction=0.1"
+
+
+def run_overrides(s: Settings, arm: str, seed: int, data: Path) -> list[str]:
+    """The ``meshrl train`` keys of one run (preregistration.md, "Model, task, settings")."""
+    return [f"model={s.model}", f"task={task_spec(data)}", f"steps={s.steps}", f"seed={seed}",
+            f"rollout.prompts_per_step={s.prompts_per_step}", f"rollout.group_size={s.group_size}",
+            f"rollout.max_new_tokens={s.max_new_tokens}", "rollout.temperature=1.0", f"optim.lr={s.lr}",
+            f"optim.warmup_steps={s.warmup_steps}", "train.ppo_epochs=1", "train.mini_batches=1",
+            f"eval.every={s.eval_every}", f"eval.n={s.eval_n}", "eval.limit=0", "eval.temperature=1.0",
+            "diag.mei.every=1", "health.every=5", f"checkpoint.every={s.eval_every}", "checkpoint.keep_last=1",
+            "log.progress=false", *ARMS[arm], *s.extra]
+
+
+def held_out_accuracy(s: Settings, data: Path, seed: int, out: Path) -> float:
+    """Step 0: the base model on the run's held-out split (the seed's), ``eval_n`` samples at T = 1."""
+    from meshrl.evaluation import EvalConfig, run_eval
+
+    cfg = EvalConfig(model=s.model, data=task_spec(data), split="eval", n=s.eval_n, ks=[s.eval_n], limit=None,
+                     max_new_tokens=s.max_new_tokens, temperature=1.0, seed=seed)
+    # mean@n averages all n samples of a problem: the training loop's eval/mean@1 (periodic_eval.py)
+    return float(run_eval(cfg, out, progress=False)["overall"][f"mean@{s.eval_n}"])
+
+
+def pilot(s: Settings, out: Path) -> dict[str, Any]:
+    """Fix the operand range A (preregistration.md): the base model on A = 20, then 9 or 99 if outside the band.
+    Kept in ``out/pilot.json``; a second call reads it."""
+    path = out / "pilot.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    tried: dict[int, float] = {}
+    high = PILOT_RANGES[0]
+    acc = held_out_accuracy(s, write_data(out / f"add_{high}.jsonl", high, s.problems), 0, out / "pilot" / str(high))
+    tried[high] = acc
+    if not PILOT_BAND[0] <= acc <= PILOT_BAND[1]:
+        high = PILOT_RANGES[1] if acc < PILOT_BAND[0] else PILOT_RANGES[2]
+        data = write_data(out / f"add_{high}.jsonl", high, s.problems)
+        tried[high] = held_out_accuracy(s, data, 0, out / "pilot" / str(high))
+    result = {"tried": {str(k): v for k, v in tried.items()}, "chosen": high}
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run_all(s: Settings, out: Path) -> None:
+    """The pilot, then every (seed, arm) run and its step-0 evaluation, skipping what is done."""
+    import torch
+
+    from meshrl.runs.checkpoint import latest_checkpoint
+    from meshrl.trainer import load_config, train
+
+    torch.set_num_threads(s.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "settings.json").write_text(json.dumps(asdict(s), indent=1))
+    high = pilot(s, out)["chosen"]
+    data = write_data(out / f"add_{high}.jsonl", high, s.problems)
+    for seed in s.seeds:
+        step0 = out / "step0" / f"seed_{seed}"
+        if not (step0 / "eval.json").is_file():
+            held_out_accuracy(s, data, seed, step0)
+        for arm in s.arms:
+            run_dir = out / "runs" / arm / f"seed_{seed}"
+            if (run_dir / "done.json").is_file():
+                continue
+            t0 = time.perf_counter()
+            cfg = load_config(overrides=run_overrides(s, arm, seed, data))
+            ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
+            log.info("real model: %s seed %d (%s)", arm, seed, "resuming" if ckpt else "starting")
+            for _ in train(cfg, run_dir, resume=ckpt is not None):
+                pass
+            (run_dir / "done.json").write_text(json.dumps({"seconds": time.perf_counter() - t0}))
+
+
+def pack(out: Path, dest: Path) -> Path:
+    """The compact data of every finished run (evaluations, kept metrics, events) and the step-0 evaluations."""
+    from meshrl.jsonl import read_jsonl
+
+    runs: dict[str, Any] = {}
+    for done in sorted(out.glob("runs/*/seed_*/done.json")):
+        run_dir = done.parent
+        metrics = [{k: r[k] for k in ("step", *KEPT_METRICS) if k in r} for r in read_jsonl(run_dir / "metrics.jsonl")
+                   if "step" in r]
+        runs[f"{run_dir.parent.name}/{run_dir.name}"] = {
+            "evals": read_jsonl(run_dir / "evals.jsonl"), "metrics": metrics,
+            "events": read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").is_file() else [],
+            "seconds": json.loads(done.read_text())["seconds"]}
+    step0 = {p.parent.name: json.loads(p.read_text())["overall"] for p in sorted(out.glob("step0/seed_*/eval.json"))}
+    data = {"settings": json.loads((out / "settings.json").read_text()),
+            "pilot": json.loads((out / "pilot.json").read_text()), "step0": step0, "runs": runs}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(dest, "wt") as fh:
+        json.dump(data, fh, sort_keys=True)
+    return dest
+
+
+def read_pack(path: Path) -> dict[str, Any]:
+    with gzip.open(path, "rt") as fh:
+        return json.load(fh)

@@ -1,0 +1,83 @@
+"""experiments.real_model: the pre-registered endpoints on hand-made curves, and the whole pipeline (pilot, runs,
+step-0 evaluations, pack, table) on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from experiments.real_model import analysis, experiment
+from experiments.real_model.__main__ import main
+
+
+def test_fall_is_harm_only_when_it_lasts_two_evaluations():
+    assert analysis.fall([(0, 0.2), (10, 0.3), (20, 0.35), (30, 0.36)])[:2] == ("none", None)
+    assert analysis.fall([(0, 0.2), (10, 0.4), (20, 0.25), (30, 0.4)])[:2] == ("dip", 20)  # one evaluation below
+    cls, step, depth = analysis.fall([(0, 0.2), (10, 0.4), (20, 0.3), (30, 0.25), (40, 0.4)])
+    assert (cls, step) == ("harm", 20) and depth == pytest.approx(0.15)
+    assert analysis.fall([(0, 0.2), (10, 0.4), (20, 0.35)])[0] == "none"  # 0.05 below: no fall
+    assert analysis.fall([(0, 0.3), (10, 0.5), (20, 0.3)])[:2] == ("dip", 20)  # ends one below: a dip
+
+
+def test_mei_threshold_and_crossing_need_three_steps_after_calibration():
+    series = [(s, 1.0 + 0.01 * (s % 2)) for s in range(1, 11)] + [(11, 5.0), (12, 5.0), (13, 1.0), (14, 5.0),
+                                                                   (15, 5.0), (16, 5.0)]
+    thr = analysis.mei_threshold(series)
+    assert 1.0 < thr < 1.05
+    assert analysis.crossing(series, thr) == 14
+    assert analysis.crossing(series, math.nan) is None and math.isnan(analysis.mei_threshold([(1, 1.0)]))
+
+
+def test_verdict_rules():
+    assert analysis.verdict([0.1, 0.05, 0.02]) == "improves"
+    assert analysis.verdict([0.01, 0.01, 0.01]) == "inconclusive"  # all positive, mean below 0.05
+    assert analysis.verdict([0.2, -0.01, 0.0]) == "does not improve"
+    assert analysis.verdict([0.2, 0.1]) == "inconclusive"  # fewer than 3 seeds cannot "improve"
+
+
+def test_run_endpoints_lead_and_final():
+    evals = [{"step": 10, "eval/mean@1": 0.5}, {"step": 20, "eval/mean@1": 0.3}, {"step": 30, "eval/mean@1": 0.3}]
+    metrics = [{"step": s, "mei/query": 1.0 + 0.01 * (s % 2)} for s in range(1, 11)]
+    metrics += [{"step": s, "mei/query": 9.0} for s in range(11, 31)]
+    r = analysis.run_endpoints(0.2, evals, metrics, horizon=30)
+    assert r["final"] == 0.3 and r["gain"] == pytest.approx(0.1) and (r["best"], r["best_step"]) == (0.5, 10)
+    assert r["fall"] == "harm" and r["fall_step"] == 20 and r["mei_cross"] == 11 and r["lead"] == 9
+    assert not r["in_time"]
+
+
+def test_data_is_fixed_by_seed_zero(tmp_path):
+    a = experiment.write_data(tmp_path / "a.jsonl", 20, 50).read_text()
+    assert a == experiment.write_data(tmp_path / "b.jsonl", 20, 50).read_text()
+    rows = [json.loads(x) for x in a.splitlines()]
+    assert len(rows) == 50 and all(r["answer"] == sum(map(int, r["problem"][8:-1].split(" + "))) for r in rows)
+
+
+@pytest.mark.slow  # two tiny runs of 2 steps, a pilot and two step-0 evaluations (~20 s)
+def test_the_pipeline_on_the_tiny_model(tmp_path):
+    s = experiment.Settings(model="tiny", steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6,
+                            warmup_steps=0, eval_every=1, eval_n=2, problems=40, seeds=(0,), arms=("grpo", "fork"),
+                            extra=("train.micro_batch_size=8", "health.every=0"))
+    out = tmp_path / "runs"
+    experiment.run_all(s, out)
+    pilot = json.loads((out / "pilot.json").read_text())
+    assert pilot["tried"]["20"] < 0.10 and pilot["chosen"] == 9  # an untrained model solves nothing
+    assert all((out / "runs" / arm / "seed_0" / "done.json").is_file() for arm in ("grpo", "fork"))
+    experiment.run_all(s, out)  # finished runs are skipped
+    pack = experiment.pack(out, tmp_path / "pack.json.gz")
+    result = analysis.analyse(experiment.read_pack(pack))
+    assert set(result["runs"]) == {"grpo/seed_0", "fork/seed_0"}
+    r = result["runs"]["grpo/seed_0"]
+    assert [s for s, _ in r["curve"]] == [0, 1, 2] and math.isfinite(r["mei_threshold"])  # steps 1-2 calibrate
+    text = analysis.table(result)
+    assert "| grpo | 0 |" in text and "chosen A = 9" in text
+    table = tmp_path / "t.md"
+    assert main(["table", "--pack-file", str(pack), "--table-file", str(table)]) == 0
+    assert table.read_text() == text
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    assert main(["run", "--seeds", "1", "1"]) == 2
+    assert "--seeds names a seed twice" in capsys.readouterr().err
+    assert main(["run", "--threads", "0"]) == 2
