@@ -1,4 +1,4 @@
-"""Item 4 of preregistration.md: does MEI (or the live doctor) warn of harm to the niche in time?
+"""MEI against harm to the niche (preregistration.md, "Item 4"): does MEI, or the live doctor, warn in time?
 
 Every rule is the pre-registration's ("Item 4: MEI on the paper's own terms" and "Definitions"); labels and fall
 steps are persistence.py's (:func:`persistence.read_runs`, :func:`persistence.harm_class`), not recomputed here.
@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments._args import named_dirs
 from experiments.collapse_testbed.persistence import HORIZON, KEPT_AT, RunEndpoints, harm_class, read_runs
 
 PAPER_THRESHOLD = 1.013  # the paper's fixed line (its models, G = 16)
@@ -253,7 +254,7 @@ def _f(x: Any, digits: int = 3) -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     """Thresholds, success criteria, AUROCs and the per-run table."""
-    out = ["# Item 4: MEI and harm to the niche (preregistration.md)", "",
+    out = ["# MEI against harm to the niche (preregistration.md)", "",
            f"Crossing: first probe step t >= {FIRST_PROBE} with S above the threshold at t and the next probe. "
            f"Success: crossing >= {LEAD} steps before the fall in >= {HIT_RATE:.0%} of harmful runs and at a probe "
            f"step <= {OTHERS_UNTIL} in <= {FALSE_RATE:.0%} of others. Primary: {PRIMARY_SIGNAL}, verbatim labels.",
@@ -290,19 +291,15 @@ def markdown(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.collapse_testbed.mei_harm",
-                                description="Item 4: MEI (and the live doctor) against harm to the niche.")
+                                description="MEI (and the live doctor) against harm to the niche.")
     p.add_argument("dirs", nargs="+", metavar="WARM=DIR", help="an experiment directory per warm start")
     p.add_argument("--out", type=Path, default=Path("mei_harm.md"), help="the markdown tables")
     p.add_argument("--json", type=Path, default=None, help="also every number, as JSON")
     args = p.parse_args(argv)
     try:
-        dirs = {w: Path(d) for w, d in (a.split("=", 1) for a in args.dirs)}
-    except ValueError:
-        print(f"{p.prog}: error: give each directory as WARM=DIR, e.g. W2=runs/persist_W2", file=sys.stderr)
-        return 2
-    missing = [d for d in dirs.values() if not (d / "runs").is_dir()]
-    if missing:
-        print(f"{p.prog}: error: no runs in {missing[0]}", file=sys.stderr)
+        dirs = named_dirs(args.dirs)
+    except ValueError as err:
+        print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 2
     res = analyse(dirs)
     args.out.write_text(markdown(res))

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments._args import named_dirs
+
 HORIZON = 160
 EVERY = 8
 KEPT_AT = 0.5  # the nominal line of earlier results (niche_kept_at)
@@ -356,15 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also every run's endpoints and every test, as JSON")
     args = p.parse_args(argv)
     try:
-        dirs = dict(d.split("=", 1) for d in args.dirs)
-    except ValueError:
-        print(f"{p.prog}: error: give each directory as WARM=DIR, e.g. W2=runs/persist_W2", file=sys.stderr)
+        dirs = named_dirs(args.dirs)
+    except ValueError as err:
+        print(f"{p.prog}: error: {err}", file=sys.stderr)
         return 2
-    missing = [d for d in dirs.values() if not (Path(d) / "runs").is_dir()]
-    if missing:
-        print(f"{p.prog}: error: no runs in {missing[0]}", file=sys.stderr)
-        return 2
-    runs, rows = analyse({w: Path(d) for w, d in dirs.items()})
+    runs, rows = analyse(dirs)
     args.out.write_text(markdown(runs, rows))
     if args.json is not None:
         args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], "tests": rows}, indent=1))

@@ -154,3 +154,18 @@ def test_a_loss_still_rising_at_the_end_is_not_persistent():
     rising = P.endpoints("W", "grpo", 1, _curve([0.4] + [0.05] * 18 + [0.2, 0.35]))
     assert flat.persistent_loss and flat.at_horizon == "lost"
     assert rising.at_horizon == "lost" and not rising.persistent_loss  # 0.35 - 0.05 >= 0.2 since step 144
+
+
+def test_warm_dirs_are_checked_before_any_work(tmp_path, capsys):
+    from experiments._args import named_dirs
+    from experiments.collapse_testbed import mei_harm, persistence
+
+    (tmp_path / "a" / "runs").mkdir(parents=True)
+    assert named_dirs([f"W1={tmp_path / 'a'}"]) == {"W1": tmp_path / "a"}
+    for bad, message in ([f"{tmp_path / 'a'}"], "WARM=DIR"), ([f"W1={tmp_path / 'a'}", f"W1={tmp_path}"], "W1 names"), \
+            ([f"W1={tmp_path}"], "no runs in"):
+        with pytest.raises(ValueError, match=message):
+            named_dirs(bad)
+        for cli in (persistence, mei_harm):
+            assert cli.main([*bad, "--out", str(tmp_path / "x.md")]) == 2
+            assert message in capsys.readouterr().err
