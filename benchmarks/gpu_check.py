@@ -20,6 +20,12 @@ Model FLOP utilisation counts the matrix work a step must do, as in the PaLM pap
 token for a forward (prompt prefill and each decoded token) and 6·N per token for the update's forward and
 backward, with N the parameters that multiply (the input embedding is a lookup, so an untied one is left out),
 over ``--peak-tflops`` (H200 SXM bf16 dense: 989). Attention's own FLOPs are left out (small at these lengths).
+``train_mfu`` is the training phase's: 6·N per token of the step over the update phase's time alone.
+
+meshrl's plain side also reports its phases (:class:`PhaseProbe`: rollout, old log-probs, update, weight sync; time
+per step and, on CUDA, each phase's peak memory), and every side whether its peak would fit an 80 GB card
+(``fits_80gb``: reserved memory <= 79 GiB, or an out-of-memory failure). The long shape of the GPU issue is
+``--shape qwen2.5-1.5b --max-new-tokens 1024`` (a call of its own).
 
     bash benchmarks/gpu_check.sh                      # on the GPU machine (see that script)
     python benchmarks/gpu_check.py --dry-run          # CPU, a tiny Qwen2 shape: what CI runs
@@ -75,6 +81,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=1e5, rms_norm_eps=1e-5)),
 }
 H200_BF16_DENSE_TFLOPS = 989.0
+FITS_80GB_GIB = 79.0  # what PyTorch can reserve on an 80 GB H100, roughly (the driver and context keep the rest)
 
 
 def build_tokenizer(vocab_size: int):
@@ -168,6 +175,49 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+class PhaseProbe:
+    """Per-phase time and peak memory of a meshrl ``Trainer``'s steps, by wrapping its methods: ``rollout``
+    (sampling and rewards, ``plugins.sample``), ``old_logprobs`` (the no-grad forwards before the update,
+    ``forward.logps``), ``update`` (each mini-batch's backward and optimiser step) and ``weight_sync``
+    (``backend.sync_weights``). On CUDA each phase resets the peak-memory counter at its start and reads it at its
+    end, so a phase's peak is its own (what was allocated before it included)."""
+
+    PHASES = {"rollout": ("plugins", "sample"), "old_logprobs": ("forward", "logps"),
+              "update": (None, "mini_batch_update"), "weight_sync": ("backend", "sync_weights")}
+
+    def __init__(self, trainer, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.reset()
+        for phase, (owner, name) in self.PHASES.items():
+            obj = trainer if owner is None else getattr(trainer, owner)
+            setattr(obj, name, self._wrap(phase, getattr(obj, name)))
+
+    def reset(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+        self.peak_gib: dict[str, float | None] = dict.fromkeys(self.PHASES)
+
+    def _wrap(self, phase: str, fn):
+        def timed(*a, **k):
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.cuda:
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() / 2**30
+                    self.peak_gib[phase] = max(self.peak_gib[phase] or 0.0, peak)
+                self.seconds[phase] += time.perf_counter() - t0
+
+        return timed
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        return {phase: {"s_per_step": self.seconds[phase] / max(steps, 1), "peak_allocated_gib": self.peak_gib[phase]}
+                for phase in self.PHASES}
+
+
 def meshrl_trainer(model_dir: Path, args, device: torch.device, run_dir: Path, *, mei: bool):
     from meshrl.trainer import Trainer, load_config
 
@@ -186,8 +236,11 @@ def meshrl_trainer(model_dir: Path, args, device: torch.device, run_dir: Path, *
     return Trainer(load_config(overrides=overrides), run_dir)
 
 
-def time_meshrl(trainer, side: Side, steps: int, device: torch.device) -> None:
-    for _ in range(steps):
+def time_meshrl(trainer, side: Side, steps: int, device: torch.device, probe: PhaseProbe | None = None,
+                warmup: int = 0) -> None:
+    for i in range(steps):
+        if probe is not None and i == warmup:
+            probe.reset()  # the phases of the timed steps only
         sync(device)
         t0 = time.perf_counter()
         trainer.step()
@@ -217,11 +270,22 @@ def run_meshrl(model_dir: Path, args, device: torch.device, tmp: Path, n_params:
         mem.reset()
         trainer = meshrl_trainer(model_dir, args, device, tmp / name, mei=mei)
         side = Side(name)
+        probe = None if mei else PhaseProbe(trainer, device)
         try:
-            time_meshrl(trainer, side, args.warmup + args.steps, device)
+            time_meshrl(trainer, side, args.warmup + args.steps, device, probe, args.warmup)
         finally:
             trainer.close()
         out[name] = {**summarise(side, args.warmup, n_params, prompt_tokens, args.peak_tflops), **mem.peak()}
+        if probe is not None:  # the phases reset the peak counter: the side's peak is the largest phase's
+            phases = probe.summary(args.steps)
+            out[name]["phases"] = phases
+            peaks = [p["peak_allocated_gib"] for p in phases.values() if p["peak_allocated_gib"] is not None]
+            if peaks:
+                out[name]["peak_allocated_gib"] = max([*peaks, out[name]["peak_allocated_gib"] or 0.0])
+            update_s = phases["update"]["s_per_step"]
+            flops = 6.0 * n_params * out[name]["tokens_per_step"]  # 6N per trained token (PaLM, appendix B)
+            out[name]["train_mfu"] = (flops / update_s / (args.peak_tflops * 1e12)
+                                      if args.peak_tflops and update_s > 0 else None)
         del trainer
     out["mei_overhead"] = out["meshrl_mei"]["step_s_median"] / out["meshrl"]["step_s_median"] - 1.0
     return out
@@ -275,6 +339,12 @@ def run_shape(shape: str, args, device: torch.device) -> dict[str, Any]:
             result[name] = {"failed": f"{type(e).__name__}: {e}"}
             continue
         result.update(part if name == "meshrl" else {"trl": part})
+    for name in ("meshrl", "meshrl_mei", "trl"):  # an 80 GB card (H100) leaves about 79 GiB to PyTorch
+        side = result.get(name, {})
+        if side.get("peak_reserved_gib") is not None:
+            side["fits_80gb"] = side["peak_reserved_gib"] <= FITS_80GB_GIB
+        elif "out of memory" in str(side.get("failed", "")).lower():
+            side["fits_80gb"] = False
     if "tokens_per_s" in result.get("meshrl", {}) and "tokens_per_s" in result.get("trl", {}):
         result["ratio_tokens_per_s"] = result["meshrl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
     return result
@@ -291,6 +361,11 @@ def report(r: dict[str, Any]) -> None:
         mem = f"{s['peak_allocated_gib']:.2f} GiB" if s["peak_allocated_gib"] is not None else "n/a"
         print(f"{name:<11} tokens/s {s['tokens_per_s']:>9.0f}  gen tokens/s {s['gen_tokens_per_s']:>8.0f}  "
               f"step {s['step_s_median']:.3f} s  MFU {mfu}  peak memory {mem}")
+    phases = r.get("meshrl", {}).get("phases")
+    if phases:
+        print("meshrl phases (s per step, peak GiB): " + ", ".join(
+            f"{k} {v['s_per_step']:.3f}" + (f" / {v['peak_allocated_gib']:.2f}" if v["peak_allocated_gib"] else "")
+            for k, v in phases.items()))
     if "mei_overhead" in r:
         print(f"MEI overhead (mei.every=1 vs 0, median step): {100 * r['mei_overhead']:+.1f}%")
     if "ratio_tokens_per_s" in r:

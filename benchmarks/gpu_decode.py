@@ -100,7 +100,8 @@ def measure(model, tok, decoder: str, prompts: list[list[int]], args, device: to
 
     mem = Memory(device)
     mem.reset()
-    backend = NativeDecodeBackend(model, tok, workers=1, decoder="static" if decoder.startswith("static") else "off",
+    kind = "static" if decoder.startswith("static") else "dynamic"
+    backend = NativeDecodeBackend(model, tok, workers=1, decoder=kind,
                                   autocast="bfloat16" if args.bf16 else None, prepack=False)
     if decoder == "static_eager":
         backend.capture_graphs = False

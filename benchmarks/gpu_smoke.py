@@ -2,7 +2,8 @@
 
 A CPU run of the test suite cannot see a tensor left on the CPU while the policy is on a GPU (everything is on the
 CPU there). This script runs the recipes, Mesh, MEI, the reference model, evaluation, the rollout backends, the
-plug-ins and a tool-using task with ``train.device`` set to the device, catches each case's error, and prints
+plug-ins and a tool-using task with ``train.device`` set to the device (and, in :data:`CHECKS`, the device's speed
+path against the plain reference: log-probs and gradients), catches each case's error, and prints
 ``ok`` / ``FAIL`` with the error's last frame; the exit status is the number of failed cases. On a CPU
 (``--device cpu``, tested in CI) every case must pass: a case that fails there is a broken case, not a device bug.
 
@@ -59,15 +60,61 @@ CASES: dict[str, list[str]] = {
 }
 
 
+def check_speed_path(device: str) -> int:
+    """The update's log-probs and gradients on the device's speed path (``cuda`` there) equal the plain reference's
+    (``train.speed=plain``) to float tolerance, on one sampled batch; float32 and bf16 autocast. Returns the steps
+    (0: a check, not a run)."""
+    import torch
+
+    from meshrl.testing import tiny_config
+    from meshrl.trainer import Trainer
+
+    for extra, tol in (((), 1e-4), (("train.autocast_bf16=true",), 3e-2)):
+        with tempfile.TemporaryDirectory() as d:
+            fast = Trainer(tiny_config(f"train.device={device}", *extra), Path(d) / "fast")
+            plain = Trainer(tiny_config(f"train.device={device}", "train.speed=plain", *extra), Path(d) / "plain")
+            try:
+                data, _ = fast.plugins.sample(fast.sampler, 0, 0)
+                got = [_logps_and_grads(t, data) for t in (fast, plain)]
+            finally:
+                fast.close()
+                plain.close()
+        (lp_a, g_a), (lp_b, g_b) = got
+        worst = max(float((a - b).abs().max()) for a, b in zip(lp_a, lp_b, strict=True))
+        if worst > tol:
+            raise AssertionError(f"{fast.speed.name} vs plain {extra}: log-probs differ by {worst:.3g} > {tol}")
+        for a, b in zip(g_a, g_b, strict=True):
+            if not torch.allclose(a, b, atol=tol * max(1.0, float(b.abs().max())), rtol=tol):
+                raise AssertionError(f"{fast.speed.name} vs plain {extra}: gradients differ by "
+                                     f"{float((a - b).abs().max()):.3g}")
+    return 0
+
+
+def _logps_and_grads(trainer, data):
+    fwd = trainer.forward
+    logps = fwd.logps(trainer.model, data)
+    trainer.model.zero_grad(set_to_none=True)
+    for _, mb in fwd.micro_batches(list(range(len(data))), data):
+        fwd.seq_logp(mb).sum().backward()
+    return logps, [p.grad.detach().cpu().clone() for p in trainer.model.parameters()]
+
+
+#: checks that are not a training run: name -> function(device) -> steps run
+CHECKS = {"speed_path_grads": check_speed_path}
+
+
 def run_case(name: str, overrides: list[str], device: str) -> dict:
     from meshrl.trainer import load_config, train
 
     t0 = time.perf_counter()
     try:
-        cfg = load_config(overrides=[*BASE, *overrides, f"train.device={device}"])
-        with tempfile.TemporaryDirectory() as d:
-            records = list(train(cfg, Path(d) / "run"))
-        steps = sum(1 for r in records if "step" in r)
+        if name in CHECKS:
+            steps = CHECKS[name](device)
+        else:
+            cfg = load_config(overrides=[*BASE, *overrides, f"train.device={device}"])
+            with tempfile.TemporaryDirectory() as d:
+                records = list(train(cfg, Path(d) / "run"))
+            steps = sum(1 for r in records if "step" in r)
         return {"case": name, "ok": True, "steps": steps, "s": round(time.perf_counter() - t0, 1)}
     except Exception as exc:  # noqa: BLE001 - every case reports, none stops the others
         frame = traceback.extract_tb(exc.__traceback__)[-1]
@@ -82,15 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(CASES)
-    unknown = sorted(set(names) - set(CASES))
+    known = [*CASES, *CHECKS]
+    names = [n for n in args.only.split(",") if n] or known
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+        ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(known)}")
     host_cpu = cpu_info()
     print(describe(host_cpu), flush=True)
     results = []
     for name in names:
-        res = {**run_case(name, CASES[name], args.device), "host_cpu": host_cpu}
+        res = {**run_case(name, CASES.get(name, []), args.device), "host_cpu": host_cpu}
         results.append(res)
         ok = f"ok ({res['steps']} steps, {res['s']} s)" if res["ok"] else ""
         print(f"{name:16s} {ok or 'FAIL ' + res['error'] + ' at ' + res['where']}", flush=True)
