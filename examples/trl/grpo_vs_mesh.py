@@ -21,7 +21,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from meshrl.integrations.trl import MEICallback, MeshGRPOTrainer, MeshOptions
-from meshrl.integrations.trl.export import task_reward_func
+from meshrl.integrations.trl.reward import task_reward_func
 
 
 def parse() -> argparse.Namespace:

@@ -240,9 +240,9 @@ def expert_traces(out: Path, task: Any, seed: int) -> Path:
 def probe_run(run_dir: Path, s: ExperimentSettings, seed: int, model_path: Path) -> Path:
     """``probes.jsonl``: :func:`probe_signals` at the warm start (step 0) and at every checkpoint."""
     from meshrl.jsonl import read_jsonl
-    from meshrl.runs.policy import load_policy
     from meshrl.tasks import load_task
     from meshrl.testbed.signals import probe_signals
+    from meshrl.trainer import load_policy
 
     path = run_dir / "probes.jsonl"
     done = {r["step"] for r in read_jsonl(path)} if path.is_file() else set()

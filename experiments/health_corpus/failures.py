@@ -177,11 +177,10 @@ class FaultConfig:
 class FaultPlugin(Plugin):
     """Changes the step's grading (or grouping) after sampling from ``fault_step`` on; rewards and advantages are
     recomputed with the sampler's own shaping and estimator, so everything downstream sees the faulty values.
-    It touches no loss term (``whole_micro_batch``/``token_level`` False: the update runs as without it)."""
+    It touches no loss term (no update hook, ``token_level`` False: the update runs as without it)."""
 
     name = "corpus_fault"
     Config = FaultConfig
-    whole_micro_batch = False
     token_level = False
     summary = "a deliberate fault for the doctor's corpus"
 

@@ -122,9 +122,9 @@ def report_problems(s: ToolsSettings, seed: int) -> list[Any]:
 def measure(model_dir: Path, s: ToolsSettings, seed: int) -> dict[str, Any]:
     """:func:`tool_report` of the model in ``model_dir`` (a warm start or a checkpoint) on the seed's report
     problems (sampling seeded)."""
-    from meshrl.runs.policy import load_policy
     from meshrl.tasks import load_task
     from meshrl.testbed.tools_measure import tool_report
+    from meshrl.trainer import load_policy
 
     model, tok, _ = load_policy(str(model_dir))  # a warm start, or a run's checkpoint step_N
     task = load_task(s.task, seed=seed)

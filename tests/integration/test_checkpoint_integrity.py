@@ -10,10 +10,9 @@ import logging
 import pytest
 
 from meshrl.cli import main as cli_main
-from meshrl.runs import load_policy
 from meshrl.runs.checkpoint import CheckpointError
 from meshrl.testing import tiny_config
-from meshrl.trainer import train
+from meshrl.trainer import load_policy, train
 
 
 @pytest.fixture()

@@ -15,15 +15,14 @@ from safetensors import safe_open
 
 from meshrl.cli import main as cli_main
 from meshrl.evaluation import EvalConfig, run_eval
+from meshrl.export import model as export_mod
+from meshrl.export.model import export_model, select_checkpoint
 from meshrl.jsonl import read_jsonl
 from meshrl.models import build_tiny, encode_prompt
-from meshrl.models import export as export_mod
-from meshrl.models.export import export_model, select_checkpoint
 from meshrl.rollout import SamplingParams, make_backend
 from meshrl.rollout.base import cut_at_eos
-from meshrl.runs.policy import load_policy
 from meshrl.tasks import load_task
-from meshrl.trainer import load_config, train
+from meshrl.trainer import load_config, load_policy, train
 
 FAST = [
     "model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=4", "rollout.group_size=4",

@@ -10,7 +10,7 @@ import pytest
 
 pq = pytest.importorskip("pyarrow.parquet")
 
-from meshrl.integrations.verl.export import add_export_parser, export_verl  # noqa: E402
+from meshrl.export.verl import add_export_parser, export_verl  # noqa: E402
 from meshrl.mesh import RuleCoach, generate_prefixes, wrap_prefix  # noqa: E402
 from meshrl.tasks import load_task  # noqa: E402
 
@@ -112,7 +112,7 @@ def test_meshrl_cli_and_export_import_no_verl():
     import subprocess
     import sys
 
-    code = ("import sys, meshrl.cli, meshrl.integrations.verl.export, meshrl.integrations.verl.reward\n"
+    code = ("import sys, meshrl.cli, meshrl.export.verl, meshrl.integrations.verl.reward\n"
             "assert 'verl' not in sys.modules, sorted(m for m in sys.modules if m.startswith('verl'))\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

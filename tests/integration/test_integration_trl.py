@@ -23,9 +23,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from meshrl.diagnostics import bias_features  # noqa: E402
+from meshrl.export.trl import add_export_parser, export_trl  # noqa: E402
 from meshrl.integrations.trl import MEICallback, MeshGRPOTrainer, MeshOptions, check_trl_version  # noqa: E402
-from meshrl.integrations.trl.export import add_export_parser, export_trl, task_reward_func  # noqa: E402
 from meshrl.integrations.trl.options import trl_group_advantages  # noqa: E402
+from meshrl.integrations.trl.reward import task_reward_func  # noqa: E402
 from meshrl.mesh import (  # noqa: E402
     RuleCoach,
     generate_prefixes,
@@ -159,7 +160,8 @@ def test_export_cli_and_missing_prefixes(world, tmp_path):
 
 
 def test_export_module_does_not_import_trl():
-    code = "import sys, meshrl.integrations.trl.export, meshrl.integrations.trl; print('trl' in sys.modules)"
+    code = ("import sys, meshrl.export.trl, meshrl.integrations.trl, meshrl.integrations.trl.reward; "
+            "print('trl' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -33,7 +33,6 @@ class ScaleAdvantage(Plugin):
     name = "scale_adv"
     Config = ScaleConfig
     stage = Stage.ADVANTAGE
-    whole_micro_batch = False
 
     def shape_advantages(self, terms):
         return terms.adv * self.cfg.factor, {"scale/factor": self.cfg.factor}
@@ -118,7 +117,6 @@ class ConstantTerm(Plugin):
     name = "const_term"
     Config = TermConfig
     stage = Stage.EXTRA_LOSS
-    whole_micro_batch = False
 
     def begin_update(self, data, start_logps, ref_logps):
         return {"const/term": self.cfg.value}
@@ -157,7 +155,6 @@ class CountA(Plugin):
     name = "count_a"
     Config = CountConfig
     stage = Stage.EXTRA_LOSS
-    whole_micro_batch = False
 
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)

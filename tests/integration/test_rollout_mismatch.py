@@ -179,9 +179,10 @@ def test_rollout_corr_bad_settings_name_the_key(override, key):
 
 
 def test_rollout_corr_is_a_loss_plugin():
-    from meshrl.trainer.plugins import REGISTRY
+    from meshrl.trainer.plugins import REGISTRY, UPDATE_HOOKS, Plugin
 
-    assert REGISTRY["rollout_corr"].whole_micro_batch  # one process, every row backward, as the other loss plug-ins
+    cls = REGISTRY["rollout_corr"]  # an update hook: one process, every row backward, as the other loss plug-ins
+    assert any(getattr(cls, h) is not getattr(Plugin, h) for h in UPDATE_HOOKS)
 
 
 @pytest.mark.skipif(not fork_available(), reason="no fork")

@@ -74,7 +74,7 @@ def test_the_trainer_adds_the_kept_mass_back_to_a_truncating_samplers_logprobs()
     forward.logits = lambda m, mb: table[: mb.response_ids.shape[1]].expand(mb.response_ids.shape[0], -1, -1)
     best = table.argmax(-1).tolist()  # the most likely token is always inside the nucleus
     data = StepData(prompt_ids=[[1, 2], [3]], response_ids=[best[:3], best[:2]], texts=["a", "b"],
-                    forced_tokens=[0, 0])
+                    origin=["", ""], unsampled=[0, 0])
     mb = forward.collate(data.prompt_ids, data.response_ids)
     logits = forward.logits(model, mb)
     sampled, _ = truncated_logprobs(logits, mb.response_ids, temperature=0.8, top_p=0.7)

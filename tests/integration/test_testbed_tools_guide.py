@@ -78,7 +78,8 @@ def test_a_guided_step_on_testbed_tools(tmp_path):
         metrics = trainer.step()
         data = trainer.last_data
         opening = len(tok.encode(OPEN_CALL, add_special_tokens=False))
-        assert data.forced_tokens == [opening if k == 0 else 0 for k in data.strategy_ids]
+        assert data.unsampled == [opening if k == 0 else 0 for k in data.strategy_ids]
+        assert data.origin == ["coach_guide" if k == 0 else "" for k in data.strategy_ids]
         for prompt in data.prompt_ids:  # every arm under the unconditioned prompt
             assert not any(plan in tok.decode(prompt) for plan in COACH_PLANS.values())
         calls = [0 in mask for mask in data.response_masks]

@@ -27,8 +27,8 @@ def test_two_steps_on_testbed_tools(tmp_path):
         assert key in rows[-1], key
     assert (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()
 
-    from meshrl.runs.policy import load_policy
     from meshrl.tasks import load_task
+    from meshrl.trainer import load_policy
 
     task = load_task("testbed:tools", size=4, eval_size=4)
     model_, tok, _ = load_policy(str(tmp_path / "run" / "checkpoints" / "step_000002"))

@@ -16,12 +16,9 @@ from meshrl.rollout import Rollouts, SamplingParams
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_logprobs
 from meshrl.trainer.loss import UpdateInputs
-from meshrl.trainer.plugins.coach_guide import (
-    CoachGuideConfig,
-    generate_guided,
-    guided_policy_term,
-    opening_ids,
-)
+from meshrl.trainer.openings import generate_with_openings as generate_guided
+from meshrl.trainer.openings import opening_ids
+from meshrl.trainer.plugins.coach_guide import CoachGuideConfig, guided_policy_term
 
 GUIDED = ["model=tiny", "task=testbed:add", "recipe=cp_only", "mesh.m=3", "mesh.template=plain",
           "mesh.adv_unit=query", "rollout.group_size=12", "rollout.prompts_per_step=2", "rollout.max_new_tokens=23",
@@ -122,7 +119,7 @@ def test_openings_come_from_the_task_or_default_to_the_prefix_line(tmp_path):
     t = Trainer(load_config(overrides=[*GUIDED, "steps=1"]), tmp_path / "t")
     try:
         with pytest.raises(ValueError, match=r"rollout\.max_new_tokens=2"):
-            opening_ids(t.tokenizer, "t:", 2)
+            opening_ids(t.tokenizer, "t:", 2, "plugins.coach_guide")
     finally:
         t.close()
 
@@ -142,9 +139,10 @@ def test_guided_step_opens_responses_with_the_tags_over_one_group_per_query(tmp_
             if k >= 0:
                 tag = t.tokenizer.encode(tags[k], add_special_tokens=False)
                 assert data.texts[i].startswith(tags[k]) and data.response_ids[i][: len(tag)] == tag
-                assert data.forced_tokens[i] == len(tag) and data.rollout_logps[i] is None
+                assert data.unsampled[i] == len(tag) and data.rollout_logps[i] is None
+                assert data.origin[i] == "coach_guide"
             else:
-                assert data.forced_tokens[i] == 0 and data.rollout_logps[i] is not None
+                assert data.unsampled[i] == 0 and data.rollout_logps[i] is not None and data.origin[i] == ""
         assert sum(k >= 0 for k in data.strategy_ids) == 12  # 3 strategies x 2 + 3 bare groups x 2, per query
         assert data.group_ids == data.query_ids  # one advantage group per query
         torch.testing.assert_close(data.advantages, group_advantages(data.rewards, data.group_ids))
@@ -159,7 +157,7 @@ def test_guided_step_opens_responses_with_the_tags_over_one_group_per_query(tmp_
         mask = mb.response_mask
         adv = data.advantages[idx][:, None].expand_as(logp)
         on_mat, _ = ppo_clip_loss(logp, logp, adv, mask)
-        forced = torch.tensor([data.forced_tokens[j] for j in idx])[:, None]
+        forced = torch.tensor([data.unsampled[j] for j in idx])[:, None]
         opening = torch.arange(logp.shape[1])[None, :] < forced
         p = logp.exp()
         want = aggregate(torch.where(opening, -adv * p / (p + 0.1), on_mat), mask, "seq-mean-token-mean")
@@ -216,8 +214,10 @@ def test_luffy_traces_replace_guided_rows_whole(tmp_path):
                                        "steps=1"]), tmp_path / "t")
     try:
         data, _ = t.plugins.sample(t.sampler, 0, 0)
-        assert data.trace_rows and all(data.forced_tokens[i] == 0 for i in data.trace_rows)
-        assert all(data.forced_tokens[i] > 0 for i in range(len(data)) if i not in data.trace_rows)
+        traces = data.rows_from("luffy")
+        assert traces and all(data.unsampled[i] == len(data.response_ids[i]) for i in traces)  # all off-policy
+        assert all(data.origin[i] == "coach_guide" and data.unsampled[i] > 0 for i in range(len(data))
+                   if i not in traces)
         m = t.step()
         assert m["offpolicy/rows"] >= 1 and m["guide/rows"] + m["offpolicy/rows"] == 24  # every row guided or a trace
     finally:

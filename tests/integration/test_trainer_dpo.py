@@ -76,7 +76,7 @@ def test_trainer_dpo_gradient_equals_autograd_of_dpo_loss(tmp_path, pairs, loss_
                      "optim.max_grad_norm=1e9", "train.update_workers=1"), tmp_path / "t")
     try:
         assert t.ref_model is not None  # loaded for the plug-in though grpo has no KL
-        assert t.plugins.whole_micro_batch and t.engine.serial(StepPlan(), 0)
+        assert t.plugins.active and t.engine.serial(StepPlan(), 0)
         with torch.no_grad():  # a reference that differs from the policy: delta != 0
             for p in t.ref_model.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))

@@ -13,8 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from agents_support import ScriptedBackend, call_text  # noqa: E402
 
+from meshrl.agents import EnvTask, split_env_spec  # noqa: E402
 from meshrl.tasks import load_task  # noqa: E402
-from meshrl.tasks.env import EnvTask, split_env_spec  # noqa: E402
 from meshrl.testing import TINY_RUN  # noqa: E402
 from meshrl.trainer import Trainer, load_config  # noqa: E402
 

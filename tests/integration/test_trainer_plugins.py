@@ -105,7 +105,7 @@ def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_p
     plain = _trainer(tmp_path, "plain", *on, "train.update_workers=1", "train.skip_zero_advantage=false")
     fast = _trainer(tmp_path, "fast", *on, f"train.update_workers={workers}")
     try:
-        assert fast.plugins.whole_micro_batch and fast.engine.serial(StepPlan(), 0)
+        assert fast.plugins.active and fast.engine.serial(StepPlan(), 0)
         data, _ = plain.sampler.run(0, 0)
         luffy = plain.plugins.get("luffy")
         if luffy is not None:
@@ -213,7 +213,7 @@ def test_luffy_mixes_one_trace_per_group_and_recomputes_advantages(tmp_path):
         rows = [i for i, x in enumerate(data.group_ids) if x == g]
         if data.problems[rows[0]].id in with_trace:
             expected_off.add(rows[-1])  # the group's last row, G - 1 stay on-policy
-    assert data.trace_rows == expected_off and expected_off
+    assert data.rows_from("luffy") == expected_off and expected_off
     for i in expected_off:
         assert data.texts[i] == data.problems[i].answer and data.response_ids[i][-1] == t.tokenizer.eos_token_id
         assert data.scores[i] == pytest.approx(t.task.score(data.texts[i], data.problems[i]))
@@ -443,12 +443,21 @@ def test_plugin_state_round_trips_step_data_exactly(tmp_path):
     data, _ = t.plugins.sample(t.sampler, 0, 0)
     data.group_ids = [(g, 1) for g in data.query_ids]  # tuple groups (Mesh prefix groups) too
     logps = [lp.to(torch.bfloat16) for lp in t.forward.logps(t.model, data)]
-    text = json.dumps(replay_to_json((data, logps, {1, 3}, 7)))
-    back, back_logps, off, born = replay_from_json(json.loads(text), {str(p.id): p for p in t.problems})
-    assert (off, born) == ({1, 3}, 7)
+    data.mark(1, "luffy", len(data.response_ids[1]))  # provenance travels with the rows
+    data.mark(3, "coach_guide", 2)
+    text = json.dumps(replay_to_json((data, logps, 7)))
+    back, back_logps, born = replay_from_json(json.loads(text), {str(p.id): p for p in t.problems})
+    assert born == 7 and back.rows_from("luffy") == {1} and back.unsampled[3] == 2
     for name in ("prompt_ids", "response_ids", "texts", "truncated", "query_ids", "strategy_ids", "scores",
-                 "rollout_logps", "group_ids", "stats"):
+                 "rollout_logps", "group_ids", "stats", "origin", "unsampled"):
         assert getattr(back, name) == getattr(data, name), name
+    # a batch stored before rows carried their provenance: trace rows beside it, openings as forced_tokens
+    old = json.loads(text)
+    del old["data"]["origin"], old["data"]["unsampled"]
+    old["data"]["forced_tokens"] = [0, 0, 0, 2] + [0] * (len(data) - 4)
+    old["off_rows"] = [1]
+    was, _, _ = replay_from_json(old, {str(p.id): p for p in t.problems})
+    assert (was.origin, was.unsampled) == (data.origin, data.unsampled)
     assert [p.id for p in back.problems] == [p.id for p in data.problems]
     assert torch.equal(back.advantages, data.advantages) and torch.equal(back.rewards, data.rewards)
     assert [(x, s, p.id) for x, s, p in back.seen] == [(x, s, p.id) for x, s, p in data.seen]

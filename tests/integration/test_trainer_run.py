@@ -185,7 +185,7 @@ def test_lora_with_kl_uses_the_adapter_free_base_as_reference(tmp_path):
     hist = train(_cfg("recipe=grpo_kl", "train.lora_r=4", "optim.lr=1e-2", steps=3), tmp_path / "lora")
     assert hist[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)
     assert hist[-1]["kl/mean"] > 0
-    from meshrl.runs.policy import load_policy
+    from meshrl.trainer import load_policy
 
     model, _, desc = load_policy(str(tmp_path / "lora"))
     assert "step 3" in desc and any("lora" in n for n, _ in model.named_parameters())

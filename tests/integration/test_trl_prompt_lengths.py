@@ -15,8 +15,9 @@ pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
+from meshrl.export.trl import export_trl  # noqa: E402
 from meshrl.integrations.trl import MeshGRPOTrainer, MeshOptions  # noqa: E402
-from meshrl.integrations.trl.export import export_trl, task_reward_func  # noqa: E402
+from meshrl.integrations.trl.reward import task_reward_func  # noqa: E402
 from meshrl.mesh import query_key  # noqa: E402
 from meshrl.models.tiny import build_tiny  # noqa: E402
 from meshrl.tasks import load_task  # noqa: E402

@@ -32,7 +32,6 @@ class LogitPenalty(Plugin):
     name = "logit_penalty"
     Config = OnConfig
     stage = Stage.EXTRA_LOSS
-    whole_micro_batch = False
 
     def extra_loss(self, mb, logits, total, stats):
         term = logits.pow(2).mean()
@@ -46,7 +45,6 @@ class StepCounter(Plugin):
     name = "step_counter"
     Config = OnConfig
     stage = Stage.ADVANTAGE
-    whole_micro_batch = False
 
     def begin_update(self, data, start_logps, ref_logps):
         self.scale = 1.0 + 0.5 * getattr(self, "scale", 0.0)
@@ -62,7 +60,6 @@ class CountPrompts(Plugin):
     name = "count_prompts"
     Config = OnConfig
     stage = Stage.SAMPLING
-    whole_micro_batch = False
 
     def after_sampling(self, step, data, sampler):
         data.stats["prompts/count"] = float(len(set(map(tuple, data.prompt_ids))))

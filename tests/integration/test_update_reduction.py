@@ -111,7 +111,6 @@ class SignalDuringSampling(Plugin):
     name = "signal_during_sampling"
     Config = SignalConfig
     stage = Stage.SAMPLING
-    whole_micro_batch = False
     calls = 0
 
     def before_sampling(self, sampler):

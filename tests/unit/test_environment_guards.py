@@ -168,7 +168,7 @@ def test_env_options_are_typed_bounded_and_given_once(options, message):
 
 def test_env_options_keep_their_values():
     from meshrl.agents import EpisodeLimits
-    from meshrl.tasks.env import LIMIT_OPTIONS, EnvOptions
+    from meshrl.agents.task import LIMIT_OPTIONS, EnvOptions
 
     defaults = EnvOptions()
     assert {k: getattr(defaults, k) for k in LIMIT_OPTIONS} == {k: getattr(EpisodeLimits(), k) for k in LIMIT_OPTIONS}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from meshrl.agents import python_tool
-from meshrl.models.export import select_checkpoint
+from meshrl.export.model import select_checkpoint
 
 
 @pytest.mark.parametrize("code", ["import sys\nsys.exit(3)", "raise SystemExit(0)"])

@@ -13,7 +13,7 @@ from meshrl.trainer.mismatch import MismatchMonitor
 
 def _data(rollout_logps, response_ids):
     return SimpleNamespace(rollout_logps=rollout_logps, response_ids=response_ids, rollout_log_kept=None,
-                           trace_rows=set())
+                           origin=[""] * len(response_ids), unsampled=[0] * len(response_ids))
 
 
 def test_episode_rows_compare_the_models_tokens_only():

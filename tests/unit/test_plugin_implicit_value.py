@@ -57,7 +57,7 @@ def test_trainer_gradient_is_the_value_loss_plus_the_actor_loss(tmp_path):
                      "plugins.implicit_value.lam=0.9", "optim.max_grad_norm=1e9", "train.update_workers=1"),
                 tmp_path / "t")
     try:
-        assert t.ref_model is not None and t.plugins.whole_micro_batch and t.engine.serial(StepPlan(), 0)
+        assert t.ref_model is not None and t.plugins.active and t.engine.serial(StepPlan(), 0)
         with torch.no_grad():  # a reference that differs from the policy
             for p in t.ref_model.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))

@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from meshrl.jsonl import BadLines, JsonlWriter, iter_jsonl, read_jsonl, truncate_after_step
-from meshrl.runs import CORRECT_AT, is_correct, read_run_config
+from meshrl.runs import CORRECT_AT, is_correct
+from meshrl.trainer import read_run_config
 
 
 def test_writer_and_reader_round_trip_and_keep_non_finite_values_visible(tmp_path):

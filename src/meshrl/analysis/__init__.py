@@ -8,7 +8,7 @@
   under the unconditioned prompt (``meshrl probe``).
 
 Every entry point takes a model spec, a meshrl run directory or ``RUN_DIR/checkpoints/step_N``
-(:func:`meshrl.runs.policy.load_policy`) and returns a JSON-ready dict (NaN where undefined; use
+(:func:`meshrl.trainer.load_policy`) and returns a JSON-ready dict (NaN where undefined; use
 :func:`nan_to_none` before ``json.dumps`` for strict JSON).
 """
 

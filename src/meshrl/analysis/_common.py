@@ -31,12 +31,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_for_analysis(model_spec: str, *, seed: int = 0, device: str = "auto") -> tuple[Any, Any, str]:
-    """``(model, tokenizer, description)`` via :func:`meshrl.runs.policy.load_policy`, in eval mode.
+    """``(model, tokenizer, description)`` via :func:`meshrl.trainer.load_policy`, in eval mode.
 
     ``model_spec`` is a model spec (``tiny``, ``smollm2-135m``, a local HF directory), a meshrl run
     directory (its latest checkpoint) or ``RUN_DIR/checkpoints/step_N``.
     """
-    from meshrl.runs.policy import load_policy
+    from meshrl.trainer import load_policy
 
     model, tok, desc = load_policy(str(model_spec), seed=seed)
     model = model.to(resolve_device(device)).eval()

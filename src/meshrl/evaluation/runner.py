@@ -115,9 +115,8 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, progress: bool = True) -> dict[s
     from meshrl.rewards import RewardRunner, scorer_time_limit
     from meshrl.rewards.grading import extract_for_kind
     from meshrl.rollout import SamplingParams, make_backend
-    from meshrl.runs.policy import load_policy
     from meshrl.tasks import load_task
-    from meshrl.trainer import encode_within_limit, generate_scored
+    from meshrl.trainer import encode_within_limit, generate_scored, load_policy
 
     cfg.validate()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,7 +223,7 @@ def trained_task(model: str) -> dict[str, Any] | None:
     (``name``, ``reward_kind``, ``instruction``), or ``None``."""
     import yaml
 
-    from meshrl.runs.policy import is_run_dir
+    from meshrl.runs import is_run_dir
 
     path = Path(model)
     if path.name.startswith("step_"):

@@ -13,6 +13,7 @@ Options go as keyword arguments or in the spec: ``jsonl:data.jsonl?problem=quest
 """
 
 from meshrl.tasks import files, formats, rg, tiny  # noqa: F401  (registers the built-in tasks)
+from meshrl.tasks._spec import split_spec
 from meshrl.tasks.base import (
     BOXED_INSTRUCTION,
     DEFAULT_INSTRUCTIONS,
@@ -23,6 +24,7 @@ from meshrl.tasks.base import (
     Task,
     list_tasks,
     load_task,
+    register_spec_loader,
     register_task,
     register_task_prefix,
     with_kind,
@@ -54,7 +56,9 @@ __all__ = [
     "load_mcq",
     "load_task",
     "option_permutation",
+    "register_spec_loader",
     "register_task",
     "register_task_prefix",
+    "split_spec",
     "with_kind",
 ]

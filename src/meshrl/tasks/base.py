@@ -36,6 +36,7 @@ PrefixFactory = Callable[..., "Task"]
 
 _BUILTINS: dict[str, TaskFactory] = {}
 _PREFIXES: dict[str, tuple[PrefixFactory, str]] = {}
+_SPEC_LOADERS: dict[str, TaskFactory] = {}
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,19 @@ def register_task_prefix(prefix: str, form: str) -> Callable[[PrefixFactory], Pr
     return decorate
 
 
+def register_spec_loader(prefix: str) -> Callable[[TaskFactory], TaskFactory]:
+    """Decorator registering the loader of specs ``PREFIX:...`` that parses the whole spec itself (``env:``, whose
+    ``data=`` option holds a whole task spec). The loader is called as ``loader(spec, seed=seed, **options)``."""
+
+    def decorate(loader: TaskFactory) -> TaskFactory:
+        if prefix in _SPEC_LOADERS:
+            raise ValueError(f"task spec loader {prefix!r} is already registered")
+        _SPEC_LOADERS[prefix] = loader
+        return loader
+
+    return decorate
+
+
 def _prefix_of(spec: str) -> str:
     return spec.split(":", 1)[0] if ":" in spec else ""
 
@@ -213,9 +227,8 @@ def load_task(spec: str, *, seed: int = 0, **options: Any) -> Task:
     spec's query string overrides it.  Unknown specs raise ``ValueError`` listing the known forms.
     """
     if spec.partition("?")[0].startswith("env:"):  # its data= option holds a whole task spec: parsed there
-        from meshrl.tasks.env import load_env_task
-
-        return load_env_task(spec, seed=seed, **options)
+        _import_provider("env")
+        return _SPEC_LOADERS["env"](spec, seed=seed, **options)
     base, query = split_spec(spec)
     opts = {**query, **options}
     seed = int_option(spec, "seed", opts.pop("seed", seed))
@@ -232,10 +245,10 @@ def load_task(spec: str, *, seed: int = 0, **options: Any) -> Task:
     raise ValueError(f"unknown task spec {spec!r}; known forms: {', '.join(list_tasks())}")
 
 
-# Task families that live above the engine (the testbed trains a model for its warm start) register
-# themselves when their package is imported; the registry imports them by name on first use, so the
-# engine never imports them statically.
-LAZY_PROVIDERS: dict[str, str] = {"testbed": "meshrl.testbed"}
+# Task families that live above the tasks (the testbed trains a model for its warm start; ``env:`` tasks run
+# multi-turn episodes, meshrl.agents) register themselves when their package is imported; the registry imports
+# them by name on first use, so meshrl.tasks never imports them statically.
+LAZY_PROVIDERS: dict[str, str] = {"testbed": "meshrl.testbed", "env": "meshrl.agents"}
 
 
 def _import_provider(base: str) -> None:

@@ -1,6 +1,6 @@
 """``testbed:tools``: the collapse of tool use, with ground truth. Strategies are tool patterns.
 
-Every problem is one arithmetic expression, answered in a tool-using episode (:class:`meshrl.tasks.env.EnvTask`)
+Every problem is one arithmetic expression, answered in a tool-using episode (:class:`meshrl.agents.EnvTask`)
 that offers an exact calculator (:func:`calculator`). Problem types (``meta["type"]``):
 
 ``add``  ``a+b``, ``a`` three digits, ``b`` one digit (``457+8``). The tiny model adds these in its head: a
@@ -34,8 +34,8 @@ import random
 from functools import lru_cache
 from typing import Any
 
+from meshrl.agents import EnvTask
 from meshrl.tasks import Problem, StaticTask, register_task
-from meshrl.tasks.env import EnvTask
 
 TYPES: tuple[str, ...] = ("add", "mul")
 HOME: dict[str, str] = {"add": "direct", "mul": "calculator"}

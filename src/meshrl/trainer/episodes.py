@@ -1,4 +1,4 @@
-"""Rollouts of a tool-using task (:class:`meshrl.tasks.env.EnvTask`): one multi-turn episode per sample.
+"""Rollouts of a tool-using task (:class:`meshrl.agents.EnvTask`): one multi-turn episode per sample.
 
 Each row is what the single-turn sampler gives (``sampled_rows``) plus the episode's ``model_mask`` (1 on the
 tokens the model sampled, 0 on tool output, which the update masks out of every term: ``StepData.response_masks``)
@@ -111,7 +111,7 @@ class ObservationFit:
 
 def transcript(tokenizer: Any, episode: Any) -> str:
     """The model's turns of an episode, tool calls included and tool output left out, one per line: what the
-    strategy labeller of a tool-using task reads (:meth:`meshrl.tasks.env.EnvTask.label_strategy`)."""
+    strategy labeller of a tool-using task reads (:meth:`meshrl.agents.EnvTask.label_strategy`)."""
     return "\n".join(tokenizer.decode(episode.ids[a:b], skip_special_tokens=True) for a, b in episode.turn_spans)
 
 

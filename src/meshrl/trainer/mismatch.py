@@ -23,9 +23,9 @@ from meshrl.algos import logprob_mismatch_stats
 
 
 def unsampled_rows(data: Any) -> set[int]:
-    """Rows whose tokens the sampler did not choose (all of them or a forced opening): off-policy traces
-    (``StepData.trace_rows``) and coach-guided rows (``StepData.forced_tokens``)."""
-    return set(data.trace_rows) | {i for i, n in enumerate(data.forced_tokens) if n}
+    """Rows whose tokens the sampler did not all choose: any row a plug-in made or forced part of (an off-policy
+    trace, a forced opening: ``StepData.origin`` / ``StepData.unsampled``)."""
+    return {i for i, (o, n) in enumerate(zip(data.origin, data.unsampled, strict=True)) if o or n}
 
 
 def sampler_logps(data: Any, rows: list[int]) -> list[list[float] | None]:

@@ -137,9 +137,11 @@ class StepData:
     # (set by the update; None otherwise). ``rollout_logps + rollout_log_kept`` is then the sampler's log-prob over
     # the whole vocabulary, the quantity the trainer's log-probs are (meshrl.rollout.truncation).
     rollout_log_kept: list[torch.Tensor] | None = None
-    # plugins.coach_guide: how many leading response tokens were forced to the coach's opening (0 = sampled)
-    forced_tokens: list[int] = field(default_factory=list)
-    trace_rows: set[int] = field(default_factory=set)  # rows replaced by off-policy traces (plugins.luffy)
+    # Provenance, per row: ``origin`` is "" for a row the policy sampled from its prompt, else the name of the
+    # plug-in that made it or forced part of it (a forced opening, an off-policy trace); ``unsampled`` is how many
+    # leading response tokens the sampler did not choose (0: every one; an opening's length; a whole trace's).
+    origin: list[str] = field(default_factory=list)
+    unsampled: list[int] = field(default_factory=list)
     # Multi-turn episodes: per row, 1 on each response token the model sampled and 0 on the environment's tokens
     # (tool output) between its turns; every loss term, metric and MEI reads only the 1s. Empty, or None for a
     # row: every response token is the model's (single-turn rollouts).
@@ -163,12 +165,25 @@ class StepData:
             getattr(self, name).extend(getattr(other, name)[i] for i in keep)
         self.rollout_features.extend(other.rollout_features[i] if i < len(other.rollout_features) else None
                                      for i in keep)
-        self.forced_tokens.extend(other.forced_tokens[i] if other.forced_tokens else 0 for i in keep)
+        self.origin.extend(other.origin[i] if i < len(other.origin) else "" for i in keep)
+        self.unsampled.extend(other.unsampled[i] if i < len(other.unsampled) else 0 for i in keep)
         if other.label_texts:
             self.label_texts.extend(other.label_texts[i] for i in keep)
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def rows_from(self, origin: str) -> set[int]:
+        """The rows whose ``origin`` is ``origin`` (a plug-in's name)."""
+        return {i for i, o in enumerate(self.origin) if o == origin}
+
+    def mark(self, row: int, origin: str, unsampled: int) -> None:
+        """Record that ``origin`` made row ``row`` or forced its first ``unsampled`` response tokens."""
+        missing = len(self) - len(self.origin)
+        if missing > 0:
+            self.origin.extend([""] * missing)
+            self.unsampled.extend([0] * missing)
+        self.origin[row], self.unsampled[row] = origin, unsampled
 
     def take_rollout_features(self) -> tuple[torch.Tensor | None, int]:
         """``(features [rows, V] float32, rows without)``: the sampler's features of every row stacked, or None
@@ -217,7 +232,9 @@ class RolloutStep:
         self.budget = PromptBudget(context_limit(getattr(backend, "model", None), tokenizer),
                                    cfg.rollout.max_new_tokens)
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
-        self._opening_cache: dict[tuple[str, int], tuple[list[int], str]] = {}
+        # The plug-in that forces the coach arms' response openings (Plugin.opening), if one is enabled: set by the
+        # trainer once the plug-ins exist (TrainPlugins.opener).
+        self.opener: Any = None
         self._encode = encode_prompt
         self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
         self.last = StepData()
@@ -268,8 +285,9 @@ class RolloutStep:
 
     @property
     def guided(self) -> bool:
-        """``plugins.coach_guide``: the prefix arms open the *response* with the coach's strategy instead."""
-        return self.prefixes is not None and self.cfg.plugins.coach_guide.enabled
+        """Whether a plug-in forces the coach arms' response openings (:attr:`opener`): the coach arms then sample
+        the unconditioned prompt and open the *response* with the coach's strategy instead."""
+        return self.prefixes is not None and self.opener is not None
 
     def _prompt_arm(self, strategy: int) -> int:
         """The prompt a rollout of coach arm ``strategy`` is sampled under (-1: the unconditioned prompt)."""
@@ -279,15 +297,7 @@ class RolloutStep:
         """``(token ids, text)`` a rollout of arm ``strategy`` starts its response with (``([], "")``: free)."""
         if not self.guided or strategy < 0:
             return [], ""
-        from meshrl.trainer.plugins.coach_guide import opening_ids
-
-        key = (problem.id, strategy)
-        if key not in self._opening_cache:
-            text = self.task.response_opening(problem, self.prefixes[problem.id][strategy])
-            # an empty opening (a task's plan with nothing to force, e.g. "answer directly") is a free rollout
-            ids = opening_ids(self.tokenizer, text, self.cfg.rollout.max_new_tokens) if text else []
-            self._opening_cache[key] = (ids, text)
-        return self._opening_cache[key]
+        return self.opener.opening(problem, strategy)
 
     def _prompt_tokens(self, problem, strategy: int) -> int:
         """Token count of a prompt, or a lower bound past the model's positions: a very long text is first
@@ -346,11 +356,11 @@ class RolloutStep:
             rows, episodes = sample_episodes(self.task, self.backend, self.tokenizer, prompts,
                                              [chosen[j] for j, _ in arms], params, seed, encode_with, openings)
             self.episodes.extend(episodes)
-        elif self.guided:  # each coach arm's responses start with the coach's opening
-            from meshrl.trainer.plugins.coach_guide import generate_guided
+        elif self.guided:  # each coach arm's responses start with the opening the plug-in forces
+            from meshrl.trainer.openings import generate_with_openings
 
             openings = [self.opening(chosen[j], k) for j, k in arms]
-            rows = generate_guided(self.backend, prompts, openings, params, seed=seed, **self._features)
+            rows = generate_with_openings(self.backend, prompts, openings, params, seed=seed, **self._features)
         else:
             rows = sampled_rows(self.backend.generate(prompts, params, seed=seed, **self._features))
         data = StepData()
@@ -368,7 +378,8 @@ class RolloutStep:
             data.group_ids.append(positions[j] if per_query else (positions[j], k))
             data.rollout_logps.append(None if row["logps"] is None else list(row["logps"]))
             data.rollout_features.append(row.get("features"))
-            data.forced_tokens.append(int(row["forced"]))
+            data.origin.append(self.opener.name if row["forced"] else "")
+            data.unsampled.append(int(row["forced"]))
             if "model_mask" in row:
                 data.response_masks.append(list(row["model_mask"]))
                 data.label_texts.append(row["transcript"])

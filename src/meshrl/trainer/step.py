@@ -60,6 +60,7 @@ class Trainer:
         self.plugins = TrainPlugins(cfg.plugins, PluginContext(
             cfg=cfg, recipe=self.recipe, forward=self.forward, tokenizer=self.tokenizer, task=self.task,
             problems=self.problems, seed=cfg.seed, rollouts=self.sampler))
+        self.sampler.opener = self.plugins.opener()  # a plug-in may force the coach arms' openings
         self.mismatch = MismatchMonitor()  # every run: the sampler's log-probs against the update's
         self.balance = StrategyBalance(cfg, self.forward)
         per_prefix = cfg.mesh_enabled and cfg.mesh.budget == "per_prefix"

@@ -11,7 +11,7 @@ when their gradient is exactly zero. The trainer chooses the engine once per run
 ==========================================================  =================================================
 the run                                                     engine
 ==========================================================  =================================================
-an enabled plug-in overrides an update hook                 SerialEngine (:data:`UPDATE_HOOKS`: the workers
+an enabled plug-in overrides an update hook                 SerialEngine (``plugins.UPDATE_HOOKS``: the workers
                                                             would not see the state it sets here, nor the
                                                             whole batch; the skip would drop its terms)
 one update process (``train.update_workers=1``; auto with   SerialEngine
@@ -29,7 +29,7 @@ the mini-batch                                              path
 ==========================================================  =================================================
 MEI's first epoch fed from the update (rows without the    serial (every row's logits and graph here)
 sampler's features: :mod:`meshrl.trainer.mei_monitor`),
-strategy balancing, a plug-in with ``whole_micro_batch``,
+strategy balancing,
 multi-turn episodes (environment tokens masked:
 ``StepData.response_masks``)
 two or more parts (``update_workers`` >= 2; one when the     parts: over the workers, or all here in turn when
@@ -71,9 +71,9 @@ class StepPlan:
     collect_mei: bool = False  # feed the MEI monitor from the first epoch's forward (no sampler features)
     balance: bool = False  # strategy-balancing weights are set this step (their term needs every row's graph)
 
-    def every_row_here(self, epoch: int, whole_micro_batches: bool) -> bool:
+    def every_row_here(self, epoch: int) -> bool:
         """Whether this epoch's micro-batches must run whole in this process."""
-        return (self.collect_mei and epoch == 0) or self.balance or whole_micro_batches
+        return (self.collect_mei and epoch == 0) or self.balance
 
 
 class SerialEngine:
@@ -136,7 +136,7 @@ class PartsEngine(SerialEngine):
         return self._workers is not None
 
     def serial(self, plan: StepPlan, epoch: int) -> bool:
-        return plan.every_row_here(epoch, self.objective.plugins.whole_micro_batch)
+        return plan.every_row_here(epoch)
 
     def backward(self, rows: list[int], inputs: UpdateInputs, params: list[torch.nn.Parameter],
                  stats: dict[str, float], plan: StepPlan, epoch: int) -> bool:
@@ -336,17 +336,14 @@ def kept_row(rows: list[int], data: Any) -> int | None:
     return min(live, key=lambda j: (len(data.response_ids[j]), j))
 
 
-# Plug-in hooks that act on the update. The parts engine honours none of them for a plug-in: its workers were forked
-# once and do not see state the plug-in sets in this process afterwards (begin_update, after_sampling), their loss
-# hooks get a batch of advantages only (TokenTerms.batch), the metrics are recomputed here from per-token values
-# without extra_loss, and the zero-advantage skip assumes a gradient of A times a function of the ratio.
-UPDATE_HOOKS = ("begin_update", "shape_advantages", "loss_settings", "base_loss", "transform", "extra_loss",
-                "surrogate")
-
-
 def update_hooks(plugins: Any) -> list[str]:
-    """``<plug-in name>.<hook>`` for every update hook an enabled plug-in overrides."""
-    from meshrl.trainer.plugins import Plugin
+    """``<plug-in name>.<hook>`` for every update hook (:data:`meshrl.trainer.plugins.UPDATE_HOOKS`) an enabled
+    plug-in overrides. The parts engine honours none of them: its workers were forked once and do not see state a
+    plug-in sets in this process afterwards (begin_update, after_sampling), their loss hooks get a batch of
+    advantages only (TokenTerms.batch), the metrics are recomputed here from per-token values without extra_loss,
+    and the zero-advantage skip assumes a gradient of A times a function of the ratio (and a plug-in's term may use
+    statistics of the whole micro-batch: an entropy quantile, a covariance mean)."""
+    from meshrl.trainer.plugins import UPDATE_HOOKS, Plugin
 
     return [f"{p.name}.{hook}" for p in plugins.active for hook in UPDATE_HOOKS
             if getattr(type(p), hook) is not getattr(Plugin, hook)]

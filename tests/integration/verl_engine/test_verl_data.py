@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 from verl.trainer.ppo.reward import get_custom_reward_fn  # noqa: E402
 from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
 
-from meshrl.integrations.verl.export import export_verl  # noqa: E402
+from meshrl.export.verl import export_verl  # noqa: E402
 from meshrl.mesh import RuleCoach, generate_prefixes  # noqa: E402
 from meshrl.tasks import load_task  # noqa: E402
 

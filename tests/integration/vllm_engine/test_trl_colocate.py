@@ -13,8 +13,8 @@ pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
+from meshrl.export.trl import export_trl  # noqa: E402
 from meshrl.integrations.trl import MEICallback, MeshGRPOTrainer, MeshOptions  # noqa: E402
-from meshrl.integrations.trl.export import export_trl  # noqa: E402
 from meshrl.mesh import RuleCoach, generate_prefixes, load_prefixes  # noqa: E402
 from meshrl.models.tiny import build_tiny  # noqa: E402
 from meshrl.tasks import load_task  # noqa: E402

@@ -6,10 +6,11 @@
 - :class:`MEICallback`: MEI (bias feature map) per query and per prefix group, effective directions and the
   calibrated-threshold warning for any TRL GRPO run, optionally stopping or checkpointing at the warning.
 - :class:`HealthCallback`: meshrl doctor's checks during the run, on TRL's log so far (warn, checkpoint or stop).
-- :mod:`meshrl.integrations.trl.export`: ``meshrl export trl``, the dataset these trainers read.
+- :func:`meshrl.integrations.trl.reward.task_reward_func`: a task's own scorer as a TRL reward function, for the
+  dataset ``meshrl export trl`` writes (:mod:`meshrl.export.trl`).
 
-Names are resolved lazily: ``import meshrl.integrations.trl.export`` (used by the meshrl CLI) does not
-import trl, so the CLI works without it installed.
+Names are resolved lazily: ``import meshrl.integrations.trl`` (or its ``options`` and ``reward`` modules) does not
+import trl.
 """
 
 from __future__ import annotations

@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 
-from meshrl.mesh import BUDGET_MODES, REDUCTIONS, budget_groups, wrap_prefix
-from meshrl.mesh.coach import PLACEMENTS
+from meshrl.mesh import BUDGET_MODES, REDUCTIONS, budget_groups
+from meshrl.mesh.coach import check_conditioning, condition_prompt
 from meshrl.runs.correct import CORRECT_AT  # a rollout is correct when its reward reaches 1
 
 SUPPORTED_TRL = ("1.16", "2")  # >= 1.16, < 2: the override points used here were read in trl 1.16.0
 ADV_UNITS = ("prefix_group", "query")
 BALANCES = ("paper", "support")
-TEMPLATES = ("wrapped", "plain")
 
 
 def check_trl_version(version: str | None = None) -> str:
@@ -77,10 +76,8 @@ class MeshOptions:
     correct_threshold: float = CORRECT_AT
 
     def __post_init__(self) -> None:
-        if isinstance(self.m, bool) or not isinstance(self.m, int) or self.m < 1:
-            raise ValueError(f"mesh.m must be an integer >= 1, got {self.m!r}")
-        for name, value, known in (("placement", self.placement, PLACEMENTS), ("template", self.template, TEMPLATES),
-                                   ("budget", self.budget, BUDGET_MODES), ("adv_unit", self.adv_unit, ADV_UNITS),
+        check_conditioning(self.m, self.placement, self.template)
+        for name, value, known in (("budget", self.budget, BUDGET_MODES), ("adv_unit", self.adv_unit, ADV_UNITS),
                                    ("balance", self.balance, BALANCES), ("reduction", self.reduction, REDUCTIONS)):
             if value not in known:
                 raise ValueError(f"mesh.{name}={value!r}; known: {', '.join(known)}")
@@ -123,31 +120,9 @@ class MeshOptions:
         return strategies[position_in_block // n]
 
     def conditioned_prompt(self, prompt: Any, prefix: str) -> Any:
-        """The TRL prompt of one rollout conditioned on a coach prefix, in the prompt's own format.
-
-        Conversational prompts (lists of messages): ``system`` puts the (wrapped) prefix in the system
-        message, ahead of an existing system text; ``assistant`` appends an assistant message that the
-        trainer renders with ``continue_final_message`` so the completion continues it. Plain-text prompts
-        (a chat template already applied): ``assistant`` appends the text; ``system`` is an error, there is
-        no system turn to put it in. Either way the prefix is part of the prompt, so its tokens are outside
-        every loss term (TRL scores completion tokens only).
-        """
-        text = prefix if self.template == "plain" else wrap_prefix(prefix, self.placement)
-        if isinstance(prompt, str):
-            if self.placement == "system":
-                raise ValueError("mesh.placement='system' needs conversational prompts (lists of messages); the "
-                                 "dataset's prompt column holds plain text: use placement='assistant' or export it "
-                                 "with `meshrl export trl`")
-            return prompt + text
-        if not isinstance(prompt, list) or not all(isinstance(msg, dict) and "role" in msg for msg in prompt):
-            raise ValueError("the prompt column must hold a string or a list of {'role', 'content'} messages")
-        messages = [dict(msg) for msg in prompt]
-        if self.placement == "assistant":
-            return [*messages, {"role": "assistant", "content": text}]
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{text}\n\n{messages[0]['content']}"
-            return messages
-        return [{"role": "system", "content": text}, *messages]
+        """The TRL prompt of one rollout conditioned on a coach prefix, in the prompt's own format
+        (:func:`meshrl.mesh.coach.condition_prompt`, which ``meshrl export trl`` uses too)."""
+        return condition_prompt(prompt, prefix, self.placement, self.template)
 
 
 def trl_group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str) -> torch.Tensor:

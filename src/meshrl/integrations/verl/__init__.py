@@ -6,8 +6,8 @@
 - :mod:`~meshrl.integrations.verl.loss_fn`: the actor loss wrapper (verl's PPO loss + strategy balancing + JS).
 - :mod:`~meshrl.integrations.verl.balance_step`: per-rollout balancing weights from a step's batch.
 - :mod:`~meshrl.integrations.verl.mei`: MEI from count-sketched bias features of verl's old-log-prob pass.
-- :mod:`~meshrl.integrations.verl.export` / :mod:`~meshrl.integrations.verl.reward`: ``meshrl export verl`` and the
-  reward function it writes (these two need no verl).
+- :mod:`~meshrl.integrations.verl.reward`: the reward function that ``meshrl export verl`` (:mod:`meshrl.export.verl`)
+  names in the reward module it writes (needs no verl).
 
 Importing this package imports no verl; the modules that need verl import it themselves.
 """

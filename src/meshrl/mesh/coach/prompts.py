@@ -6,9 +6,13 @@ the prefix cache and should be written into run configs: changing a text changes
 
 from __future__ import annotations
 
+from typing import Any
+
 COACH_PROMPT_VERSION = "meshrl-coach-v1"
 TEMPLATE_VERSION = "meshrl-untrusted-hint-v1"
 PLACEMENTS = ("system", "assistant")
+#: ``wrapped``: the prefix in the anti-hacking template (:func:`wrap_prefix`); ``plain``: the prefix as is
+TEMPLATES = ("wrapped", "plain")
 
 _COACH_SYSTEM = """\
 You are a coach for students who solve problems on their own. You never solve the problem. \
@@ -132,6 +136,43 @@ def wrap_prefix(prefix: str, placement: str = "system") -> str:
     if placement == "assistant":
         return _ASSISTANT_TEMPLATE.format(open=_OPEN, close=_CLOSE, prefix=text)
     raise ValueError(f"unknown placement {placement!r}; known: {', '.join(PLACEMENTS)}")
+
+
+def check_conditioning(m: int, placement: str, template: str) -> None:
+    """``mesh.m`` (an integer >= 1), ``mesh.placement`` and ``mesh.template``: ``ValueError`` naming the bad one."""
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"mesh.m must be an integer >= 1, got {m!r}")
+    for name, value, known in (("placement", placement, PLACEMENTS), ("template", template, TEMPLATES)):
+        if value not in known:
+            raise ValueError(f"mesh.{name}={value!r}; known: {', '.join(known)}")
+
+
+def condition_prompt(prompt: Any, prefix: str, placement: str = "system", template: str = "wrapped") -> Any:
+    """A chat-dataset prompt (TRL's ``prompt`` column) conditioned on a coach prefix, in the prompt's own format.
+
+    Conversational prompts (lists of messages): ``system`` puts the (wrapped) prefix in the system
+    message, ahead of an existing system text; ``assistant`` appends an assistant message that the
+    trainer renders with ``continue_final_message`` so the completion continues it. Plain-text prompts
+    (a chat template already applied): ``assistant`` appends the text; ``system`` is an error, there is
+    no system turn to put it in. Either way the prefix is part of the prompt, so its tokens are outside
+    every loss term (TRL scores completion tokens only).
+    """
+    text = prefix if template == "plain" else wrap_prefix(prefix, placement)
+    if isinstance(prompt, str):
+        if placement == "system":
+            raise ValueError("mesh.placement='system' needs conversational prompts (lists of messages); the "
+                             "dataset's prompt column holds plain text: use placement='assistant' or export it "
+                             "with `meshrl export trl`")
+        return prompt + text
+    if not isinstance(prompt, list) or not all(isinstance(msg, dict) and "role" in msg for msg in prompt):
+        raise ValueError("the prompt column must hold a string or a list of {'role', 'content'} messages")
+    messages = [dict(msg) for msg in prompt]
+    if placement == "assistant":
+        return [*messages, {"role": "assistant", "content": text}]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{text}\n\n{messages[0]['content']}"
+        return messages
+    return [{"role": "system", "content": text}, *messages]
 
 
 def self_strategy_prompt() -> str:

@@ -11,7 +11,18 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from meshrl.trainer.plugins.base import REGISTRY, Plugin, PluginContext, Stage, TokenTerms, register
+from meshrl.trainer.plugins.base import (
+    CONFIG_HOOKS,
+    REGISTRY,
+    SAMPLING_HOOKS,
+    STATE_HOOKS,
+    UPDATE_HOOKS,
+    Plugin,
+    PluginContext,
+    Stage,
+    TokenTerms,
+    register,
+)
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in ("base", "host", "config"):
@@ -25,5 +36,6 @@ from meshrl.trainer.plugins.config import (  # noqa: E402
 )
 from meshrl.trainer.plugins.host import TrainPlugins  # noqa: E402
 
-__all__ = ["REGISTRY", "Plugin", "PluginContext", "PluginsConfig", "Stage", "TokenTerms", "TrainPlugins",
-           "load_custom", "plugins_need_reference", "register", "validate_plugins"]
+__all__ = ["CONFIG_HOOKS", "REGISTRY", "SAMPLING_HOOKS", "STATE_HOOKS", "UPDATE_HOOKS", "Plugin", "PluginContext",
+           "PluginsConfig", "Stage", "TokenTerms", "TrainPlugins", "load_custom", "plugins_need_reference", "register",
+           "validate_plugins"]

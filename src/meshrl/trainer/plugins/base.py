@@ -7,13 +7,13 @@ registered with :func:`register`. The trainer looks plug-ins up here; nothing el
 - ``Config``: a dataclass of :func:`meshrl.settings.setting` fields (help and bounds, once);
 - ``stage`` and ``order``: where its loss hooks run in a micro-batch's policy term (:class:`Stage`; ties by
   ``order``), so that the composition of several plug-ins is fixed and documented;
-- ``whole_micro_batch``: True when it uses statistics of the whole micro-batch (an entropy quantile, a covariance
-  mean), so that the update may neither split a micro-batch over worker processes nor skip rows whose advantage is
-  zero;
 - ``token_level``: True when it needs per-token ratios (refused with GSPO's one-ratio-per-sequence loss);
 - ``excludes``: names of plug-ins it cannot be combined with.
 
-and overrides only the hooks it needs (each a no-op here). The step calls them in this order:
+and overrides only the hooks it needs (each a no-op here; :data:`SAMPLING_HOOKS`, :data:`UPDATE_HOOKS`,
+:data:`STATE_HOOKS` and :data:`CONFIG_HOOKS` name them by who calls them). A plug-in that overrides an update hook
+gets the serial update engine, whole micro-batches in one process (``meshrl.trainer.update``). The step calls them
+in this order:
 
 1. sampling: :meth:`Plugin.reuse_batch` (the first plug-in that returns a stored batch ends the sampling), else
    :meth:`Plugin.before_sampling`, the sampler, :meth:`Plugin.after_sampling` (each plug-in's output is the next
@@ -87,7 +87,6 @@ class Plugin:
     Config: ClassVar[type] = type(None)
     stage: ClassVar[Stage] = Stage.TOKEN_SELECTION
     order: ClassVar[float] = 0.0
-    whole_micro_batch: ClassVar[bool] = True
     token_level: ClassVar[bool] = True
     excludes: ClassVar[tuple[str, ...]] = ()
     needs_reference: ClassVar[bool] = False  # scores rollouts under the frozen reference (the trainer keeps one)
@@ -115,6 +114,12 @@ class Plugin:
         fields are declared on ``Config`` and checked for every plug-in, enabled or not)."""
 
     # ---- sampling
+    def opening(self, problem: Any, strategy: int) -> tuple[list[int], str]:
+        """``(token ids, text)`` a rollout of coach arm ``strategy`` (>= 0) of ``problem`` must start its response
+        with (``([], "")``: a free rollout). A plug-in that overrides this makes the coach arms sample the
+        unconditioned prompt with its opening forced (:mod:`meshrl.trainer.openings`); at most one may."""
+        return [], ""
+
     def before_sampling(self, sampler: Any) -> None:
         """Before the step's rollouts are drawn (e.g. wrap the problem stream)."""
 
@@ -172,6 +177,15 @@ class Plugin:
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore :meth:`state_dict` (None: the checkpoint has none)."""
 
+
+#: The hooks by the part of the run that calls them; every public method of :class:`Plugin` is in exactly one
+#: (tests/unit/test_plugin_hooks.py).
+CONFIG_HOOKS = ("is_enabled", "uses_reference", "check")  # class methods, when the config is read
+SAMPLING_HOOKS = ("opening", "before_sampling", "reuse_batch", "after_sampling", "batch_ready",
+                  "behaviour_logps")  # the batch: from its sampling to the log-probs its ratio is taken against
+UPDATE_HOOKS = ("begin_update", "shape_advantages", "loss_settings", "base_loss", "transform", "extra_loss",
+                "surrogate")  # the update's terms: overriding one means the serial update engine
+STATE_HOOKS = ("state_dict", "load_state_dict")  # checkpoints
 
 REGISTRY: dict[str, type[Plugin]] = {}
 

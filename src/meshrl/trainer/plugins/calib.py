@@ -60,7 +60,6 @@ class Calib(Plugin):
     Config = CalibConfig
     stage = Stage.EXTRA_LOSS
     order = 0.5
-    whole_micro_batch = False  # a per-row term: no statistics of the micro-batch, zero for rows with A = 0
     summary = "CalibRL: |A|-weighted LeakyReLU term against an expert trace's log-probs (Huang et al. 2026)"
 
     def __init__(self, cfg: CalibConfig, ctx: PluginContext) -> None:

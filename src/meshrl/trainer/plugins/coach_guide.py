@@ -30,7 +30,6 @@ continuation only, so guided rows are left out of the mismatch diagnostic and of
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +58,23 @@ class CoachGuide(Plugin):
     order = 2.0
     summary = "coach-guided exploration: the coach's strategy opens the response, off-policy"
 
+    def __init__(self, cfg: CoachGuideConfig, ctx: Any) -> None:
+        super().__init__(cfg, ctx)
+        self._openings: dict[tuple[Any, int], tuple[list[int], str]] = {}
+
+    def opening(self, problem: Any, strategy: int) -> tuple[list[int], str]:
+        """The task's response opening for coach prefix ``strategy`` (cached per problem and prefix); an empty one
+        (a plan with nothing to force, e.g. "answer directly") is a free rollout."""
+        from meshrl.trainer.openings import opening_ids
+
+        key = (problem.id, strategy)
+        if key not in self._openings:
+            text = self.ctx.task.response_opening(problem, self.ctx.rollouts.prefixes[problem.id][strategy])
+            ids = opening_ids(self.ctx.tokenizer, text, self.ctx.cfg.rollout.max_new_tokens,
+                              "plugins.coach_guide") if text else []
+            self._openings[key] = (ids, text)
+        return self._openings[key]
+
     @classmethod
     def check(cls, cfg: CoachGuideConfig, run_cfg: Any) -> None:
         if cfg.enabled and run_cfg is not None:
@@ -70,7 +86,7 @@ class CoachGuide(Plugin):
 
     def transform(self, terms: TokenTerms, pg_mat: torch.Tensor, agg_mask: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, Stats]:
-        forced = terms.batch.forced_tokens
+        forced = guided_openings(terms.batch, self.name)
         rows = [forced[j] if j < len(forced) else 0 for j in terms.rows]
         pg_mat, stats = guided_policy_term(self.cfg, rows, terms.logp, terms.adv, terms.mask, pg_mat)
         return pg_mat, agg_mask, stats
@@ -89,48 +105,9 @@ def validate_coach_guide(cfg: Any) -> None:
                          "opening, so its gradient would cancel")
 
 
-def opening_ids(tokenizer: Any, text: str, max_new_tokens: int) -> list[int]:
-    """Token ids of an opening (encoded on its own, as ``encode_prompt`` appends an assistant prefix); it must
-    leave room for at least one generated token."""
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if not ids:
-        raise ValueError(f"plugins.coach_guide: the response opening {text!r} encodes to no tokens")
-    if len(ids) >= max_new_tokens:
-        raise ValueError(f"plugins.coach_guide: the response opening {text!r} is {len(ids)} tokens, not less than "
-                         f"rollout.max_new_tokens={max_new_tokens}")
-    return ids
-
-
-def generate_guided(backend: Any, prompts: list[list[int]], openings: list[tuple[list[int], str]], params: Any, *,
-                    seed: int, features: bool = False) -> list[dict[str, Any]]:
-    """Sample ``params.n`` responses per prompt, each forced to start with its ``openings`` entry, ``(token ids,
-    text)`` (``([], "")``: a free rollout).
-
-    Prompts are sampled in one call per opening length (a guided row gets ``max_new_tokens - len(opening)`` new
-    tokens); the free call keeps ``seed``, so without openings this samples exactly what one plain call does.
-    Returns one record per sample in prompt-major order (``prompt_index``, ``prompt_ids`` without the opening,
-    ``response_ids`` and ``text`` with it, ``truncated``, ``logps``: the sampler's log-probs, None for guided
-    rows, whose opening the sampler did not choose, ``forced``: the opening's token count, and ``features``: the
-    sampler's MEI features when ``features`` asks for them, None for guided rows, whose opening they would miss).
-    """
-    by_len: dict[int, list[int]] = {}
-    for i, (op, _) in enumerate(openings):
-        by_len.setdefault(len(op), []).append(i)
-    rows: dict[int, list[dict[str, Any]]] = {}
-    for length, members in sorted(by_len.items()):
-        p = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - length)
-        out = backend.generate([prompts[i] + openings[i][0] for i in members], p, seed=seed + 7919 * length,
-                               **({"features": True} if features else {}))
-        for r, ai in enumerate(out.prompt_index):
-            i = members[ai]
-            op, op_text = openings[i]
-            logps = None if out.engine_logprobs is None or op else list(out.engine_logprobs[r])
-            feats = None if out.engine_features is None or op else out.engine_features[r]
-            rows.setdefault(i, []).append({
-                "prompt_index": i, "prompt_ids": list(out.prompt_ids[r][: len(out.prompt_ids[r]) - len(op)]),
-                "response_ids": op + list(out.response_ids[r]), "text": op_text + out.texts[r],
-                "truncated": bool(out.truncated[r]), "logps": logps, "forced": len(op), "features": feats})
-    return [rec for i in range(len(prompts)) for rec in rows.get(i, [])]
+def guided_openings(data: Any, name: str) -> list[int]:
+    """Each row's forced opening length if this plug-in (``name``) forced it, else 0."""
+    return [n if o == name else 0 for o, n in zip(data.origin, data.unsampled, strict=True)] or [0] * len(data)
 
 
 def opening_mask(forced: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -163,7 +140,7 @@ def guide_step_stats(task: Any, data: Any) -> dict[str, float]:
     (``free/strategy/*``: the unconditioned policy's own choice, which the evaluation measures)."""
     from meshrl.trainer.rollout_step import strategy_figures
 
-    forced = list(data.forced_tokens) or [0] * len(data)
+    forced = guided_openings(data, CoachGuide.name)
     texts = data.label_texts or data.texts  # a tool-using episode is labelled by its model turns
     guided = [s for s, f in zip(data.scores, forced, strict=True) if f]
     free = [i for i, f in enumerate(forced) if not f]

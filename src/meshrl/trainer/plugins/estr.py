@@ -75,7 +75,6 @@ class Estr(Plugin):
     Config = EstrConfig
     stage = Stage.TOKEN_SELECTION
     order = 2.5
-    whole_micro_batch = False  # a rule per token: no statistic of the micro-batch
     # remix and luffy bring rows sampled by other policies, whose entropies are not the start policy's
     excludes = ("remix", "luffy")
     summary = "ESTR: entropy-scaled trust region for stale rollouts (Zhao et al. 2026)"

@@ -105,7 +105,6 @@ class FutureKl(Plugin):
     Config = FutureKlConfig
     stage = Stage.ADVANTAGE
     order = 1.0
-    whole_micro_batch = False  # per-row sums: a micro-batch's rows do not depend on each other
     summary = "FIPO: token credit from the discounted future log-ratio (Ma et al. 2026)"
 
     def shape_advantages(self, terms: TokenTerms) -> tuple[torch.Tensor, Stats]:

@@ -31,11 +31,14 @@ class TrainPlugins:
     def get(self, name: str) -> Plugin | None:
         return self.by_name.get(name)
 
-    @property
-    def whole_micro_batch(self) -> bool:
-        """True when a plug-in uses statistics of the whole micro-batch: the update then runs every micro-batch
-        whole, in one process, with every row's backward."""
-        return any(p.whole_micro_batch for p in self.active)
+    def opener(self) -> Plugin | None:
+        """The enabled plug-in that forces response openings (overrides :meth:`Plugin.opening`), or None."""
+        openers = [p for p in self.active if type(p).opening is not Plugin.opening]
+        if len(openers) > 1:
+            raise ValueError("plug-ins " + " and ".join(p.name for p in openers) + " both force response openings; "
+                             "enable one")
+        return openers[0] if openers else None
+
 
 
     # ---- sampling

@@ -4,7 +4,7 @@
 In each advantage group the last ``per_group`` rollouts are replaced by traces of the problem from a JSONL file
 (scored by the task like any rollout), rewards and advantages are recomputed over the mixed group, and the trace
 rows take the shaped, unclipped loss ``-A f(pi_theta)``, ``f(p) = p / (p + gamma)`` (eq. 6;
-:func:`meshrl.algos.luffy_off_policy_loss`). The trace rows are recorded in ``StepData.trace_rows``.
+:func:`meshrl.algos.luffy_off_policy_loss`). The trace rows are marked as this plug-in's in ``StepData.origin``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ class Luffy(Plugin):
         """LUFFY's mixed groups (module docstring). Groups without a trace for their problem, or with no on-policy
         row left, stay on-policy; traces longer than ``rollout.max_new_tokens`` are skipped; both are counted
         (``offpolicy/groups_without_trace``, ``offpolicy/skipped_long``)."""
-        data.trace_rows = set()
         if not len(data):
             return data
         groups: dict[Any, list[int]] = {}
@@ -79,15 +78,14 @@ class Luffy(Plugin):
                     data.rollout_logps[i] = None  # a trace was not sampled: no sampler log-probs
                 if i < len(data.rollout_features):
                     data.rollout_features[i] = None  # nor sampler features (MEI scores it in the update)
-                if i < len(data.forced_tokens):
-                    data.forced_tokens[i] = 0  # a whole trace is off-policy: no coach-guided opening in it
                 data.scores[i] = sampler.rewards([text], [problem])[0]
-                data.trace_rows.add(i)
+                data.mark(i, self.name, len(ids))  # the whole trace is off-policy (a forced opening included)
         # The same shaping and advantages as the sampler's, now over the mixed groups.
         data.rewards = sampler.shape_rewards(data)
         data.advantages = sampler.advantages(data.rewards, data.group_ids)
-        off_scores = [data.scores[i] for i in data.trace_rows]
-        data.stats.update({"offpolicy/rows": float(len(data.trace_rows)),
+        traces = data.rows_from(self.name)
+        off_scores = [data.scores[i] for i in traces]
+        data.stats.update({"offpolicy/rows": float(len(traces)),
                            "offpolicy/score_mean": sum(off_scores) / len(off_scores) if off_scores else 0.0,
                            "offpolicy/groups_without_trace": float(missing),
                            "offpolicy/skipped_long": float(too_long)})
@@ -97,7 +95,8 @@ class Luffy(Plugin):
                   ) -> tuple[torch.Tensor, torch.Tensor, Stats]:
         """The trace rows take LUFFY's shaped, unclipped loss; the others keep the recipe's."""
         t = terms
-        off = torch.tensor([j in t.batch.trace_rows for j in t.rows], dtype=torch.bool, device=t.logp.device)
+        traces = t.batch.rows_from(self.name)
+        off = torch.tensor([j in traces for j in t.rows], dtype=torch.bool, device=t.logp.device)
         off_mask = t.mask * off[:, None].to(t.mask.dtype)
         shaped, s = luffy_off_policy_loss(t.logp, t.adv, off_mask, gamma=self.cfg.gamma, shape=self.cfg.shape)
         n = float(t.mask.sum().clamp(min=1))

@@ -29,7 +29,6 @@ class PromptFilter(Plugin):
     Config = PromptFilterConfig
     stage = Stage.SAMPLING
     order = 1.0
-    whole_micro_batch = False  # acts before sampling: the update is untouched
     token_level = False
     summary = "rollout-based prompt filtering: skip problems that teach nothing (RIF-RFT)"
 

@@ -34,7 +34,6 @@ class Replay(Plugin):
     Config = ReplayConfig
     stage = Stage.SAMPLING
     order = 2.0
-    whole_micro_batch = False  # the update itself is untouched
     token_level = False
     summary = "rollout replay: each batch reused S times against its sampling policy"
 
@@ -83,19 +82,17 @@ class Replay(Plugin):
         data, logps, born = self.stored
         if logps is None:  # an empty batch never reaches an update
             logps = self.ctx.forward.logps(self.ctx.forward.model, data)
-        return replay_to_json((data, logps, set(data.trace_rows), born))
+        return replay_to_json((data, logps, born))
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if not state:
             self.stored = None
             return
         by_id = {str(p.id): p for p in self.ctx.problems}
-        data, logps, off_rows, born = replay_from_json(state, by_id)
-        data.trace_rows = off_rows
-        self.stored = (data, logps, born)
+        self.stored = replay_from_json(state, by_id)
 
 _LIST_FIELDS = ("prompt_ids", "response_ids", "texts", "truncated", "query_ids", "strategy_ids", "scores",
-                "rollout_logps", "forced_tokens")
+                "rollout_logps", "origin", "unsampled")
 
 
 def tensor_to_json(t: torch.Tensor | None) -> dict[str, Any] | None:
@@ -143,6 +140,8 @@ def step_data_from_json(obj: dict[str, Any], problems: dict[str, Any]) -> Any:
                              "(was the run resumed with another task or task seed?)")
         return problems[pid]
 
+    if "origin" not in obj:  # a checkpoint from before rows carried their provenance
+        obj = {**obj, **_provenance_of_old(obj)}
     data = StepData(**{name: list(obj[name]) for name in _LIST_FIELDS})
     data.problems = [problem(pid) for pid in obj["problems"]]
     data.group_ids = [_group_from_json(g) for g in obj["group_ids"]]
@@ -153,17 +152,29 @@ def step_data_from_json(obj: dict[str, Any], problems: dict[str, Any]) -> Any:
     return data
 
 
-def replay_to_json(replay: tuple[Any, list[torch.Tensor], set[int], int] | None) -> dict[str, Any] | None:
+def _provenance_of_old(obj: dict[str, Any]) -> dict[str, list[Any]]:
+    """``origin`` / ``unsampled`` of a batch stored by an earlier version: its coach-guided rows (``forced_tokens``)
+    and its off-policy trace rows (``off_rows``, beside the batch), named as those plug-ins name themselves."""
+    forced = list(obj.get("forced_tokens") or [0] * len(obj["texts"]))
+    off = set(obj.get("off_rows", ()))
+    origin = ["luffy" if i in off else "coach_guide" if n else "" for i, n in enumerate(forced)]
+    unsampled = [len(obj["response_ids"][i]) if i in off else n for i, n in enumerate(forced)]
+    return {"origin": origin, "unsampled": unsampled}
+
+
+def replay_to_json(replay: tuple[Any, list[torch.Tensor], int] | None) -> dict[str, Any] | None:
     if replay is None:
         return None
-    data, logps, off_rows, born = replay
-    return {"data": step_data_to_json(data), "behaviour_logps": [tensor_to_json(t) for t in logps],
-            "off_rows": sorted(off_rows), "born": born}
+    data, logps, born = replay
+    return {"data": step_data_to_json(data), "behaviour_logps": [tensor_to_json(t) for t in logps], "born": born}
 
 
 def replay_from_json(obj: dict[str, Any] | None, problems: dict[str, Any]
-                     ) -> tuple[Any, list[torch.Tensor], set[int], int] | None:
+                     ) -> tuple[Any, list[torch.Tensor], int] | None:
     if obj is None:
         return None
-    return (step_data_from_json(obj["data"], problems), [tensor_from_json(t) for t in obj["behaviour_logps"]],
-            set(obj["off_rows"]), int(obj["born"]))
+    data = obj["data"]
+    if "origin" not in data:  # an earlier version kept the trace rows beside the batch
+        data = {**data, "off_rows": obj.get("off_rows", [])}
+    return (step_data_from_json(data, problems), [tensor_from_json(t) for t in obj["behaviour_logps"]],
+            int(obj["born"]))

@@ -80,7 +80,6 @@ class SftMix(Plugin):
     Config = SftMixConfig
     stage = Stage.EXTRA_LOSS
     order = 3.0
-    whole_micro_batch = False  # the term is computed on its own batch, not from the micro-batch's rows
     token_level = False  # no ratio: works with sequence-level losses too
     summary = "SFT on demonstrations of unsolved problems, high-entropy tokens only (ReLIFT + MIFO)"
 

@@ -24,11 +24,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshrl.export.args import add_task_data
 from meshrl.mesh import prefixes_by_problem, wrap_prefix
+from meshrl.mesh.coach import TEMPLATES
 from meshrl.runs import check_out_dir
 from meshrl.tasks import load_task
 
-TEMPLATES = ("wrapped", "plain")
 REWARD_MODULE = '''"""verl reward function for the data in this folder; written by `meshrl export verl`.
 
 verl: reward.custom_reward_function.path={path} reward.custom_reward_function.name=compute_score
@@ -142,21 +143,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_export_parser(export_subparsers: Any) -> None:
+def add_export_parser(export_subparsers: argparse._SubParsersAction) -> None:
     """Add ``verl`` to the ``meshrl export`` sub-commands (sets ``func``)."""
     p = export_subparsers.add_parser(
         "verl", help="write a task (x coach prefixes) as verl parquet + reward module",
         description="Write verl's RL parquet (one row per query x coach prefix, chat-format prompt, data_source, "
                     "reward_model.ground_truth, extra_info with query_id/strategy_id) and a reward module for "
                     "reward.custom_reward_function.")
-    p.add_argument("--task", required=True, help="task spec, as for `meshrl train` (e.g. rg:basic_arithmetic)")
-    p.add_argument("--prefixes", default=None,
-                   help="prefixes.jsonl from `meshrl coach` (omit for the GRPO baseline's bare queries)")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--m", type=int, default=4, help="coach prefixes per query (default 4, the paper's)")
-    p.add_argument("--template", choices=TEMPLATES, default="wrapped",
-                   help="wrap each prefix in the anti-hacking template (default) or use it as is")
-    p.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
-    p.add_argument("--split", default="train", help="split to train on (default train)")
+    add_task_data(p, prefixes_required=False,
+                  prefixes_help="prefixes.jsonl from `meshrl coach` (omit for the GRPO baseline's bare queries)")
     p.add_argument("--val-split", default="eval", help="held-out split for val.parquet ('none' to skip)")
     p.set_defaults(func=_run)

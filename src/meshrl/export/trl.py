@@ -12,7 +12,8 @@ Does not import trl (the meshrl CLI works without it). Writes, under ``--out DIR
   which needs every rollout of a query in one step);
 - ``meta.json``: task, split, m, layout, prefix file, row counts, template version.
 
-:func:`task_reward_func` turns the same task into a TRL reward function (the task's own scorer).
+:func:`meshrl.integrations.trl.reward.task_reward_func` turns the same task into a TRL reward function (the task's
+own scorer).
 """
 
 from __future__ import annotations
@@ -22,7 +23,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshrl.export.args import add_task_data
+from meshrl.mesh.coach import (
+    PLACEMENTS,
+    TEMPLATE_VERSION,
+    check_conditioning,
+    condition_prompt,
+    load_prefix_records,
+    query_key,
+)
 from meshrl.runs import check_out_dir
+from meshrl.tasks import load_task
 
 LAYOUTS = ("query", "query_prefix")
 
@@ -31,15 +42,12 @@ def export_rows(task, problems, table: dict[str, list[str]], m: int, *, layout: 
                 placement: str = "system", template: str = "wrapped", names: dict[str, list[str]] | None = None,
                 prefix_file: str = "prefixes") -> list[dict[str, Any]]:
     """Dataset rows for TRL; ``ValueError`` naming ``prefix_file`` and the first problems without m prefixes."""
-    from meshrl.integrations.trl.options import MeshOptions
-    from meshrl.mesh import query_key
-
     if layout not in LAYOUTS:
         raise ValueError(f"--layout {layout!r}; known: {', '.join(LAYOUTS)}")
     if layout == "query_prefix" and placement != "system":
         raise ValueError("--layout query_prefix supports --placement system only: an assistant-turn prefix needs "
                          "MeshGRPOTrainer (TRL renders prompts with a generation prompt after the last message)")
-    opts = MeshOptions(m=m, placement=placement, template=template)
+    check_conditioning(m, placement, template)  # as MeshGRPOTrainer's MeshOptions checks them
     missing = [p.id for p in problems if len(table.get(query_key(p.prompt), ())) < m]
     if missing:
         raise ValueError(f"{len(missing)} of {len(problems)} problems of task {task.name} have no {m} prefixes in "
@@ -56,8 +64,8 @@ def export_rows(task, problems, table: dict[str, list[str]], m: int, *, layout: 
             rows.append({"prompt": prompt, **base, "prefixes": prefixes, "strategy_ids": list(range(m)),
                          "strategy_names": strategy_names + [""] * (m - len(strategy_names))})
         else:
-            rows.extend({"prompt": opts.conditioned_prompt(prompt, prefix), **base, "strategy_id": k, "prefix": prefix}
-                        for k, prefix in enumerate(prefixes))
+            rows.extend({"prompt": condition_prompt(prompt, prefix, placement, template), **base, "strategy_id": k,
+                         "prefix": prefix} for k, prefix in enumerate(prefixes))
     return rows
 
 
@@ -65,9 +73,6 @@ def export_trl(task_spec: str, prefixes: str | Path, out: str | Path, *, m: int 
                layout: str = "query", placement: str = "system", template: str = "wrapped", seed: int = 0,
                limit: int | None = None) -> dict[str, Any]:
     """Write ``OUT/train.jsonl`` (named after ``split`` when it is not ``train``) and ``OUT/meta.json``."""
-    from meshrl.mesh.coach import TEMPLATE_VERSION, load_prefix_records
-    from meshrl.tasks import load_task
-
     path = Path(prefixes)
     out_dir = check_out_dir(out)
     if not path.is_file():
@@ -103,33 +108,6 @@ def export_trl(task_spec: str, prefixes: str | Path, out: str | Path, *, m: int 
     return meta
 
 
-def task_reward_func(task_spec: str, *, split: str = "train", seed: int = 0):
-    """A TRL reward function scoring completions with the task's own scorer, looked up by ``query_id``.
-
-    The returned ``fn(completions, query_id, **kwargs) -> list[float]`` reads the ``query_id`` column
-    written by ``meshrl export trl``; conversational completions are scored on their first message's text.
-    Its ``__name__`` is ``correct`` (the metric ``rewards/correct/mean`` and ``MeshOptions.correct_reward``).
-    """
-    from meshrl.tasks import load_task
-
-    task = load_task(task_spec, seed=seed)
-    by_id = {str(p.id): p for p in task.problems(split)}
-
-    def correct(completions, query_id, **kwargs) -> list[float]:
-        if len(completions) != len(query_id):
-            raise ValueError(f"reward: {len(completions)} completions but {len(query_id)} query ids; the dataset's "
-                             "'query_id' column (from `meshrl export trl`) must give one id per completion")
-        scores = []
-        for completion, qid in zip(completions, query_id, strict=True):
-            text = completion if isinstance(completion, str) else completion[0]["content"]
-            if str(qid) not in by_id:
-                raise ValueError(f"reward: query_id {qid!r} is not a problem of task {task_spec} split {split!r}")
-            scores.append(float(task.score(text, by_id[str(qid)])))
-        return scores
-
-    return correct
-
-
 def add_export_parser(export_subparsers: argparse._SubParsersAction) -> None:
     """Add ``trl`` to the subcommands of ``meshrl export`` (sets ``func``)."""
     p = export_subparsers.add_parser(
@@ -137,16 +115,10 @@ def add_export_parser(export_subparsers: argparse._SubParsersAction) -> None:
         description="One row per query with its m coach prefixes and ids (for meshrl.integrations.trl."
                     "MeshGRPOTrainer), or one row per query x prefix with the prompt already conditioned "
                     "(--layout query_prefix, for a plain GRPOTrainer). Needs no trl.")
-    p.add_argument("--task", required=True, help="task spec (see meshrl train --help)")
-    p.add_argument("--prefixes", required=True, type=Path, help="prefix file from `meshrl coach`")
-    p.add_argument("--out", required=True, type=Path, help="output directory")
-    p.add_argument("--m", type=int, default=4, help="prefixes per query (default 4)")
-    p.add_argument("--split", default="train")
+    add_task_data(p, prefixes_required=True)
     p.add_argument("--layout", choices=LAYOUTS, default="query")
-    p.add_argument("--placement", choices=["system", "assistant"], default="system",
+    p.add_argument("--placement", choices=PLACEMENTS, default="system",
                    help="query_prefix layout: where the prefix goes (system only)")
-    p.add_argument("--template", choices=["wrapped", "plain"], default="wrapped")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, help="first N problems only")
     p.set_defaults(func=_run)
 

@@ -1,5 +1,8 @@
 """Tool-using tasks: ``env:ENV?OPTIONS&data=SPEC`` (multi-turn episodes, :mod:`meshrl.agents`).
 
+Registered with :func:`meshrl.tasks.load_task` when :mod:`meshrl.agents` is imported (the task registry imports it
+by name on an ``env:`` spec: ``meshrl.tasks`` sits below the agents and never imports them).
+
 ``ENV`` is an environment in TRL's convention (``MODULE:FACTORY``, a class or function whose instance's public
 methods are its tools, with ``reset(**row)`` and optionally ``get_reward()``) or a built-in tool set:
 ``calculator`` (exact arithmetic) or ``python`` (a program run in meshrl's sandbox). ``data=SPEC`` is any task
@@ -27,8 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from meshrl.settings import parse_settings, setting
-from meshrl.tasks._spec import split_spec
-from meshrl.tasks.base import Problem, Task
+from meshrl.tasks import Problem, Task, load_task, register_spec_loader, split_spec
 
 BUILTIN_TOOLSETS = ("calculator", "python")
 LIMIT_OPTIONS = ("max_turns", "max_tool_calls", "max_total_tokens", "tool_timeout_s", "max_tool_output_chars",
@@ -162,10 +164,10 @@ def env_options(spec: str, options: dict[str, Any]) -> EnvOptions:
     return parse_settings(EnvOptions, options, f"task spec {spec!r}")
 
 
+@register_spec_loader("env")
 def load_env_task(spec: str, *, seed: int = 0, **extra: Any) -> EnvTask:
     """The :class:`EnvTask` of ``spec`` (the module docstring); unknown options are refused by name."""
     from meshrl.agents import EpisodeLimits, load_environment
-    from meshrl.tasks.base import load_task
 
     env, options, data_spec = split_env_spec(spec)
     opts = env_options(spec, {**options, **extra})

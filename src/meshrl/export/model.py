@@ -3,7 +3,7 @@
 A meshrl checkpoint (``RUN_DIR/checkpoints/step_N/model.safetensors``) holds weights only, and for a model
 with tied input/output embeddings (the tiny models, SmolLM2) it stores the shared matrix once, so it is not
 a model directory. :func:`export_model` rebuilds the policy exactly as ``meshrl eval`` does (the run's
-``config.yaml`` and the checkpoint through :func:`meshrl.runs.policy.load_policy`) and writes it with
+``config.yaml`` and the checkpoint through :func:`meshrl.trainer.load_policy`) and writes it with
 transformers' own ``save_pretrained``, which handles the tie: ``config.json``, ``model.safetensors``,
 ``generation_config.json`` (the run's sampling settings), the tokenizer with its chat template, and
 ``meshrl.json`` (run, step, recipe, held-out figures). A LoRA run is written merged, or with
@@ -16,6 +16,7 @@ policy's, so an export that would not reproduce the checkpoint fails instead of 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from meshrl import __version__
+from meshrl.export.args import add_out
 from meshrl.jsonl import read_jsonl
 from meshrl.models.loading import load_model
 from meshrl.models.lora import has_lora
@@ -39,11 +41,17 @@ from meshrl.models.tiny import TINY_PRESETS
 from meshrl.rollout import SamplingParams
 from meshrl.rollout.base import eos_ids
 from meshrl.rollout.hf import generation_config
+from meshrl.runs import check_out_dir, is_run_dir
 from meshrl.runs.checkpoint import latest_checkpoint, read_pointer
-from meshrl.runs.policy import is_run_dir, load_policy
-from meshrl.trainer import RunConfig, load_config
+from meshrl.trainer import RunConfig, load_config, load_policy
 
 log = logging.getLogger("meshrl")
+
+MODEL_HELP = """Write checkpoint STEP of RUN_DIR as a Hugging Face directory that AutoModelForCausalLM and
+AutoTokenizer load offline: model.safetensors, config.json, generation_config.json (the run's sampling
+settings), the tokenizer with its chat template, and meshrl.json (run, step, recipe, held-out figures).
+LoRA runs are merged unless --adapter. The export is loaded back and checked against the checkpoint before
+it is moved into place."""
 
 INFO_FILE = "meshrl.json"
 BASE_SUBDIR = "base_model"  # adapter exports of a base that exists only in memory (the tiny models)
@@ -229,8 +237,6 @@ def export_model(run_dir: str | Path, out: str | Path, *, which: str | int = "fi
                  adapter: bool = False) -> dict[str, Any]:
     """Write checkpoint ``which`` of ``run_dir`` to the new directory ``out``; return ``meshrl.json``'s
     content. ``adapter=True`` (LoRA runs only) writes the peft adapter instead of merged weights."""
-    from meshrl.runs import check_out_dir
-
     run_dir, out = Path(run_dir), check_out_dir(out)
     if not is_run_dir(run_dir):
         raise ValueError(f"{run_dir} is not a meshrl run directory (config.yaml and checkpoints/)")
@@ -356,3 +362,24 @@ def export_info(cfg: RunConfig, run_dir: Path, chosen: Checkpoint, *, adapter: b
     if adapter:
         info["adapter_base_model_dir"] = str(base_dir)
     return info
+
+
+def add_export_parser(export_subparsers: argparse._SubParsersAction) -> None:
+    """Add ``model`` to the subcommands of ``meshrl export`` (sets ``func``)."""
+    p = export_subparsers.add_parser("model", help="a run checkpoint as a Hugging Face model directory",
+                                     description=MODEL_HELP)
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a meshrl training run directory")
+    p.add_argument("--step", default="final", metavar="N|best|final",
+                   help="checkpoint: a step number, best (summary.json's checkpoint rule) or final "
+                        "(the last checkpoint; default)")
+    add_out(p, help="new directory to write (must not exist)")
+    p.add_argument("--adapter", action="store_true",
+                   help="LoRA runs: write the peft adapter directory instead of merged weights")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    info = export_model(args.run_dir, args.out, which=args.step, adapter=args.adapter)
+    print(json.dumps({"out": str(args.out), "step": info["step"], "selected_by": info["selected_by"],
+                      "format": info["format"]}, indent=1))
+    return 0
