@@ -24,6 +24,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 from meshrl import cpu
 from meshrl.models import apply_lora, base_model, build_tiny, encode_prompt, llama_fast, load_model
 from meshrl.rollout import SamplingParams, VLLMBackend, make_backend, unsupported_reason
+from meshrl.rollout import auto as auto_mod
 from meshrl.rollout import choice as choice_mod
 from meshrl.rollout import native as native_mod
 from meshrl.rollout.choice import StepShape
@@ -580,7 +581,7 @@ def test_auto_picks_by_the_rule_and_says_why(small, monkeypatch, caplog):
     absent) it warns and falls back to native."""
     model, tok = small
     monkeypatch.setattr(choice_mod, "_logged", set())
-    monkeypatch.setattr(native_mod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(auto_mod, "vllm_installed", lambda: True)
     split = {StepShape(64, 64): (262.0, 204.0), StepShape(16, 512): (107.0, 150.0)}  # measured before prepacking
     monkeypatch.setattr(choice_mod, "CPU_MEASURED", split)
     with caplog.at_level(logging.INFO, logger="meshrl"):
@@ -610,7 +611,7 @@ def test_trainer_passes_the_step_shape_to_auto(tmp_path, monkeypatch):
     from meshrl.trainer import Trainer, load_config
 
     seen = []
-    monkeypatch.setattr(native_mod, "choose_sampler", lambda **kw: seen.append(kw) or ("native", "test"))
+    monkeypatch.setattr(auto_mod, "choose_sampler", lambda **kw: seen.append(kw) or ("native", "test"))
     Trainer(load_config(overrides=["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=3",
                                    "rollout.group_size=4", "rollout.max_new_tokens=5", "log.progress=false"]),
             tmp_path / "a")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 import meshrl.testbed  # noqa: F401  (registers the testbed tasks)
+from meshrl.rollout import RolloutBackend
 from meshrl.stats import fisher_exact
 from meshrl.tasks import load_task
 from meshrl.testbed.audit import AUDIT_BUDGET, audit_feasible, audit_pool, audit_type
@@ -140,7 +141,10 @@ def _step(cfg, task, prefixes, texts_for):
     step.prompt_ids = lambda problem, k=-1: [k + 2]
     step.rewards = lambda texts, problems: [task.score(t, p) for t, p in zip(texts, problems, strict=True)]
 
-    class Backend:
+    class Backend(RolloutBackend):
+        def sync_weights(self, model):
+            pass
+
         def generate(self, prompts, params, seed):
             rows = [(i, k) for i, k in enumerate(prompts) for _ in range(params.n)]
             arms = step._arms_cache

@@ -12,7 +12,7 @@ import torch
 
 import meshrl.testbed  # noqa: F401  (registers the testbed tasks)
 from meshrl.algos import aggregate, group_advantages, ppo_clip_loss
-from meshrl.rollout import Rollouts, SamplingParams
+from meshrl.rollout import RolloutBackend, Rollouts, SamplingParams
 from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_logprobs
 from meshrl.trainer.loss import UpdateInputs
@@ -27,10 +27,13 @@ GUIDED = ["model=tiny", "task=testbed:add", "recipe=cp_only", "mesh.m=3", "mesh.
           "checkpoint.every=100", "optim.lr=1e-3"]
 
 
-class FakeBackend:
+class FakeBackend(RolloutBackend):
     """Deterministic sampler: each sample is ``max_new_tokens`` copies of (seed + prompt length) % 50 + 10."""
 
     name = "fake"
+
+    def sync_weights(self, model) -> None:
+        pass
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, int]] = []  # (prompts, max_new_tokens, seed)

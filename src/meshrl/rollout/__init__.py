@@ -6,11 +6,13 @@ returns ``Rollouts`` (prompt-major, ``n`` samples per prompt); call ``sync_weigh
 each optimiser step.
 """
 
+from meshrl.rollout.auto import auto_backend  # noqa: I001  (registers "auto" once the others are registered)
 from meshrl.rollout.base import (
     BACKENDS,
     RolloutBackend,
     Rollouts,
     SamplingParams,
+    backend_for_run,
     cut_at_eos,
     eos_ids,
     make_backend,
@@ -25,6 +27,8 @@ __all__ = [
     "HFGenerateBackend",
     "NativeDecodeBackend",
     "RolloutBackend",
+    "auto_backend",
+    "backend_for_run",
     "Rollouts",
     "SamplingParams",
     "VLLMBackend",

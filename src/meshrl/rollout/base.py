@@ -6,6 +6,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,14 @@ class Rollouts:
 
 
 class RolloutBackend(ABC):
-    """Generates samples from the current policy. One ``generate`` call per training step."""
+    """Generates samples from the current policy. One ``generate`` call per training step.
+
+    The whole contract the trainer relies on is declared here, with defaults a backend overrides as needed:
+    :meth:`generate` and :meth:`sync_weights` (abstract), :meth:`from_config` (how a run builds it),
+    :attr:`model` (the policy an in-process sampler reads, for its context length; None out of process),
+    :attr:`logprobs_truncated`, :attr:`returns_features`, :meth:`precision` (for the mismatch diagnostic),
+    :meth:`release_workers` and :meth:`close`. A new backend is one registered class (:func:`register_backend`)
+    and its test."""
 
     name: str = "base"
     # True when the log-probs a backend returns are taken under the truncated (top-p / top-k) distribution it
@@ -86,6 +94,29 @@ class RolloutBackend(ABC):
     logprobs_truncated: bool = False
     # True when ``generate(..., features=True)`` fills ``Rollouts.engine_features`` (the in-process samplers).
     returns_features: bool = False
+    # The policy module an in-process sampler reads (None: the sampler holds its own copy, e.g. vLLM's engine).
+    model: Any = None
+
+    @classmethod
+    def from_config(cls, rollout: Any, model, tokenizer, **context: Any) -> RolloutBackend:
+        """The backend for a run's ``rollout`` settings (:class:`meshrl.trainer.config.RolloutConfig`); ``context``
+        carries what the run knows besides (``shape``: the step's :class:`meshrl.rollout.choice.StepShape`).
+        Default: the class on the policy alone."""
+        return cls(model, tokenizer)
+
+    def precision(self, weights: str) -> str:
+        """The precision the sampler computes in, for the mismatch diagnostic's record (``weights``: the policy's
+        weight dtype, what an in-process sampler without autocast computes in)."""
+        return weights
+
+    def release_workers(self) -> None:
+        """Free what the sampler holds between steps that the update does not need (worker processes, caches);
+        the next :meth:`generate` rebuilds it. Default: nothing to free."""
+        return None
+
+    def close(self) -> None:
+        """Stop what the backend started (processes, engines). Default: nothing."""
+        return None
 
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *, seed: int,
@@ -99,7 +130,7 @@ class RolloutBackend(ABC):
         """Make the backend sample from ``model``'s current weights (call after each optimiser step)."""
 
 
-BACKENDS: dict[str, Callable[..., RolloutBackend]] = {}
+BACKENDS: dict[str, Any] = {}  # name -> backend class (or, for ``auto``, a chooser with ``from_config``)
 
 
 def register_backend(name: str) -> Callable:
@@ -113,21 +144,18 @@ def register_backend(name: str) -> Callable:
 
 
 def make_backend(name: str, model, tokenizer, **kwargs) -> RolloutBackend:
-    """Construct the backend registered as ``name`` (``hf``, ``native``, ``vllm``) for ``model``/``tokenizer``.
-
-    ``auto`` builds ``vllm`` where the measured rule of :mod:`meshrl.rollout.choice` picks it for the device and
-    the step's ``shape`` (a :class:`meshrl.rollout.choice.StepShape`, keyword; the trainer passes it) and vLLM
-    is installed; otherwise ``native`` when that backend can run the model (Llama-family decoders) and its
-    logits match the model's own forward on a probe prompt, else ``hf`` (``workers`` is then dropped); it logs
-    which and why.
-    """
-    if name == "auto":
-        from meshrl.rollout.native import auto_backend
-
-        return auto_backend(model, tokenizer, **kwargs)
+    """Construct the backend registered as ``name`` (``auto``, ``hf``, ``native``, ``vllm``; :data:`BACKENDS`)
+    for ``model``/``tokenizer``; ``auto`` chooses among the others (:mod:`meshrl.rollout.auto`)."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown rollout backend {name!r}; known: {sorted([*BACKENDS, 'auto'])}")
+        raise ValueError(f"unknown rollout backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
     return BACKENDS[name](model, tokenizer, **kwargs)
+
+
+def backend_for_run(rollout: Any, model, tokenizer, **context: Any) -> RolloutBackend:
+    """The backend ``rollout.backend`` names, built from the run's settings (:meth:`RolloutBackend.from_config`)."""
+    if rollout.backend not in BACKENDS:
+        raise ValueError(f"rollout.backend: unknown {rollout.backend!r}; known: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[rollout.backend].from_config(rollout, model, tokenizer, **context)
 
 
 def eos_ids(model, tokenizer) -> list[int]:

@@ -2,7 +2,7 @@
 
 Inputs: where the policy lives (CPU or GPU), whether vLLM is importable, and the step's shape, the sequences
 one ``generate`` call samples (``rollout.prompts_per_step x rollout.group_size``) x ``rollout.max_new_tokens``.
-Whether ``native`` can run the model at all is decided after this (:func:`meshrl.rollout.native.auto_backend`:
+Whether ``native`` can run the model at all is decided after this (:func:`meshrl.rollout.auto.auto_backend`:
 ``hf`` when it cannot).
 
 * **CPU, measured.** ``benchmarks/rollout_backends.py`` on SmolLM2-135M, float32, 2 cores, every row generating

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,6 +79,11 @@ def generation_config(params: SamplingParams, eos: list[int], pad_id: int) -> Ge
     return GenerationConfig(**kw)
 
 
+def in_process_settings(rollout: Any) -> dict[str, Any]:
+    """The keywords every in-process sampler takes from a run's rollout settings."""
+    return {"batch_size": rollout.batch_size, "autocast": "bfloat16" if rollout.autocast_bf16 else None}
+
+
 class InProcessBackend(RolloutBackend):
     """What the backends that run the policy module in this process share: argument checks, eos and pad
     ids, the device, autocast, prompt-major jobs and the assembly of :class:`Rollouts`.
@@ -103,8 +109,15 @@ class InProcessBackend(RolloutBackend):
         # Left padding is masked out, so any id works; prefer the declared pad, else eos.
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos[0]
 
+    @classmethod
+    def from_config(cls, rollout: Any, model, tokenizer, **context: Any) -> InProcessBackend:
+        return cls(model, tokenizer, **in_process_settings(rollout))
+
     def sync_weights(self, model) -> None:
         self.model = model
+
+    def precision(self, weights: str) -> str:
+        return f"autocast-{self.autocast}" if self.autocast else weights
 
     @property
     def device(self) -> torch.device:

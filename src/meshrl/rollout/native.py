@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,9 +37,8 @@ import torch.nn.functional as F
 from meshrl.forkpool import ForkPool, WorkerDied, fork_available
 from meshrl.models.llama_fast import LlamaRunner, rms, unsupported_reason
 from meshrl.models.lora import base_model
-from meshrl.rollout.base import RolloutBackend, Rollouts, SamplingParams, register_backend
-from meshrl.rollout.choice import StepShape, choose_sampler, log_once, vllm_installed
-from meshrl.rollout.hf import HFGenerateBackend, InProcessBackend, eval_mode, left_pad
+from meshrl.rollout.base import Rollouts, SamplingParams, register_backend
+from meshrl.rollout.hf import InProcessBackend, eval_mode, in_process_settings, left_pad
 
 if TYPE_CHECKING:
     from meshrl.rollout.static_decode import StaticDecoder
@@ -276,6 +275,11 @@ def _add_bias_features(phi: torch.Tensor, slot_row: torch.Tensor, running: torch
     phi.index_put_((rows, tokens[live]), torch.ones_like(rows, dtype=phi.dtype), accumulate=True)
 
 
+def native_settings(rollout: Any) -> dict[str, Any]:
+    """The native decoder's keywords from a run's rollout settings."""
+    return {"workers": rollout.decode_workers or None, "prepack": rollout.prepack_weights, "decoder": rollout.decoder}
+
+
 def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     """``(distinct prompts in first-seen order, index of each input prompt among them)``."""
     index: dict[tuple[int, ...], int] = {}
@@ -325,6 +329,10 @@ class NativeDecodeBackend(InProcessBackend):
         default = min(torch.get_num_threads(), MAX_DEFAULT_WORKERS) if fork_available() else 1
         self.workers = (workers or default) if cpu else 1
         self._pool: ForkPool | None = None
+
+    @classmethod
+    def from_config(cls, rollout: Any, model, tokenizer, **context: Any) -> NativeDecodeBackend:
+        return cls(model, tokenizer, **in_process_settings(rollout), **native_settings(rollout))
 
     def verify(self, prompts: list[list[int]], new_tokens: int = 4, atol: float | None = None) -> float:
         """Greedy-decode ``new_tokens`` with the loop, score the same sequences with the model's own forward
@@ -505,41 +513,3 @@ def probe_prompts(tokenizer) -> list[list[int]]:
     """Two prompts of different lengths (so that left padding is exercised) for :meth:`verify`."""
     ids = tokenizer.encode("Hello! What is 12 + 30? Answer:", add_special_tokens=False) or [0, 1, 2, 3]
     return [ids, ids[: max(1, len(ids) // 2)]]
-
-
-def auto_backend(model, tokenizer, *, shape: StepShape | None = None, batch_size: int | None = None,
-                 workers: int | None = None, prepack: bool = True, decoder: str = "auto",
-                 **kwargs) -> RolloutBackend:
-    """``rollout.backend=auto``: ``vllm`` where :func:`meshrl.rollout.choice.choose_sampler` picks it for the
-    policy's device and the step's ``shape`` (sequences x new tokens) and vLLM is installed (its build failing,
-    e.g. a head size vLLM's CPU build lacks, falls through to native with a warning); else ``native`` when it can
-    run ``model`` and agrees with the model's own forward on :func:`probe_prompts`; otherwise ``hf``
-    (transformers ``generate``). The choice and its reason are logged."""
-    device = next(model.parameters()).device.type
-    available = vllm_installed()
-    choice, why = choose_sampler(device=device, vllm_available=available, shape=shape)
-    if choice == "vllm":
-        from meshrl.rollout.vllm_backend import VLLMBackend
-
-        try:
-            backend = VLLMBackend(model, tokenizer)  # its own precision and batching: kwargs are the in-process ones
-        except (ImportError, ValueError) as err:
-            log.warning("rollout backend auto: %s, but vllm failed to start (%s); trying native", why, err)
-        else:
-            log_once("rollout backend auto -> vllm: %s", why)
-            return backend
-    elif available:
-        log_once("rollout backend auto -> native: %s", why)
-    reason = unsupported_reason(model)
-    if reason is None:
-        native = NativeDecodeBackend(model, tokenizer, batch_size=batch_size, workers=workers, prepack=prepack,
-                                     decoder=decoder, **kwargs)
-        try:
-            native.verify(probe_prompts(tokenizer))
-            return native
-        except RuntimeError as err:
-            reason = str(err)
-            log.warning("rollout backend auto -> hf: %s", reason)
-    else:
-        log.info("rollout backend auto -> hf (native: %s)", reason)
-    return HFGenerateBackend(model, tokenizer, batch_size=batch_size, **kwargs)

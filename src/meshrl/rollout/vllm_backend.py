@@ -122,6 +122,9 @@ class VLLMBackend(RolloutBackend):
         self.work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="meshrl-vllm-"))
         self.llm = self._build_engine(model)
 
+    def precision(self, weights: str) -> str:
+        return str(self.llm_kwargs.get("dtype", "unknown"))
+
     @property
     def logprobs_truncated(self) -> bool:  # type: ignore[override]
         """vLLM's processed log-probs are taken after top-p / top-k (raw ones before the temperature, too)."""

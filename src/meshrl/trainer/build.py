@@ -98,17 +98,12 @@ def build_sampler(cfg: Any, recipe: Any, task: Any, problems: list[Any], policy:
     evaluation (``eval.every``)."""
     from meshrl.models import encode_prompt
     from meshrl.rewards import RewardRunner, scorer_time_limit
-    from meshrl.rollout import make_backend
+    from meshrl.rollout import backend_for_run
     from meshrl.rollout.choice import StepShape
 
-    name = cfg.rollout.backend
-    extra: dict[str, Any] = ({"workers": cfg.rollout.decode_workers or None, "prepack": cfg.rollout.prepack_weights,
-                              "decoder": cfg.rollout.decoder} if name in ("auto", "native") else {})
-    if name == "auto":  # the rule picks by the step's shape (meshrl.rollout.choice)
-        extra["shape"] = StepShape(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens)
-    if name != "vllm":  # the in-process samplers' precision (vllm: its own dtype)
-        extra["autocast"] = "bfloat16" if cfg.rollout.autocast_bf16 else None
-    backend = make_backend(name, policy.model, policy.tokenizer, batch_size=cfg.rollout.batch_size, **extra)
+    # each backend reads its own settings (RolloutBackend.from_config); auto picks by the step's shape
+    shape = StepShape(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.rollout.max_new_tokens)
+    backend = backend_for_run(cfg.rollout, policy.model, policy.tokenizer, shape=shape)
     log.info("rollout backend: %s (rollout.backend=%s)", backend.name, cfg.rollout.backend)
     _check_code_sandbox(cfg, task)
     runner = RewardRunner(task.score, timeout_s=scorer_time_limit(cfg.reward.timeout_s, task), strict=cfg.reward.strict)

@@ -19,11 +19,12 @@ import yaml
 
 from meshrl.algos import ADVANTAGE_ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES, RECIPES, Recipe, recipe
 from meshrl.models.loading import check_device
+from meshrl.rollout import BACKENDS
 from meshrl.settings import check_settings, section, setting
 from meshrl.trainer.plugins import PluginsConfig, validate_plugins
 from meshrl.trainer.schedule import SCHEDULES
 
-ROLLOUT_BACKENDS = ("auto", "hf", "native", "vllm")
+ROLLOUT_BACKENDS = tuple(sorted(BACKENDS))  # the registry's: a registered backend is a choice (meshrl.rollout)
 LR_SCHEDULES = SCHEDULES
 DTYPES = ("float32", "bfloat16")
 TRACKERS = ("tensorboard", "wandb", "trackio")

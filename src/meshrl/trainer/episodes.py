@@ -58,7 +58,7 @@ def context_limit_of(backend: Any, tokenizer: Any) -> int | None:
     backend holds no model or neither it nor the tokenizer states a limit."""
     from meshrl.trainer.rollout_step import context_limit
 
-    return context_limit(getattr(backend, "model", None), tokenizer)
+    return context_limit(backend.model, tokenizer)
 
 
 class ObservationFit:

@@ -121,9 +121,7 @@ class MismatchMonitor:
             return None
         self.announced = True
         weights = str(next(model.parameters()).dtype).removeprefix("torch.")
-        rollout = f"autocast-{backend.autocast}" if getattr(backend, "autocast", None) else weights
-        if backend.name == "vllm":
-            rollout = str(getattr(backend, "llm_kwargs", {}).get("dtype", "unknown"))
+        rollout = backend.precision(weights)
         update = "autocast-bfloat16" if update_autocast else weights
         return {"step": step, "event": "mismatch_setup", "backend": backend.name,
                 "rollout_precision": rollout, "update_precision": update}

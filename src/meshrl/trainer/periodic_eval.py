@@ -35,7 +35,7 @@ class PeriodicEval:
         if not self.problems:
             raise ValueError(f"task {task.name} split {split!r} is empty: nothing to evaluate on")
         setting = "eval.max_new_tokens" if ev.max_new_tokens else "rollout.max_new_tokens"
-        budget = PromptBudget(context_limit(getattr(backend, "model", None), tokenizer),
+        budget = PromptBudget(context_limit(backend.model, tokenizer),
                               ev.max_new_tokens or cfg.rollout.max_new_tokens, setting)
         encoded = [(p, encode_within_limit(encode_prompt, tokenizer, task.format_prompt(p), budget.limit))
                    for p in self.problems]

@@ -223,18 +223,18 @@ class RolloutStep:
     # ``features=True`` for the backend on a step that computes MEI (:meth:`features_wanted`); reassigned, never
     # mutated, so the class-level default is shared safely (also by a sampler built without ``__init__``).
     _features: dict[str, bool] = {}
+    # The plug-in that forces the coach arms' response openings (Plugin.opening), if one is enabled: set by the
+    # trainer once the plug-ins exist (TrainPlugins.opener).
+    opener: Any = None
 
     def __init__(self, *, task, problems, backend, tokenizer, reward_runner, recipe: Recipe, cfg,
                  encode_prompt, prefixes: dict[str, list[str]] | None = None) -> None:
         self.task, self.problems, self.backend = task, problems, backend
         self.tokenizer, self.rewards, self.recipe, self.cfg = tokenizer, reward_runner, recipe, cfg
         self.sampler = ProblemSampler(len(problems), cfg.seed)
-        self.budget = PromptBudget(context_limit(getattr(backend, "model", None), tokenizer),
+        self.budget = PromptBudget(context_limit(backend.model, tokenizer),
                                    cfg.rollout.max_new_tokens)
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
-        # The plug-in that forces the coach arms' response openings (Plugin.opening), if one is enabled: set by the
-        # trainer once the plug-ins exist (TrainPlugins.opener).
-        self.opener: Any = None
         self._encode = encode_prompt
         self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
         self.last = StepData()
@@ -446,7 +446,7 @@ class RolloutStep:
         this step (``diag.mei.every``) and the backend can return them (``returns_features``)."""
         mc = self.cfg.diag.mei
         return (mc.every > 0 and step % mc.every == 0 and mc.feature == "bias"
-                and bool(getattr(self.backend, "returns_features", False)))
+                and self.backend.returns_features)
 
     def advantages(self, rewards: torch.Tensor, group_ids: list[Any]) -> torch.Tensor:
         """The recipe's advantage estimator (``Recipe.advantage``, looked up in ``meshrl.algos``) over the groups."""

@@ -93,7 +93,7 @@ class Trainer:
         self.mismatch.begin(data, unsampled_rows(data))
         self.last_data = data
         if not self.cfg.rollout.keep_decoders:  # their private pages would sit through the update
-            getattr(self.backend, "release_workers", lambda: None)()
+            self.backend.release_workers()
         t1 = time.perf_counter()
         self.dirty = True  # from here on the trainer's state changes
         for g in self.optimizer.param_groups:  # a pure function of the step: a resume continues it exactly
@@ -140,8 +140,8 @@ class Trainer:
 
     def mei_fallback_reason(self, data: StepData, missing: int) -> str:
         """Why this step's MEI features come from the update's forward instead of the sampler."""
-        if not getattr(self.backend, "returns_features", False):
-            return f"rollout backend {getattr(self.backend, 'name', type(self.backend).__name__)!r} returns none"
+        if not self.backend.returns_features:
+            return f"rollout backend {self.backend.name!r} returns none"
         if getattr(self.task, "episodic", False):
             return "multi-turn episodes carry no sampler features"
         return f"{missing} of {len(data)} rows have no sampler features (reused, off-policy or coach-guided rows)"
@@ -271,6 +271,4 @@ class Trainer:
     def close(self) -> None:
         """Stop the update and decode worker processes (also done at garbage collection and exit)."""
         self.engine.close()
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        self.backend.close()
