@@ -167,14 +167,14 @@ def meshrl_step(trainer: Trainer, side: Side) -> None:
 
 
 def meshrl_problem_order(task, n: int, seed: int = 0) -> list:
-    """The first ``n`` problems meshrl's trainer draws with ``seed`` (its ``ProblemSampler``, cursor 0..n-1).
+    """The first ``n`` problems meshrl's trainer draws with ``seed`` (its ``ProblemStream``, cursor 0..n-1).
 
     The trainer skips a problem whose prompt is too long for the model; the benchmark's task has none, and
     :func:`run_pair` checks every step's problems on both sides anyway."""
-    from meshrl.trainer.rollout_step import ProblemSampler
+    from meshrl.trainer.rollout_step import ProblemStream
 
     problems = task.problems("train")
-    sampler = ProblemSampler(len(problems), seed)
+    sampler = ProblemStream(len(problems), seed)
     return [problems[sampler.index(i)] for i in range(n)]
 
 

@@ -25,3 +25,29 @@ def tiny_config():
     from meshrl.testing import tiny_config
 
     return tiny_config
+
+
+SWEEP_GRID = """
+out: {out}
+seeds: [0, 1]
+base:
+  model: tiny
+  task: tiny:add
+  steps: 2
+  log: {{progress: false}}
+  rollout: {{prompts_per_step: 2, group_size: 4, max_new_tokens: 3}}
+arms:
+  - name: grpo
+    recipe: grpo
+  - name: mesh
+    recipe: mesh
+    grid: {{mesh.mu: [0.0, 0.1]}}
+"""
+
+
+@pytest.fixture
+def sweep_grid(tmp_path):
+    """A ``meshrl sweep`` grid: GRPO and Mesh at two mu, seeds 0-1, tiny 2-step runs (tests of meshrl.trainer.sweep)."""
+    path = tmp_path / "grid.yaml"
+    path.write_text(SWEEP_GRID.format(out=tmp_path / "runs"))
+    return path

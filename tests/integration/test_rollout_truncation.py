@@ -63,7 +63,7 @@ def test_the_trainer_adds_the_kept_mass_back_to_a_truncating_samplers_logprobs()
     from meshrl.trainer.batch import token_logprobs
     from meshrl.trainer.forward import PolicyForward
     from meshrl.trainer.mismatch import sampler_logps
-    from meshrl.trainer.rollout_step import StepData
+    from meshrl.trainer.step_data import StepData
 
     cfg = tiny_config("rollout.temperature=0.8", "rollout.top_p=0.7")
     torch.manual_seed(0)

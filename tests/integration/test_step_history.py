@@ -14,7 +14,7 @@ from meshrl.testing import TINY_RUN
 from meshrl.trainer import load_config, train
 from meshrl.trainer import loop as loop_module
 from meshrl.trainer.history import StepHistory
-from meshrl.trainer.rollout_step import StepData
+from meshrl.trainer.step_data import StepData
 
 
 def _metrics(step: int) -> dict:

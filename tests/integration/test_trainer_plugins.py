@@ -4,6 +4,7 @@ shortcut while staying equal to the plain update where its formula says so."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -443,8 +444,8 @@ def test_plugin_state_round_trips_step_data_exactly(tmp_path):
     data, _ = t.plugins.sample(t.sampler, 0, 0)
     data.group_ids = [(g, 1) for g in data.query_ids]  # tuple groups (Mesh prefix groups) too
     logps = [lp.to(torch.bfloat16) for lp in t.forward.logps(t.model, data)]
-    data.mark(1, "luffy", len(data.response_ids[1]))  # provenance travels with the rows
-    data.mark(3, "coach_guide", 2)
+    data.replace_row(1, dataclasses.replace(data.row(1), origin="luffy", unsampled=len(data.response_ids[1])))
+    data.replace_row(3, dataclasses.replace(data.row(3), origin="coach_guide", unsampled=2))  # provenance travels
     text = json.dumps(replay_to_json((data, logps, 7)))
     back, back_logps, born = replay_from_json(json.loads(text), {str(p.id): p for p in t.problems})
     assert born == 7 and back.rows_from("luffy") == {1} and back.unsampled[3] == 2

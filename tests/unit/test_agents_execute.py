@@ -1,5 +1,5 @@
-"""meshrl.agents.execute: time limit and output cap per call, errors as counted results, the calculator and the
-sandboxed Python tool."""
+"""meshrl.agents.execute: time limit and output cap per call, errors as counted results, the calculator (the
+sandboxed Python tool: tests/integration/test_agents_execute_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from meshrl.agents import CalculatorError, Toolbox, ToolCall, calculator, execute_call, python_tool
+from meshrl.agents import CalculatorError, Toolbox, ToolCall, calculator, execute_call
 
 _release = threading.Event()
 
@@ -136,14 +136,3 @@ def test_calculator_is_a_tool_whose_errors_reach_the_model():
     assert box.tools["calculator"].parameters["required"] == ["expression"]
     result = execute_call(box, ToolCall("calculator", {"expression": "1/0"}), timeout_s=5, max_output_chars=200)
     assert result.error == "CalculatorError: division by zero"
-
-
-def test_python_tool_runs_in_the_sandbox():
-    python = python_tool(timeout_s=5)
-    box = Toolbox(None, [python])
-    assert box.names == ["python"] and box.tools["python"].parameters["required"] == ["code"]
-    assert python("print(6 * 7)") == "42\n"
-    failed = python("import sys\nprint('before')\nraise ValueError('bad input')")
-    assert failed.startswith("before\n\n[status: error") and "ValueError: bad input" in failed
-    slow = python_tool(timeout_s=0.5)("while True: pass")
-    assert "[status: timeout" in slow

@@ -1,10 +1,9 @@
-"""Clip-Cov, KL-Cov, entropy-based advantage and forking-token masks against hand-computed cases (and
-TRL's ``get_high_entropy_mask`` on the same inputs)."""
+"""Clip-Cov, KL-Cov, entropy-based advantage and forking-token masks against hand-computed cases (against TRL's
+``get_high_entropy_mask``: tests/integration/test_algos_entropy_control_trl.py)."""
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -209,20 +208,6 @@ def test_forking_normalisations_differ_only_in_the_denominator() -> None:
     assert trl.item() == pytest.approx((2.0 + 4.0) / 5)
     assert m_sel == m_all == {"fork/frac_tokens": pytest.approx(2 / 5)}
     assert set(TOKEN_MASKS) == {"fork_selected", "fork_all"}
-
-
-def test_forking_mask_equals_trl_get_high_entropy_mask() -> None:
-    grpo = pytest.importorskip("trl.trainer.grpo_trainer")
-    identity = SimpleNamespace(pad_across_processes=lambda x, dim, pad_index: x, gather=lambda x: x)
-    fake_trainer = SimpleNamespace(accelerator=identity)
-    gen = torch.Generator().manual_seed(3)
-    for rho in (0.2, 0.5, 1.0):
-        entropy = torch.rand(6, 9, generator=gen) * 3
-        mask = (torch.rand(6, 9, generator=gen) > 0.3).to(torch.long)
-        mask[4] = 0  # an empty row
-        theirs = grpo.GRPOTrainer.get_high_entropy_mask(fake_trainer, entropy, mask, 1 - rho)
-        ours = high_entropy_mask(entropy, mask, top_frac=rho)
-        assert torch.equal(ours, theirs)
 
 
 def test_registry_and_bad_settings_name_the_setting() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[2] / "src" / "meshrl"
 # Bottom to top. A module imports from its own group or a lower one only. Layer 3, the engine, is four ordered groups.
 GROUPS: list[tuple[str, set[str]]] = [
@@ -58,11 +60,15 @@ def _upward_imports() -> set[tuple[str, str]]:
     return found
 
 
+# slow: parses every module under src/meshrl (0.5 to 1.5 s each, one thread, busy 2-core box)
+@pytest.mark.slow
 def test_imports_point_down():
     bad = sorted(_upward_imports() - ALLOWED_UPWARD)
     assert not bad, "\n".join(f"{f} imports meshrl.{dep}" for f, dep in bad)
 
 
+# slow: parses every module under src/meshrl (0.5 to 1.5 s each, one thread, busy 2-core box)
+@pytest.mark.slow
 def test_every_allowed_upward_import_is_still_needed():
     stale = sorted(ALLOWED_UPWARD - _upward_imports())
     assert not stale, "drop from ALLOWED_UPWARD: " + ", ".join(f"{f} -> meshrl.{dep}" for f, dep in stale)
@@ -74,6 +80,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# slow: parses every module under src/meshrl (0.5 to 1.5 s each, one thread, busy 2-core box)
+@pytest.mark.slow
 def test_no_private_names_cross_modules():
     """``from meshrl.x.y import _name`` (or anything from a private module ``meshrl.x._y``) only inside the package
     that defines it: its own helpers."""
@@ -91,6 +99,8 @@ def test_no_private_names_cross_modules():
     assert not bad, "\n".join(bad)
 
 
+# slow: parses every module under src/meshrl (0.5 to 1.5 s each, one thread, busy 2-core box)
+@pytest.mark.slow
 def test_private_attributes_of_meshrl_objects_stay_inside():
     """No ``trainer._x`` style access: a private attribute is read only through ``self`` / ``cls``. The integrations
     are left out: there ``trainer`` is TRL's or verl's, whose private hooks are their extension points."""
@@ -106,6 +116,8 @@ def test_private_attributes_of_meshrl_objects_stay_inside():
     assert not bad, "\n".join(bad)
 
 
+# slow: parses every module under src/meshrl (0.5 to 1.5 s each, one thread, busy 2-core box)
+@pytest.mark.slow
 def test_trainer_submodules_are_imported_only_inside_the_trainer():
     """Outside ``meshrl.trainer`` its public API is ``from meshrl.trainer import ...``."""
     bad = []

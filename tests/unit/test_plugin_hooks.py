@@ -7,6 +7,8 @@ import ast
 import inspect
 from pathlib import Path
 
+import pytest
+
 from meshrl.trainer.plugins import CONFIG_HOOKS, REGISTRY, SAMPLING_HOOKS, STATE_HOOKS, UPDATE_HOOKS, Plugin
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "meshrl"
@@ -28,6 +30,8 @@ def _outside_plugins():
             yield path, ast.parse(path.read_text())
 
 
+# slow: parses every module under src/meshrl (0.5 to 1.5 s each, one thread, busy 2-core box)
+@pytest.mark.slow
 def test_no_module_outside_the_plugins_package_imports_a_plugin():
     plugin_modules = {f"meshrl.trainer.plugins.{p.stem}" for p in PLUGINS.glob("*.py") if p.stem != "__init__"}
     for path, tree in _outside_plugins():
@@ -37,6 +41,8 @@ def test_no_module_outside_the_plugins_package_imports_a_plugin():
                 assert not names & plugin_modules, f"{path}: imports {names & plugin_modules}"
 
 
+# slow: parses every module under src/meshrl (0.5 to 1.5 s each, one thread, busy 2-core box)
+@pytest.mark.slow
 def test_no_module_outside_the_plugins_package_reads_a_plugins_section_by_name():
     for path, tree in _outside_plugins():
         for node in ast.walk(tree):

@@ -1,5 +1,6 @@
 """The warm start shipped with the package is the demo's, made with exactly the settings the demo asks for, and
-``warm_start`` hands it out instead of training (``meshrl demo`` then skips its longest phase)."""
+``warm_start`` hands it out instead of training (``meshrl demo`` then skips its longest phase); other settings
+train: tests/integration/test_shipped_warm_start_train.py."""
 
 from __future__ import annotations
 
@@ -33,9 +34,3 @@ def test_warm_start_returns_the_shipped_copy_and_it_loads(tmp_path, monkeypatch)
     model, tok = load_model(str(path))
     assert tok.decode(tok.encode("12+3", add_special_tokens=False)) == "12+3"
     assert sum(p.numel() for p in model.parameters()) > 0
-
-
-def test_other_settings_still_train_into_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHRL_CACHE", str(tmp_path))
-    path = warm_start(seed=0, steps=2, batch_size=4, progress=False)  # not shipped: trained, cached
-    assert path.parent == tmp_path / "testbed" and (path / MARKER).is_file()

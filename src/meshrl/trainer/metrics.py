@@ -8,7 +8,8 @@ import torch
 
 from meshrl.doctor.grouping import grouping_metrics
 from meshrl.runs.correct import CORRECT_AT, is_correct
-from meshrl.trainer.rollout_step import StepData, strategy_figures
+from meshrl.trainer.rollout_step import strategy_figures
+from meshrl.trainer.step_data import StepData
 
 
 def rollout_metrics(data: StepData) -> dict[str, float]:

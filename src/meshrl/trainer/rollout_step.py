@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch
 from meshrl.agents.environment import count_reward_failures
 from meshrl.algos import Recipe, advantage_estimator, dynamic_sampling_mask, overlong_penalty
 from meshrl.runs.correct import is_correct
+from meshrl.trainer.step_data import Sample, StepData
 
 log = logging.getLogger("meshrl")
 # Prompts longer than this many characters per model position are measured from their head first: no
@@ -111,97 +111,7 @@ def encode_within_limit(encode_prompt, tokenizer, text: str, limit: int | None) 
     return head if head is not None else encode_prompt(tokenizer, text)
 
 
-@dataclass
-class StepData:
-    """Rollouts of one training step, flattened to one row per sample."""
-
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    response_ids: list[list[int]] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    truncated: list[bool] = field(default_factory=list)
-    problems: list[Any] = field(default_factory=list)
-    group_ids: list[Any] = field(default_factory=list)  # advantage group: draw, or (draw, prefix)
-    query_ids: list[int] = field(default_factory=list)  # one id per problem draw (the cursor position)
-    strategy_ids: list[int] = field(default_factory=list)  # coach prefix index, -1 without a coach
-    scores: list[float] = field(default_factory=list)  # task score in [0, 1]
-    # The sampler's own log-prob of each response token (Rollouts.engine_logprobs), None for a row that has none
-    # (a backend without them, an off-policy trace): compared with the update's in the mismatch diagnostic.
-    rollout_logps: list[list[float] | None] = field(default_factory=list)
-    # The sampler's MEI ``bias`` features of each row (Rollouts.engine_features: float32 [V]), None for a row that
-    # has none (not asked for this step, a backend or an episode without them, an off-policy trace or a forced
-    # opening). They describe the policy that sampled the row, so the trainer takes them once, at the update that
-    # follows the sampling (:meth:`take_rollout_features`); a batch reused later carries none.
-    rollout_features: list[np.ndarray | None] = field(default_factory=list)
-    # Where the sampler's log-probs are taken under its truncated distribution (vLLM, rollout.top_p < 1): per row,
-    # log of the tempered mass its top-p set keeps at each response token, under the policy at the update's start
-    # (set by the update; None otherwise). ``rollout_logps + rollout_log_kept`` is then the sampler's log-prob over
-    # the whole vocabulary, the quantity the trainer's log-probs are (meshrl.rollout.truncation).
-    rollout_log_kept: list[torch.Tensor] | None = None
-    # Provenance, per row: ``origin`` is "" for a row the policy sampled from its prompt, else the name of the
-    # plug-in that made it or forced part of it (a forced opening, an off-policy trace); ``unsampled`` is how many
-    # leading response tokens the sampler did not choose (0: every one; an opening's length; a whole trace's).
-    origin: list[str] = field(default_factory=list)
-    unsampled: list[int] = field(default_factory=list)
-    # Multi-turn episodes: per row, 1 on each response token the model sampled and 0 on the environment's tokens
-    # (tool output) between its turns; every loss term, metric and MEI reads only the 1s. Empty, or None for a
-    # row: every response token is the model's (single-turn rollouts).
-    response_masks: list[list[int] | None] = field(default_factory=list)
-    # Multi-turn episodes: what the strategy labeller reads per row (the model's turns, tool calls included:
-    # EnvTask labels the tool pattern); empty: the texts. Kept rows carry theirs into the step's batch.
-    label_texts: list[str] = field(default_factory=list)
-    rewards: torch.Tensor | None = None  # shaped reward [N]
-    advantages: torch.Tensor | None = None  # [N]
-    stats: dict[str, float] = field(default_factory=dict)
-    # Every rollout sampled this step, before dynamic sampling dropped any group: (text, score, problem).
-    # Strategy masses and per-type accuracy describe the policy, so they use these, not the kept rows.
-    seen: list[tuple[str, float, Any]] = field(default_factory=list)
-
-    def extend(self, other: StepData, keep: list[int]) -> None:
-        if other.response_masks or self.response_masks:
-            self.response_masks.extend([None] * (len(self) - len(self.response_masks)))
-            self.response_masks.extend(other.model_mask(i) for i in keep)
-        for name in ("prompt_ids", "response_ids", "texts", "truncated", "problems", "group_ids", "query_ids",
-                     "strategy_ids", "scores", "rollout_logps"):
-            getattr(self, name).extend(getattr(other, name)[i] for i in keep)
-        self.rollout_features.extend(other.rollout_features[i] if i < len(other.rollout_features) else None
-                                     for i in keep)
-        self.origin.extend(other.origin[i] if i < len(other.origin) else "" for i in keep)
-        self.unsampled.extend(other.unsampled[i] if i < len(other.unsampled) else 0 for i in keep)
-        if other.label_texts:
-            self.label_texts.extend(other.label_texts[i] for i in keep)
-
-    def __len__(self) -> int:
-        return len(self.texts)
-
-    def rows_from(self, origin: str) -> set[int]:
-        """The rows whose ``origin`` is ``origin`` (a plug-in's name)."""
-        return {i for i, o in enumerate(self.origin) if o == origin}
-
-    def mark(self, row: int, origin: str, unsampled: int) -> None:
-        """Record that ``origin`` made row ``row`` or forced its first ``unsampled`` response tokens."""
-        missing = len(self) - len(self.origin)
-        if missing > 0:
-            self.origin.extend([""] * missing)
-            self.unsampled.extend([0] * missing)
-        self.origin[row], self.unsampled[row] = origin, unsampled
-
-    def take_rollout_features(self) -> tuple[torch.Tensor | None, int]:
-        """``(features [rows, V] float32, rows without)``: the sampler's features of every row stacked, or None
-        when some row has none; every row's entry becomes None (they belong to the sampling policy, which the
-        update is about to change; cleared in place, so that a batch a plug-in keeps, sharing the list, has none)."""
-        feats = [self.rollout_features[i] if i < len(self.rollout_features) else None for i in range(len(self))]
-        self.rollout_features[:] = [None] * len(self.rollout_features)
-        missing = sum(f is None for f in feats)
-        if missing or not feats:
-            return None, missing
-        return torch.from_numpy(np.stack(feats).astype(np.float32, copy=False)), 0
-
-    def model_mask(self, row: int) -> list[int] | None:
-        """Row ``row``'s model-token mask (``response_masks``), or None when all its tokens are the model's."""
-        return self.response_masks[row] if row < len(self.response_masks) else None
-
-
-class ProblemSampler:
+class ProblemStream:
     """Deterministic epoch-wise shuffled stream of problem indices, addressed by a cursor."""
 
     def __init__(self, n: int, seed: int) -> None:
@@ -231,7 +141,7 @@ class RolloutStep:
                  encode_prompt, prefixes: dict[str, list[str]] | None = None) -> None:
         self.task, self.problems, self.backend = task, problems, backend
         self.tokenizer, self.rewards, self.recipe, self.cfg = tokenizer, reward_runner, recipe, cfg
-        self.sampler = ProblemSampler(len(problems), cfg.seed)
+        self.problem_stream = ProblemStream(len(problems), cfg.seed)  # which problem each cursor position is
         self.budget = PromptBudget(context_limit(backend.model, tokenizer),
                                    cfg.rollout.max_new_tokens)
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
@@ -322,7 +232,7 @@ class RolloutStep:
         their cursor positions, the next cursor)``."""
         chosen, positions, pos = [], [], cursor
         while len(chosen) < n_problems:
-            problem = self.problems[self.sampler.index(pos)]
+            problem = self.problems[self.problem_stream.index(pos)]
             if self._fits(problem):
                 chosen.append(problem)
                 positions.append(pos)
@@ -368,21 +278,16 @@ class RolloutStep:
         per_query = self.cfg.mesh.adv_unit == "query" or self.prefixes is None
         for row in rows:
             j, k = arms[row["prompt_index"]]
-            data.prompt_ids.append(list(row["prompt_ids"]))
-            data.response_ids.append(list(row["response_ids"]))
-            data.texts.append(row["text"])
-            data.truncated.append(bool(row["truncated"]))
-            data.problems.append(chosen[j])
-            data.query_ids.append(positions[j])
-            data.strategy_ids.append(k)
-            data.group_ids.append(positions[j] if per_query else (positions[j], k))
-            data.rollout_logps.append(None if row["logps"] is None else list(row["logps"]))
-            data.rollout_features.append(row.get("features"))
-            data.origin.append(self.opener.name if row["forced"] else "")
-            data.unsampled.append(int(row["forced"]))
-            if "model_mask" in row:
-                data.response_masks.append(list(row["model_mask"]))
-                data.label_texts.append(row["transcript"])
+            data.append(Sample(
+                prompt_ids=list(row["prompt_ids"]), response_ids=list(row["response_ids"]), text=row["text"],
+                truncated=bool(row["truncated"]), problem=chosen[j],
+                group_id=positions[j] if per_query else (positions[j], k), query_id=positions[j], strategy_id=k,
+                score=0.0,  # graded below, all rows at once
+                rollout_logps=None if row["logps"] is None else list(row["logps"]),
+                rollout_features=row.get("features"), origin=self.opener.name if row["forced"] else "",
+                unsampled=int(row["forced"]),
+                response_mask=list(row["model_mask"]) if "model_mask" in row else None,
+                label_text=row["transcript"] if "model_mask" in row else None))
         if getattr(self.task, "owns_reward", False):  # the environment's get_reward() scores the episode
             # its failures count as the reward function's would (reward/errors, failure.max_reward_failed)
             count_reward_failures([row["env_reward"] for row in rows], self.rewards)

@@ -35,9 +35,9 @@ from meshrl.trainer.mei_monitor import MeiMonitor
 from meshrl.trainer.metrics import rollout_metrics, strategy_metrics
 from meshrl.trainer.mismatch import MismatchMonitor, unsampled_rows
 from meshrl.trainer.plugins import PluginContext, TrainPlugins
-from meshrl.trainer.rollout_step import StepData
 from meshrl.trainer.schedule import lr_at
 from meshrl.trainer.speed import make_speed_path
+from meshrl.trainer.step_data import StepData
 from meshrl.trainer.update import StepPlan, make_engine
 
 log = logging.getLogger("meshrl")

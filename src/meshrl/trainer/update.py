@@ -59,7 +59,7 @@ from meshrl.trainer.parallel_update import (
     split_rows,
     update_worker_count,
 )
-from meshrl.trainer.rollout_step import StepData
+from meshrl.trainer.step_data import StepData
 
 log = logging.getLogger("meshrl")
 

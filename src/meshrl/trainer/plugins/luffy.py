@@ -9,6 +9,7 @@ rows take the shaped, unclipped loss ``-A f(pi_theta)``, ``f(p) = p / (p + gamma
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,13 +74,12 @@ class Luffy(Plugin):
                 if len(ids) > max_len:
                     too_long += 1
                     continue
-                data.response_ids[i], data.texts[i], data.truncated[i] = ids, text, False
-                if i < len(data.rollout_logps):
-                    data.rollout_logps[i] = None  # a trace was not sampled: no sampler log-probs
-                if i < len(data.rollout_features):
-                    data.rollout_features[i] = None  # nor sampler features (MEI scores it in the update)
-                data.scores[i] = sampler.rewards([text], [problem])[0]
-                data.mark(i, self.name, len(ids))  # the whole trace is off-policy (a forced opening included)
+                # A trace was not sampled: no sampler log-probs or features (MEI scores it in the update), and the
+                # whole row is off-policy (a forced opening included).
+                data.replace_row(i, dataclasses.replace(
+                    data.row(i), response_ids=ids, text=text, truncated=False, rollout_logps=None,
+                    rollout_features=None, score=sampler.rewards([text], [problem])[0], origin=self.name,
+                    unsampled=len(ids)))
         # The same shaping and advantages as the sampler's, now over the mixed groups.
         data.rewards = sampler.shape_rewards(data)
         data.advantages = sampler.advantages(data.rewards, data.group_ids)

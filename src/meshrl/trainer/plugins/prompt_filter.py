@@ -37,8 +37,8 @@ class PromptFilter(Plugin):
         self.filter = FilteredProblems(None, ctx.problems, cfg)  # its stream comes with the first sampling
 
     def before_sampling(self, sampler: Any) -> None:
-        if sampler.sampler is not self.filter:  # once: the filter reads the stream it replaces
-            self.filter.inner, sampler.sampler = sampler.sampler, self.filter
+        if sampler.problem_stream is not self.filter:  # once: the filter reads the stream it replaces
+            self.filter.inner, sampler.problem_stream = sampler.problem_stream, self.filter
 
     def after_sampling(self, step: int, data: Any, sampler: Any) -> Any:
         data.stats.update(self.filter.record(step, data.seen))

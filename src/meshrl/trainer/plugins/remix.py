@@ -128,7 +128,7 @@ class Remix(Plugin):
         want = round(p / (1 - p) * len(data))
         gen = torch.Generator().manual_seed(self.ctx.seed * 1_000_003 + step)
         pools = [list(dict.fromkeys(h.group_ids)) for h, _, _ in self.history]
-        mixed, ages = _subset(data, list(range(len(data)))), []
+        mixed, ages = data.select(list(range(len(data)))), []
         while len(mixed) - len(data) < want and any(pools):
             k = int(torch.randint(len(self.history), (1,), generator=gen))  # i ~ uniform over the window
             if not pools[k]:
@@ -155,7 +155,7 @@ class Remix(Plugin):
         start = old_logps if old_logps is not None else self.ctx.forward.logps(self.ctx.forward.model, data)
         self.start = start
         fresh = list(range(self.n_fresh))
-        self.history = [*self.history, (_subset(data, fresh), start[: self.n_fresh], self.step)][-self.cfg.window:]
+        self.history = [*self.history, (data.select(fresh), start[: self.n_fresh], self.step)][-self.cfg.window:]
         if not self.hist_logps:
             return old_logps
         return [*start[: self.n_fresh], *self.hist_logps]
@@ -235,15 +235,6 @@ def mix_ppg_loss(logp: torch.Tensor, behaviour: torch.Tensor, start: torch.Tenso
     return mat, {"remix/clip_frac": float(((-a * clipped > -a * ratio) & (mask > 0)).sum() / n),
                  "remix/centre_mean": float((centre * mask).sum() / n),
                  "remix/off_tokens": float((off & (mask > 0)).sum() / n)}
-
-
-def _subset(data: Any, rows: list[int]) -> Any:
-    from meshrl.trainer.rollout_step import StepData
-
-    out = StepData()
-    _append(out, data, rows)
-    out.stats = dict(data.stats)
-    return out
 
 
 def _append(out: Any, data: Any, rows: list[int]) -> None:

@@ -132,7 +132,7 @@ def step_data_to_json(data: Any) -> dict[str, Any]:
 
 def step_data_from_json(obj: dict[str, Any], problems: dict[str, Any]) -> Any:
     """The inverse of :func:`step_data_to_json`; ``problems`` maps id -> problem."""
-    from meshrl.trainer.rollout_step import StepData
+    from meshrl.trainer.step_data import StepData
 
     def problem(pid: str) -> Any:
         if pid not in problems:
