@@ -133,6 +133,7 @@ def test_warm_settings_per_family_keep_the_default_cache_name():
 def _step(cfg, task, prefixes, texts_for):
     """A RolloutStep over a fake backend that answers each prompt with ``texts_for(problem, strategy)``."""
     from meshrl.trainer.rollout_step import ProblemStream, PromptBudget, RolloutStep
+    from meshrl.trainer.scoring import Scoring
 
     step = RolloutStep.__new__(RolloutStep)
     step.task, step.problems, step.cfg, step.prefixes = task, task.problems("train"), cfg, prefixes
@@ -140,6 +141,8 @@ def _step(cfg, task, prefixes, texts_for):
     step.problem_stream = ProblemStream(len(step.problems), cfg.seed)
     step.prompt_ids = lambda problem, k=-1: [k + 2]
     step.rewards = lambda texts, problems: [task.score(t, p) for t, p in zip(texts, problems, strict=True)]
+    step.scoring = Scoring(task=task, reward_runner=step.rewards, recipe=cfg.resolved_recipe(),
+                           max_new_tokens=cfg.rollout.max_new_tokens, prefixes=prefixes)
 
     class Backend(RolloutBackend):
         def sync_weights(self, model):

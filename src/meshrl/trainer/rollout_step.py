@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshrl.agents.environment import count_reward_failures
-from meshrl.algos import Recipe, advantage_estimator, dynamic_sampling_mask, overlong_penalty
+from meshrl.algos import Recipe, dynamic_sampling_mask
 from meshrl.runs.correct import is_correct
+from meshrl.trainer.scoring import Scoring
 from meshrl.trainer.step_data import Sample, StepData
 
 log = logging.getLogger("meshrl")
@@ -128,7 +128,9 @@ class ProblemStream:
 
 
 class RolloutStep:
-    """Produce a :class:`StepData` per step from a task, a rollout backend and a recipe."""
+    """Produce a :class:`StepData` per step: problems from the :class:`ProblemStream`, their prompts (coach
+    arms, forced openings), rollouts from the backend, then :class:`meshrl.trainer.scoring.Scoring` (grades,
+    shaped rewards, advantages) and dynamic sampling."""
 
     # ``features=True`` for the backend on a step that computes MEI (:meth:`features_wanted`); reassigned, never
     # mutated, so the class-level default is shared safely (also by a sampler built without ``__init__``).
@@ -147,6 +149,8 @@ class RolloutStep:
         self._prompt_cache: dict[tuple[str, int], list[int]] = {}
         self._encode = encode_prompt
         self.prefixes = prefixes  # problem id -> m coach prefixes (Mesh recipes only)
+        self.scoring = Scoring(task=task, reward_runner=reward_runner, recipe=recipe,
+                               max_new_tokens=cfg.rollout.max_new_tokens, prefixes=prefixes)
         self.last = StepData()
         self.episodes: list[Any] = []  # this step's tool-using episodes (an env task), for their metrics
 
@@ -288,16 +292,8 @@ class RolloutStep:
                 unsampled=int(row["forced"]),
                 response_mask=list(row["model_mask"]) if "model_mask" in row else None,
                 label_text=row["transcript"] if "model_mask" in row else None))
-        if getattr(self.task, "owns_reward", False):  # the environment's get_reward() scores the episode
-            # its failures count as the reward function's would (reward/errors, failure.max_reward_failed)
-            count_reward_failures([row["env_reward"] for row in rows], self.rewards)
-            data.scores = [float(row["env_reward"]) for row in rows]
-        else:
-            data.scores = self.rewards(data.texts, data.problems)
-        if self.prefixes is not None:  # Task.conditioned_score: e.g. a coach-following reward (default: unchanged)
-            data.scores = [self.task.conditioned_score(s, t, p, self.prefixes[p.id][k]) if k >= 0 else s
-                           for s, t, p, k in zip(data.scores, data.texts, data.problems, data.strategy_ids,
-                                                 strict=True)]
+        owns = getattr(self.task, "owns_reward", False)  # an environment's get_reward() scores its own episodes
+        self.scoring.grade(data, [row["env_reward"] for row in rows] if owns else None)
         return data, next_cursor
 
     def run(self, step: int, cursor: int) -> tuple[StepData, int]:
@@ -317,7 +313,7 @@ class RolloutStep:
             data, next_cursor = self._sample(cursor, need, seed)
             cursor, drawn = next_cursor, drawn + need
             sampled += len(data)
-            sampled_reward += float(self.shape_rewards(data).sum()) if len(data) else 0.0
+            sampled_reward += float(self.scoring.shape_rewards(data).sum()) if len(data) else 0.0
             batch.seen.extend(zip(data.label_texts or data.texts, data.scores, data.problems, strict=True))
             if rec.dynamic_sampling:
                 # DAPO filters on accuracy, not on the length-shaped reward (eq. 11).
@@ -330,8 +326,9 @@ class RolloutStep:
             kept_groups = len(set(batch.query_ids))
             if kept_groups >= target:
                 break
-        batch.rewards = self.shape_rewards(batch) if len(batch) else torch.zeros(0)
-        batch.advantages = self.advantages(batch.rewards, batch.group_ids) if len(batch) else torch.zeros(0)
+        batch.rewards = self.scoring.shape_rewards(batch) if len(batch) else torch.zeros(0)
+        batch.advantages = (self.scoring.advantages(batch.rewards, batch.group_ids) if len(batch)
+                            else torch.zeros(0))
         batch.stats = {
             "rollouts/count": float(sampled),
             "rollouts/kept": float(len(batch)),
@@ -352,21 +349,6 @@ class RolloutStep:
         mc = self.cfg.diag.mei
         return (mc.every > 0 and step % mc.every == 0 and mc.feature == "bias"
                 and self.backend.returns_features)
-
-    def advantages(self, rewards: torch.Tensor, group_ids: list[Any]) -> torch.Tensor:
-        """The recipe's advantage estimator (``Recipe.advantage``, looked up in ``meshrl.algos``) over the groups."""
-        scale = "none" if self.recipe.adv_scale == "none" else "std"
-        return advantage_estimator(self.recipe.advantage)(rewards, group_ids, scale=scale)
-
-    def shape_rewards(self, data: StepData) -> torch.Tensor:
-        """Task score plus DAPO's soft overlong penalty when the recipe asks for it."""
-        r = torch.tensor(data.scores, dtype=torch.float32)
-        if self.recipe.overlong_shaping and len(data):
-            max_len = self.cfg.rollout.max_new_tokens
-            cache = max(1, int(round(self.recipe.overlong_cache_frac * max_len)))
-            lengths = torch.tensor([len(x) for x in data.response_ids], dtype=torch.float32)
-            r = r + overlong_penalty(lengths, max_len, cache, self.recipe.overlong_factor)
-        return r
 
 
 def sampled_rows(out: Any) -> list[dict[str, Any]]:

@@ -81,8 +81,8 @@ class Luffy(Plugin):
                     rollout_features=None, score=sampler.rewards([text], [problem])[0], origin=self.name,
                     unsampled=len(ids)))
         # The same shaping and advantages as the sampler's, now over the mixed groups.
-        data.rewards = sampler.shape_rewards(data)
-        data.advantages = sampler.advantages(data.rewards, data.group_ids)
+        data.rewards = sampler.scoring.shape_rewards(data)
+        data.advantages = sampler.scoring.advantages(data.rewards, data.group_ids)
         traces = data.rows_from(self.name)
         off_scores = [data.scores[i] for i in traces]
         data.stats.update({"offpolicy/rows": float(len(traces)),
