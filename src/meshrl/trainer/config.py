@@ -51,8 +51,8 @@ class RolloutConfig:
                                               "train.autocast_bf16; the gap is logged as mismatch/*); emulated and "
                                               "slow on a CPU without AVX-512 (warned at start)")
     prepack_weights: bool = setting(True, help="native on a CPU: oneDNN-reordered weight copies per generate call "
-                                               "(faster; bf16 bit-identical, float32 ~1e-6 rounding; float32 copies "
-                                               "under bf16 autocast where oneDNN lacks bf16 kernels)")
+                                               "(faster; bf16 bit-identical, float32 rounds differently; float32 "
+                                               "copies under bf16 autocast where oneDNN lacks bf16 kernels)")
     decoder: str = setting("auto", choices=("auto", "static", "dynamic"),
                            help="native: static = preallocated KV cache kept between steps, the decode step "
                                 "replayed as a CUDA graph (meshrl.rollout.static_decode; eager on a CPU: the GPU "
@@ -108,9 +108,11 @@ class TrainConfig:
     lean_activations: bool = setting(True, help="Llama-family: the update's backward recomputes RMSNorm and SwiGLU "
                                                 "intermediates instead of keeping them (same gradients)")
     float32_attention: bool = setting(True, help="CPU, bf16 autocast: the update's attention in float32 (PyTorch's "
-                                                 "bf16 flash-attention backward is ~2x slower there; closer to exact)")
+                                                 "bf16 flash-attention backward is slower there; closer to exact; "
+                                                 "benchmarks/README.md)")
     heap_mmap_kib: int = setting(0, ge=0, help="C allocations of at least this many KiB get their own mapping "
-                                               "(glibc; 0 = dynamic); 128: -0.5 GB, ~1.5x slower steps (SmolLM2)")
+                                               "(glibc; 0 = dynamic); less resident memory, slower steps "
+                                               "(benchmarks/README.md, \"Memory\")")
     update_workers: int = setting(0, ge=0, help="CPU: processes sharing each micro-batch (0 = one per torch thread, "
                                                 "up to 16M trainable parameters; 1 = one process)")
     skip_zero_advantage: bool = setting(True, help="rows with advantage 0 run forward only when their gradient is "
