@@ -75,6 +75,10 @@ def test_environment_failures_count_as_reward_errors():
 
     copy = pickle.loads(pickle.dumps(rewards[1]))  # rows cross process boundaries with their failure
     assert copy == 0.0 and copy.failure == rewards[1].failure
+    strict = RewardRunner(lambda c, p: 1.0, isolation="inline", strict=True)  # reward.strict: the run stops
+    with pytest.raises(RewardError, match=r"returned NaN"):
+        count_reward_failures(rewards, strict)
+    assert count_reward_failures([environment_reward(_env_returning(0.5))], strict) == 0
 
 
 def test_eval_says_what_it_could_not_score(tmp_path, monkeypatch):

@@ -226,11 +226,17 @@ def environment_reward(env: Any, problem_id: str | None = None, *, strict: bool 
 def count_reward_failures(rewards: Iterable[Any], runner: Any) -> int:
     """Add the failed environment rewards among ``rewards`` (:class:`EnvironmentReward` with a ``failure``) to
     ``runner``'s ``reward/errors`` (a :class:`meshrl.rewards.RewardRunner`'s counters, so that they are reported
-    and checked as a reward function's errors) and its ``last_failure``; return how many there were."""
+    and checked as a reward function's errors) and its ``last_failure``; return how many there were. A ``strict``
+    runner (``reward.strict``) raises :class:`meshrl.rewards.RewardError` with the first failure instead, as it does
+    for its own reward function."""
     failures = [r.failure for r in rewards if isinstance(r, EnvironmentReward) and r.failure is not None]
     if failures:
         runner.stats["reward/errors"] = runner.stats.get("reward/errors", 0) + len(failures)
         runner.last_failure = failures[-1]
+        if getattr(runner, "strict", False):
+            from meshrl.rewards import RewardError
+
+            raise RewardError(failures[0])
     return len(failures)
 
 
