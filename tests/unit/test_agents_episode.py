@@ -257,6 +257,13 @@ def test_limits_are_checked():
         EpisodeLimits(max_turns=0)
     with pytest.raises(ValueError, match="on_parse_failure must be 'respond' or 'end'"):
         EpisodeLimits(on_parse_failure="retry")
+    for bad in ({"max_turns": "4"}, {"max_tool_calls": 2.5}, {"max_total_tokens": True}):  # built from Python
+        with pytest.raises(ValueError, match="must be an int"):
+            EpisodeLimits(**bad)
+    for t in (float("inf"), float("nan"), "10", 0):
+        with pytest.raises(ValueError, match="tool_timeout_s must be a finite number > 0"):
+            EpisodeLimits(tool_timeout_s=t)
+    assert EpisodeLimits(tool_timeout_s=2).tool_timeout_s == 2
     assert json.dumps(EpisodeLimits().__dict__)  # plain values: loggable as a config record
 
 

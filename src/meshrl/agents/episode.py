@@ -23,6 +23,7 @@ An episode ends with ``end_reason``:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -58,11 +59,17 @@ class EpisodeLimits:
     on_parse_failure: str = "respond"
 
     def __post_init__(self) -> None:
+        # Built from Python as well as from settings: the types are checked here too (a "4" or a 2.5 for a count
+        # would fail deep inside an episode, an inf or NaN time limit would never fire).
         for name in ("max_turns", "max_tool_calls", "max_total_tokens", "max_tool_output_chars"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EpisodeLimits.{name} must be >= 1, got {getattr(self, name)}")
-        if self.tool_timeout_s <= 0:
-            raise ValueError(f"EpisodeLimits.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"EpisodeLimits.{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"EpisodeLimits.{name} must be >= 1, got {value}")
+        t = self.tool_timeout_s
+        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"EpisodeLimits.tool_timeout_s must be a finite number > 0, got {t!r}")
         if self.on_parse_failure not in ("respond", "end"):
             raise ValueError("EpisodeLimits.on_parse_failure must be 'respond' or 'end', got "
                              f"{self.on_parse_failure!r}")
