@@ -192,8 +192,8 @@ class FaultPlugin(Plugin):
         if step + 1 < self.cfg.fault_step or not len(data):
             return data
         apply_fault(self.cfg.kind, data)
-        data.rewards = sampler.shape_rewards(data)
-        data.advantages = sampler.advantages(data.rewards, data.group_ids)
+        data.rewards = sampler.scoring.shape_rewards(data)
+        data.advantages = sampler.scoring.advantages(data.rewards, data.group_ids)
         return data
 
 
