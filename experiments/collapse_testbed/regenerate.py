@@ -38,7 +38,8 @@ COMMITTED: dict[str, tuple[str, list[str]]] = {
 
 #: persistence tables (persistence.py, preregistration.md) -> (committed table, warm start -> its pack)
 PERSISTENCE: dict[str, tuple[str, dict[str, str]]] = {
-    "persistence": ("testbed_persistence_results.md", {"W2": "data/testbed_persistence_W2.json.gz"}),
+    "persistence": ("testbed_persistence_results.md", {"W1": "data/testbed_persistence_W1.json.gz",
+                                                        "W2": "data/testbed_persistence_W2.json.gz"}),
 }
 
 
