@@ -66,10 +66,10 @@ def test_compaction_by_row_buckets_keeps_running_rows_and_moves_few(small):
     model, _ = small
     dec = StaticDecoder(model, 8, 20, torch.device("cpu"), capture=False)
     running = torch.tensor([True, False, True, False, False, False, True, False])
-    keep = dec.keep_slots(running)  # 3 running: the 4-slot bucket, padded with the first finished slot
+    keep = dec.keep_slots(running, 3)  # 3 running: the 4-slot bucket, padded with the first finished slot
     assert keep is not None and int(keep.sum()) == 4 and keep[running].all() and bool(keep[1])
-    assert dec.keep_slots(torch.tensor([True] * 5 + [False] * 3)) is None  # 5 running: still the 8 bucket
-    assert dec.keep_slots(torch.zeros(8, dtype=torch.bool)).sum() == 1  # none running: the smallest bucket
+    assert dec.keep_slots(torch.tensor([True] * 5 + [False] * 3), 5) is None  # 5 running: still the 8 bucket
+    assert dec.keep_slots(torch.zeros(8, dtype=torch.bool), 0).sum() == 1  # none running: the smallest bucket
 
 
 def test_buffers_are_kept_between_batches_and_see_the_new_weights(small):

@@ -235,11 +235,12 @@ class _Decoder(LlamaRunner):
         return (self.k_cache[li][:, :, :width].reshape(n * kv, width, d),
                 self.v_cache[li][:, :, :width].reshape(n * kv, width, d))
 
-    def keep_slots(self, running: torch.Tensor) -> torch.Tensor | None:
+    def keep_slots(self, running: torch.Tensor, live: int) -> torch.Tensor | None:
         """The slots to keep if the cache should be compacted now (``running`` once at least
-        :data:`COMPACT_FRACTION` of the slots have finished), else None."""
+        :data:`COMPACT_FRACTION` of the slots have finished), else None; ``live`` = ``running.sum()``, which the
+        loop has already read (one host sync a step, not two)."""
         slots = running.shape[0]
-        if slots - int(running.sum()) >= max(1, math.ceil(COMPACT_FRACTION * slots)):
+        if slots - live >= max(1, math.ceil(COMPACT_FRACTION * slots)):
             return running
         return None
 
@@ -404,7 +405,7 @@ class NativeDecodeBackend(InProcessBackend):
             live = int(running.sum())
             if live == 0 or t == steps - 1:
                 break
-            kept = dec.keep_slots(running)
+            kept = dec.keep_slots(running, live)
             if kept is not None:
                 keep = dec.compact(kept)
                 slot_row, tokens, pos, running = slot_row[keep], tokens[keep], pos[keep], running[keep]

@@ -139,10 +139,10 @@ class StaticDecoder(_Decoder):
         return Gemm(self.head_weight, self.head_bias)(h)
 
     # ------------------------------------------------------------------ compaction by row buckets
-    def keep_slots(self, running: torch.Tensor) -> torch.Tensor | None:
+    def keep_slots(self, running: torch.Tensor, live: int) -> torch.Tensor | None:
         """The slots to keep when the running rows fit a smaller row bucket (``running`` plus enough finished
-        slots to fill it, the first ones, so that few rows move), else None."""
-        live, slots = int(running.sum()), running.shape[0]
+        slots to fill it, the first ones, so that few rows move), else None; ``live`` = ``running.sum()``."""
+        slots = running.shape[0]
         size = min(b for b in row_buckets(self.rows) if b >= max(live, 1))
         if size >= slots:
             return None

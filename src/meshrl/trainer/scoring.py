@@ -26,7 +26,9 @@ class Scoring:
         the task's reward function; then, under a coach, ``Task.conditioned_score`` (e.g. a coach-following reward;
         the default leaves the score unchanged)."""
         if getattr(self.task, "owns_reward", False):
-            assert env_rewards is not None, "a task that owns its reward scores its episodes itself"
+            if env_rewards is None:
+                raise ValueError(f"task {getattr(self.task, 'name', self.task)!r} owns its reward: grade() needs the "
+                                 "environments' rewards of its episodes")
             count_reward_failures(env_rewards, self.rewards)
             data.scores = [float(r) for r in env_rewards]
         else:
