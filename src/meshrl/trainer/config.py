@@ -29,6 +29,7 @@ LR_SCHEDULES = SCHEDULES
 DTYPES = ("float32", "bfloat16")
 TRACKERS = ("tensorboard", "wandb", "trackio")
 MESH_RECIPES = ("mesh", "cp_only")
+STALENESS_CORRECTIONS = ("tis", "m2po", "none")
 
 
 @dataclass
@@ -61,6 +62,22 @@ class RolloutConfig:
     keep_decoders: bool = setting(True, help="native: keep the decoder processes (CPU) and the static decoder's "
                                              "KV cache and graphs (GPU) between steps; false: built again each "
                                              "rollout, none held during the update (less memory)")
+    max_staleness: int = setting(0, ge=0, le=64,
+                                 help="k: the batch of step s is sampled from the weights of step max(0, s - k) "
+                                      "while the steps before it update (0 = sample, then update; "
+                                      "meshrl.trainer.lagged_rollouts, docs/training.md)")
+    staleness_correction: str = setting("tis", choices=STALENESS_CORRECTIONS,
+                                        help="with max_staleness >= 1: tis = truncated importance weights "
+                                             "pi_update / pi_sampler (plugins.rollout_corr), m2po = the ratio taken "
+                                             "against the sampler and M2PO's mask (plugins.m2po), none")
+    sampler_process: str = setting("auto", choices=("auto", "process", "inline"),
+                                   help="with max_staleness >= 1: process = a forked sampler overlapping the "
+                                        "update (CPU); inline = the same batches sampled in turn, no overlap; "
+                                        "auto = process where forking is safe (a CPU policy), else inline")
+    sampler_threads: int = setting(0, ge=0, help="with max_staleness >= 1: torch threads of the sampler; the "
+                                                 "update keeps the rest (0 = half of the torch threads, at least 1)")
+    sampler_timeout_s: float = setting(1800.0, gt=0, help="with max_staleness >= 1: end the run when the sampler "
+                                                          "has sent nothing for this long")
 
 
 @dataclass
@@ -347,6 +364,10 @@ class RunConfig:
                              f" (allowed: {'; '.join(f'{k} {a}' for k, _, a in bad)})")
         self._validate_mesh()
         self._validate_health()
+        if self.rollout.max_staleness:
+            from meshrl.trainer.lagged_rollouts import check_staleness
+
+            check_staleness(self)
         check_device(self.train.device)
         validate_plugins(self.plugins, self.resolved_recipe().policy_loss, self)
         return self

@@ -44,7 +44,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
     if resume:
         trainer.restore()
         rewind_records(run_dir, trainer.step_idx)
-    record = config_record(cfg, trainer.task)
+    record = config_record(trainer.cfg, trainer.task)  # the trainer's: a correction a setting turned on shows
     write_config(record, run_dir)
     writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events", "evals")}
     health = LiveHealth(cfg, run_dir, record, writers) if cfg.health.every else None

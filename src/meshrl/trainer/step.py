@@ -30,10 +30,11 @@ from meshrl.trainer.build import build_policy, build_sampler, build_task, emulat
 from meshrl.trainer.config import RunConfig
 from meshrl.trainer.failure import RunHealth
 from meshrl.trainer.forward import PolicyForward
+from meshrl.trainer.lagged_rollouts import LaggedRollouts, staleness_metrics, staleness_plugins
 from meshrl.trainer.loss import Objective, UpdateInputs
 from meshrl.trainer.mei_monitor import MeiMonitor
 from meshrl.trainer.metrics import rollout_metrics, strategy_metrics
-from meshrl.trainer.mismatch import MismatchMonitor, unsampled_rows
+from meshrl.trainer.mismatch import MismatchMonitor, unsampled_rows, whole_vocab_rows
 from meshrl.trainer.plugins import PluginContext, TrainPlugins
 from meshrl.trainer.schedule import lr_at
 from meshrl.trainer.speed import make_speed_path
@@ -45,6 +46,7 @@ log = logging.getLogger("meshrl")
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        cfg = staleness_plugins(cfg)  # rollout.max_staleness >= 1: the correction's plug-in on
         self.cfg, self.run_dir = cfg, run_dir
         self.speed = make_speed_path(cfg.train)
         self.speed.at_start()  # before the model's tensors exist
@@ -62,6 +64,11 @@ class Trainer:
             problems=self.problems, seed=cfg.seed, rollouts=self.sampler))
         self.sampler.opener = self.plugins.opener()  # a plug-in may force the coach arms' openings
         self.mismatch = MismatchMonitor()  # every run: the sampler's log-probs against the update's
+        # rollout.max_staleness >= 1: batches sampled ahead from older weights (before the update engine, which
+        # sizes its workers by the cores the sampler leaves it)
+        self.lag = (LaggedRollouts(cfg, self.sampler, self.model, self.problems) if cfg.rollout.max_staleness
+                    else None)
+        self.lag_reward: tuple[dict[str, Any], str | None] = ({}, None)  # the lagged batch's reward counters
         self.balance = StrategyBalance(cfg, self.forward)
         per_prefix = cfg.mesh_enabled and cfg.mesh.budget == "per_prefix"
         group = cfg.rollout.group_size * (cfg.mesh.m + cfg.mesh.bare_groups * cfg.mesh.bare_group if per_prefix else 1)
@@ -89,7 +96,12 @@ class Trainer:
         t0 = time.perf_counter()
         self.boundary_rng = rng_state()
         # 1-2. rollouts, rewards, advantages (a sampling plug-in may reuse or change the batch)
-        data, cursor = self.plugins.sample(self.sampler, self.step_idx, self.cursor)
+        if self.lag is None:
+            data, cursor = self.plugins.sample(self.sampler, self.step_idx, self.cursor)
+        else:  # sampled ahead, from the weights of step max(0, s - k) (meshrl.trainer.lagged_rollouts)
+            data, cursor, got = self.lag.next_batch(self.step_idx, self.cursor)
+            data = self.plugins.received(self.step_idx, data, self.sampler)
+            self.lag_reward = (got.reward_stats, got.reward_failure)
         self.mismatch.begin(data, unsampled_rows(data))
         self.last_data = data
         if not self.cfg.rollout.keep_decoders:  # their private pages would sit through the update
@@ -118,6 +130,9 @@ class Trainer:
             metrics.update(mei_metrics)
             self.pending_events.extend(events)
         self.backend.sync_weights(self.model)
+        if self.lag is not None:
+            metrics.update(staleness_metrics(data, self.step_idx))
+            self.lag.publish(self.model, self.step_idx + 1)
         t2 = time.perf_counter()
         self.step_idx, self.cursor = self.step_idx + 1, cursor
         n_tokens = sum(len(p) + len(r) for p, r in zip(data.prompt_ids, data.response_ids, strict=True))
@@ -130,12 +145,21 @@ class Trainer:
             "time/train_s": t2 - t1,
             "time/step_s": t2 - t0,
             "throughput/tokens_per_s": n_tokens / max(t2 - t0, 1e-9),
-            **self.sampler.rewards.pop_stats(),
+            **self.reward_counters(),
         })
         return metrics
 
+    def reward_counters(self) -> dict[str, Any]:
+        """The reward runner's counters of this step's batch (a lagged batch's came from the sampler process)."""
+        out = dict(self.lag_reward[0]) if self.lag is not None else {}
+        for key, value in self.sampler.rewards.pop_stats().items():
+            out[key] = out.get(key, 0) + value
+        return out
+
     def last_reward_failure(self) -> str | None:
         """The scorer's latest failure message (None: none yet), for the error that stops a run whose rewards fail."""
+        if self.lag is not None and self.lag_reward[1] is not None:
+            return self.lag_reward[1]
         return getattr(self.sampler.rewards, "last_failure", None)
 
     def mei_fallback_reason(self, data: StepData, missing: int) -> str:
@@ -165,7 +189,12 @@ class Trainer:
         # With one optimiser step per batch the old policy IS the current one: reuse logp.detach().
         start_logps = (None if single_pass and not self.balance.needs_start_logps
                        else self.forward.logps(self.model, data))
-        old_logps = self.plugins.behaviour_logps(data, start_logps)  # a reused batch: its sampler's
+        if self.lag is not None and self.cfg.rollout.staleness_correction == "m2po":
+            if start_logps is None:
+                start_logps = self.forward.logps(self.model, data)
+            old_logps = sampler_behaviour(data, start_logps)  # M2PO's ratio: against the policy that sampled
+        else:
+            old_logps = self.plugins.behaviour_logps(data, start_logps)  # a reused batch: its sampler's
         need_ref = (rec.kl_coef > 0 or (rec.js_coef > 0 and rec.js_mode == "sampled") or self.balance.needs_reference)
         ref_logps = self.forward.ref_logps(data) if need_ref else None
         # Per-step terms: Mesh balancing weights (over the log-probs of the policy that sampled the batch, which
@@ -236,6 +265,8 @@ class Trainer:
             return path
         state = {"cursor": self.cursor, "bad_in_row": self.bad_in_row, "stalled_in_row": self.health.stalled_in_row,
                  "mei": self.mei.state_dict() if self.mei else None, "plugins": self.plugins.state_dict()}
+        if self.lag is not None:  # the batches sampled ahead, from weights this checkpoint does not hold
+            state["lagged"] = self.lag.state_dict(self.step_idx, self.cursor)
         path = save_checkpoint(self.run_dir, self.step_idx, self.model, self.optimizer, state,
                                keep_last=self.cfg.checkpoint.keep_last, rng=self.boundary_rng)
         self.saved_step = self.step_idx
@@ -263,6 +294,9 @@ class Trainer:
             self.mei.load_state_dict(state["mei"])
         self.plugins.load_state_dict(state.get("plugins"))
         self.backend.sync_weights(self.model)
+        if self.lag is not None:
+            self.lag.load_state_dict(state.get("lagged"), self.step_idx, self.cursor)
+            self.lag.publish(self.model, self.step_idx)
 
     def end_step(self) -> None:
         """The step's records are written: the trainer is at a step boundary again."""
@@ -270,5 +304,15 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the update and decode worker processes (also done at garbage collection and exit)."""
+        if self.lag is not None:
+            self.lag.close()
         self.engine.close()
         self.backend.close()
+
+
+def sampler_behaviour(data: StepData, start_logps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per row, the sampler's log-probs of its tokens (whole tempered vocabulary: meshrl.trainer.mismatch), where it
+    sampled them all; the update's start log-probs for a row it did not (a forced opening, a trace)."""
+    rows = whole_vocab_rows(data, data.rollout_logps, unsampled_rows(data), list(range(len(data))))
+    return [start if r is None or len(r) != len(start) else torch.tensor(r, dtype=start.dtype)
+            for r, start in zip(rows, start_logps, strict=True)]

@@ -92,6 +92,9 @@ class StepData:
     # Every rollout sampled this step, before dynamic sampling dropped any group: (text, score, problem).
     # Strategy masses and per-type accuracy describe the policy, so they use these, not the kept rows.
     seen: list[tuple[str, float, Any]] = field(default_factory=list)
+    # With lagged rollouts (rollout.max_staleness >= 1), per row: the policy version (optimiser steps of the
+    # trainer) whose weights sampled it (meshrl.trainer.lagged_rollouts); empty otherwise (the current policy's).
+    policy_versions: list[int] = field(default_factory=list)
 
     def extend(self, other: StepData, keep: list[int]) -> None:
         if other.response_masks or self.response_masks:

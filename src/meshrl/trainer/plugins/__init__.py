@@ -30,6 +30,8 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
 
 from meshrl.trainer.plugins.config import (  # noqa: E402
     PluginsConfig,
+    check_lagged,
+    enable_staleness_correction,
     load_custom,
     plugins_need_reference,
     validate_plugins,
@@ -37,5 +39,5 @@ from meshrl.trainer.plugins.config import (  # noqa: E402
 from meshrl.trainer.plugins.host import TrainPlugins  # noqa: E402
 
 __all__ = ["CONFIG_HOOKS", "REGISTRY", "SAMPLING_HOOKS", "STATE_HOOKS", "UPDATE_HOOKS", "Plugin", "PluginContext",
-           "PluginsConfig", "Stage", "TokenTerms", "TrainPlugins", "load_custom", "plugins_need_reference", "register",
-           "validate_plugins"]
+           "PluginsConfig", "Stage", "TokenTerms", "TrainPlugins", "check_lagged", "enable_staleness_correction",
+           "load_custom", "plugins_need_reference", "register", "validate_plugins"]

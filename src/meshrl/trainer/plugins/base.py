@@ -91,6 +91,12 @@ class Plugin:
     excludes: ClassVar[tuple[str, ...]] = ()
     needs_reference: ClassVar[bool] = False  # scores rollouts under the frozen reference (the trainer keeps one)
     episodes_ok: ClassVar[bool] = True  # False: reads a response as one sampled stream (refused for tool episodes)
+    # Lagged rollouts (rollout.max_staleness >= 1, meshrl.trainer.lagged_rollouts): a plug-in with sampling hooks
+    # is refused unless they only check a batch (``lag_safe``); ``lag_refusal`` refuses one for its own reason;
+    # ``corrects_staleness`` is the rollout.staleness_correction value the plug-in implements.
+    lag_safe: ClassVar[bool] = False
+    lag_refusal: ClassVar[str] = ""
+    corrects_staleness: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line for the docs and `--help-config`
 
     def __init__(self, cfg: Any, ctx: PluginContext) -> None:

@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from meshrl.settings import check_settings, section, setting
-from meshrl.trainer.plugins.base import REGISTRY, Plugin
+from meshrl.trainer.plugins.base import REGISTRY, SAMPLING_HOOKS, Plugin
 
 SEQUENCE_LEVEL_LOSSES = ("gspo",)  # one ratio and one advantage per sequence: no per-token selection
 
@@ -88,6 +88,35 @@ def validate_plugins(plugins: Any, policy_loss_name: str, run_cfg: Any = None) -
         raise ValueError(f"{token_level[0]}.enabled needs a token-level policy loss; the recipe's "
                          f"policy_loss is {policy_loss_name!r} (one ratio per sequence): use gspo_token, ppo_clip "
                          "or cispo")
+
+
+def check_lagged(plugins: Any, k: int) -> None:
+    """Raise ``ValueError`` naming the enabled plug-in that cannot run on batches sampled ``k >= 1`` steps ahead by
+    another process (``rollout.max_staleness``): one whose sampling hooks read or change batches in the trainer
+    (unless ``lag_safe``), or one with a ``lag_refusal``."""
+    for key, cls, cfg in _instances(plugins):
+        if not cls.is_enabled(cfg):
+            continue
+        key = f"{key}.enabled" if hasattr(cfg, "enabled") else key  # e.g. replay is on by its reuse_steps
+        hooks = [h for h in SAMPLING_HOOKS if getattr(cls, h) is not getattr(Plugin, h)]
+        if hooks and not cls.lag_safe:
+            raise ValueError(f"{key} cannot run with rollout.max_staleness={k}: its sampling hooks "
+                             f"({', '.join(hooks)}) read or change batches in the trainer's process, where a lagged "
+                             "batch is neither sampled nor from the current policy; set rollout.max_staleness=0")
+        if cls.lag_refusal:
+            raise ValueError(f"{key} cannot run with rollout.max_staleness={k}: {cls.lag_refusal}")
+
+
+def enable_staleness_correction(plugins: Any, how: str) -> str | None:
+    """Turn on the built-in plug-in whose ``corrects_staleness`` is ``how`` (``plugins`` changed in place); its
+    config key, or None when it was on already."""
+    for key, cls, cfg in _instances(plugins):
+        if cls.corrects_staleness == how and hasattr(cfg, "enabled"):
+            if cfg.enabled:
+                return None
+            cfg.enabled = True
+            return key
+    raise ValueError(f"rollout.staleness_correction={how!r}: no plug-in implements it")
 
 
 def plugins_need_reference(plugins: Any) -> bool:

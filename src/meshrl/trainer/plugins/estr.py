@@ -78,6 +78,8 @@ class Estr(Plugin):
     # remix and luffy bring rows sampled by other policies, whose entropies are not the start policy's
     excludes = ("remix", "luffy")
     summary = "ESTR: entropy-scaled trust region for stale rollouts (Zhao et al. 2026)"
+    lag_refusal = ("ESTR needs the sampling policy's entropy at each token, which the lagged sampler does not "
+                   "record; use rollout.staleness_correction=tis or m2po")
 
     def __init__(self, cfg: EstrConfig, ctx: PluginContext) -> None:
         super().__init__(cfg, ctx)

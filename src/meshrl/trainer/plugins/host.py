@@ -58,6 +58,16 @@ class TrainPlugins:
             p.batch_ready(step, data)
         return data, cursor
 
+    def received(self, step: int, data: Any, sampler: Any) -> Any:
+        """A batch sampled ahead in the sampler process (``rollout.max_staleness``): every plug-in's
+        :meth:`~Plugin.after_sampling` and :meth:`~Plugin.batch_ready` on it (only plug-ins whose sampling hooks
+        just check the batch may be on: meshrl.trainer.lagged_rollouts.check_staleness)."""
+        for p in self.active:
+            data = p.after_sampling(step, data, sampler)
+        for p in self.active:
+            p.batch_ready(step, data)
+        return data
+
     def behaviour_logps(self, data: Any, old_logps: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         for p in self.active:
             old_logps = p.behaviour_logps(data, old_logps)

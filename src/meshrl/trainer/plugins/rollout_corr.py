@@ -46,6 +46,8 @@ class RolloutCorr(Plugin):
     Config = RolloutCorrConfig
     stage = Stage.CORRECTION
     summary = "rollout importance correction: TIS / IcePop weights, k1/k2/k3 rejection (Yao et al. 2025)"
+    lag_safe = True  # after_sampling only checks that the batch has sampler log-probs
+    corrects_staleness = "tis"
 
     @classmethod
     def check(cls, cfg: RolloutCorrConfig, run_cfg: Any) -> None:
