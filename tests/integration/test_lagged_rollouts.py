@@ -58,6 +58,9 @@ def test_each_batch_comes_from_the_weights_k_steps_back(lag2_process):
     assert [r["lag/staleness_max"] for r in rows] == [0, 1, 2, 2, 2, 2]
     assert all(r[f"lag/staleness/{int(r['lag/staleness_mean'])}"] == 1.0 for r in rows)
     assert all("rollout_corr/weight_mean" in r for r in rows)  # TIS on by default
+    assert all(0 < r["rollout_corr/ess"] <= 1 and r["rollout_corr/weight_max"] > 0 for r in rows)
+    samples = read_jsonl(lag2_process / "samples.jsonl")
+    assert {(s["step"], s["policy_version"]) for s in samples} == {(1, 0), (2, 0), (3, 0), (4, 1), (5, 2), (6, 3)}
     config = yaml.safe_load((lag2_process / "config.yaml").read_text())
     assert config["plugins"]["rollout_corr"]["enabled"] is True  # the record says what ran
     assert any(r["grad/norm"] > 0 for r in rows[:3])  # the weights moved, so the later batches are really stale:
@@ -262,3 +265,18 @@ def test_a_killed_lagged_run_resumes_into_the_same_run(tmp_path, sig):
                                timeout=600)
         assert again.returncode == 0, again.stderr[-2000:]
     assert _records(run) == _records(ref)
+
+
+def test_mei_reads_the_sampler_features_of_lagged_batches(tmp_path, caplog):
+    """MEI from the sampler's features of each batch (the behaviour policy's), every step, with live health on."""
+    import logging
+
+    run = tmp_path / "mei"
+    with caplog.at_level(logging.INFO, logger="meshrl"):
+        train(_cfg("rollout.max_staleness=1", "rollout.sampler_process=process", "diag.mei.every=1",
+                   "health.every=2", "rollout.backend=native", steps=4), run)
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert all("mei/query" in r for r in rows)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("MEI features from the rollout" in m for m in said)
+    assert not any("MEI features from the update's forward" in m for m in said)

@@ -143,6 +143,9 @@ def test_rollout_corr_loss_equals_the_hand_computed_weighted_loss(tmp_path, leve
     assert stats["rollout_corr/weight_mean"] == pytest.approx(float((w * mask).sum()) / n, rel=1e-5)
     assert stats["rollout_corr/frac_rejected"] == pytest.approx(float(((1 - keep) * mask).sum()) / n)
     hit = (raw > 1.3) if mode == "truncate" else ~((raw >= 0.8) & (raw <= 1.2))
+    tok = tok_lw.exp()[mask > 0].double()
+    assert stats["rollout_corr/weight_max"] == pytest.approx(float(tok.max()), rel=1e-6)
+    assert stats["rollout_corr/ess"] == pytest.approx(float(tok.sum() ** 2 / (tok.numel() * (tok**2).sum())), rel=1e-6)
     assert stats["rollout_corr/frac_truncated"] == pytest.approx(float((hit * mask).sum()) / n)
     if reject != "none":
         assert 0 < stats["rollout_corr/frac_rejected"] < 1

@@ -10,6 +10,7 @@ import torch
 
 from meshrl.algos import (
     OFF_POLICY_SHAPES,
+    importance_weight_stats,
     logprob_mismatch_stats,
     luffy_off_policy_loss,
     m2po_mask,
@@ -156,3 +157,13 @@ def test_mismatch_stats_hand_case_and_empty() -> None:
     assert s["mismatch/logp_absdiff_p99"] == pytest.approx(1.0)
     assert s["mismatch/kl_k3"] == pytest.approx(float((d.exp() - 1 - d).mean()))
     assert logprob_mismatch_stats(LOGP, ROLL, torch.zeros_like(MASK)) == {}
+
+
+def test_importance_weight_stats_by_hand():
+    # weights 1, 1, 2 on the valid tokens, a masked 50 ignored: sum 4, sum of squares 6, n 3 -> ESS 16 / 18
+    log_ratio = torch.log(torch.tensor([[1.0, 1.0], [2.0, 50.0]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    out = importance_weight_stats(log_ratio, mask)
+    assert out["max"] == pytest.approx(2.0) and out["ess"] == pytest.approx(16 / 18)
+    assert importance_weight_stats(torch.zeros(2, 3), torch.ones(2, 3)) == {"max": 1.0, "ess": 1.0}
+    assert importance_weight_stats(torch.zeros(1, 2), torch.zeros(1, 2)) == {"max": 1.0, "ess": 1.0}

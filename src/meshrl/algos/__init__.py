@@ -37,6 +37,7 @@ from meshrl.algos.entropy_control import (
 )
 from meshrl.algos.offpolicy import (
     OFF_POLICY_SHAPES,
+    importance_weight_stats,
     logprob_mismatch_stats,
     luffy_off_policy_loss,
     m2po_mask,
@@ -79,6 +80,7 @@ __all__ = [
     "logprob_mismatch_stats",
     "luffy_off_policy_loss",
     "m2po_mask",
+    "importance_weight_stats",
     "rollout_is_weights",
     "rollout_rejection_mask",
     "shape_advantages",

@@ -192,6 +192,21 @@ def rollout_is_weights(
     }
 
 
+def importance_weight_stats(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the weights ``w = exp(log_ratio)`` (untruncated, e.g. ``log pi_update - log pi_sampler`` per token)
+    are from uniform, over the valid tokens of ``mask``: ``max`` = max w, and Kish's normalised effective sample
+    size (Kong 1992; Kish 1965)::
+
+        ess = (sum_t w_t)^2 / (n * sum_t w_t^2)      in (0, 1]: 1 when every weight is equal
+
+    (``log_ratio`` clamped to +-20 first, as the weights are). No valid token: ``{"max": 1, "ess": 1}``."""
+    m = _masked("mask", log_ratio, mask, "log_ratio")
+    w = log_ratio.detach().double().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()[m > 0]
+    if w.numel() == 0:
+        return {"max": 1.0, "ess": 1.0}
+    return {"max": float(w.max()), "ess": float(w.sum() ** 2 / (w.numel() * (w * w).sum()))}
+
+
 def rollout_rejection_mask(
     logp: torch.Tensor,
     rollout_logp: torch.Tensor,

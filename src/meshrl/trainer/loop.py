@@ -138,6 +138,8 @@ def _write_samples(writer: JsonlWriter, trainer: Trainer, step: int) -> None:
         if strategy >= 0:  # the coach text the rollout was conditioned on, so it can be re-scored as sampled
             row.update(trainer.sampler.conditioning(p, strategy))
         row.update(_exact_tokens(data, i))
+        if i < len(data.policy_versions):  # lagged rollouts: the weights (trainer step) that sampled the row
+            row["policy_version"] = data.policy_versions[i]
         label = _strategy_label(trainer.task, data, i)
         if label is not None:
             row["strategy_label"] = label

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from meshrl.algos import rollout_is_weights, rollout_rejection_mask
+from meshrl.algos import importance_weight_stats, rollout_is_weights, rollout_rejection_mask
 from meshrl.settings import setting
 from meshrl.trainer.mismatch import rows_tensor, sampler_logps, unsampled_rows
 from meshrl.trainer.plugins.base import Plugin, Stage, Stats, TokenTerms, register
@@ -82,8 +82,9 @@ def rollout_correction(c: RolloutCorrConfig, pg_mat: torch.Tensor, agg_mask: tor
     ``has`` False, e.g. off-policy traces, keep weight 1 and are never rejected); ``keep`` 0 on the rejected
     tokens (``reject=k*``; a whole row at sequence level, tested on the row mean of the estimator). Metrics:
     ``rollout_corr/weight_mean`` (mean weight over the valid tokens with a rollout log-prob),
-    ``rollout_corr/frac_truncated`` (share of those whose weight was truncated or zeroed) and
-    ``rollout_corr/frac_rejected``.
+    ``rollout_corr/frac_truncated`` (share of those whose weight was truncated or zeroed),
+    ``rollout_corr/frac_rejected``, and of the untruncated token ratios ``rollout_corr/weight_max`` and
+    ``rollout_corr/ess`` (:func:`meshrl.algos.importance_weight_stats`).
     """
     valid = mask * has[:, None].to(mask.dtype)
     if c.mode == "truncate":
@@ -100,8 +101,10 @@ def rollout_correction(c: RolloutCorrConfig, pg_mat: torch.Tensor, agg_mask: tor
         rejected = rs["rollout_rs/masked_frac"]
     weight = torch.where(valid > 0, w, torch.ones_like(w)).to(pg_mat.dtype)
     n = valid.sum()
+    spread = importance_weight_stats(old - rollout, valid)  # of the token ratios, before truncation
     stats = {"rollout_corr/weight_mean": float((w * valid).sum() / n) if n > 0 else 1.0,
              "rollout_corr/frac_truncated": s["rollout_is/clipped_frac"] if n > 0 else 0.0,
-             "rollout_corr/frac_rejected": rejected}
+             "rollout_corr/frac_rejected": rejected,
+             "rollout_corr/weight_max": spread["max"], "rollout_corr/ess": spread["ess"]}
     keep = keep.to(pg_mat.dtype)
     return pg_mat * weight * keep, agg_mask * keep, stats

@@ -1,0 +1,137 @@
+"""Step rate of lagged rollouts (``rollout.max_staleness`` k = 0, 1, 2) on one CPU machine, with the phase split,
+against what the overlap cost model (``benchmarks/async_model.py``) predicts from the k = 0 phases.
+
+Runs the same training ``--repeats`` times per k, interleaved (k0, k1, k2, k0, ...) so that drift in the machine's
+speed hits every arm alike; the first ``--warmup`` steps of each run (start-up, first fork) are left out. Per run:
+steps per second, and the medians of the sampler's time per batch (``time/rollout_s``, measured where the batch is
+sampled: in the sampler process when k >= 1), the trainer's wait for its batch and its update (``time/train_s``).
+The model's prediction for k >= 1 is ``max(S(c), U(C - c))`` from the k = 0 medians (:func:`async_model.split_step`,
+the sampler on ``rollout.sampler_threads`` of the ``C`` torch threads, each phase scaling linearly with cores unless
+``--exponent`` says otherwise); the ratio measured / predicted is in the output.
+
+    python benchmarks/lagged_step_rate.py --out benchmarks/data/lagged_step_rate_tiny.json
+    python benchmarks/lagged_step_rate.py --protocol smollm2 --steps 8 --repeats 2 --out ...
+    python benchmarks/lagged_step_rate.py --dry-run     # 2 steps per arm, 1 repeat: the CI check that it runs
+
+Time only on a quiet machine; the CPU flags, the load average before and after, and torch's thread count are
+recorded beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from async_model import Phases, split_step  # noqa: E402
+
+PROTOCOLS = {
+    # tiny: the test-suite model on its repeat task (sampling-bound: 8 prompts x G 8, 32 new tokens)
+    "tiny": ["model=tiny", "task=tiny:repeat", "rollout.prompts_per_step=8", "rollout.group_size=8",
+             "rollout.max_new_tokens=32", "optim.lr=1e-3"],
+    # smollm2: the SmolLM2-135M addition protocol (docs/results.md), shortened
+    "smollm2": ["model=smollm2-135m", "task=tiny:add", "rollout.prompts_per_step=4", "rollout.group_size=8",
+                "rollout.max_new_tokens=32", "optim.lr=1e-5", "train.micro_batch_size=8"],
+}
+COMMON = ["eval.every=0", "log.samples_per_step=0", "checkpoint.every=1000", "rollout.backend=native"]
+
+
+def run_once(protocol: str, k: int, steps: int, seed: int, root: Path) -> list[dict]:
+    from meshrl.trainer.config import load_config
+    from meshrl.trainer.loop import train
+
+    overrides = [*PROTOCOLS[protocol], *COMMON, f"steps={steps}", f"seed={seed}", f"rollout.max_staleness={k}",
+                 "log.progress=false"]
+    if k:
+        overrides.append("rollout.sampler_process=process")
+    run = root / f"k{k}_s{seed}_{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    train(load_config(None, overrides), run)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows[-1]["_wall_s"] = wall
+    return rows
+
+
+def summarise(rows: list[dict], warmup: int) -> dict[str, float]:
+    """Steps per second and the phase medians of one run, its first ``warmup`` steps left out."""
+    kept = rows[warmup:] or rows
+    step_s = [r["time/step_s"] for r in kept]
+    return {"steps_per_s": len(kept) / sum(step_s),
+            "step_s": statistics.median(step_s),
+            "sample_s": statistics.median(r["time/rollout_s"] for r in kept),
+            "wait_s": statistics.median(r["time/step_s"] - r["time/train_s"] for r in kept),
+            "train_s": statistics.median(r["time/train_s"] for r in kept)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--protocol", choices=sorted(PROTOCOLS), default="tiny")
+    ap.add_argument("--ks", default="0,1,2", help="comma list of rollout.max_staleness values")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--exponent", type=float, default=1.0, help="core-scaling exponent of both phases in the model")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--dry-run", action="store_true", help="2 steps per arm, one repeat, warm-up 0")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from meshrl.cpu import cpu_info, describe
+
+    if args.dry_run:
+        args.steps, args.repeats, args.warmup = 2, 1, 0
+    ks = [int(x) for x in args.ks.split(",")]
+    threads = torch.get_num_threads()
+    load_before = os.getloadavg()
+    runs: dict[int, list[dict[str, float]]] = {k: [] for k in ks}
+    with tempfile.TemporaryDirectory() as d:
+        for rep in range(args.repeats):
+            for k in ks:
+                rows = run_once(args.protocol, k, args.steps, rep, Path(d))
+                runs[k].append(summarise(rows, args.warmup))
+                torch.set_num_threads(threads)  # a lagged run hands the cores back at its end; be sure
+                print(f"repeat {rep} k={k}: " + ", ".join(f"{n} {v:.4g}" for n, v in runs[k][-1].items()),
+                      flush=True)
+    out: dict[str, object] = {"protocol": args.protocol, "steps": args.steps, "warmup": args.warmup,
+                              "repeats": args.repeats, "cpu": cpu_info(), "torch_threads": threads,
+                              "load_before": load_before, "load_after": os.getloadavg(), "arms": {}}
+    for k in ks:
+        out["arms"][str(k)] = {n: statistics.median(r[n] for r in runs[k]) for n in runs[k][0]} | {"runs": runs[k]}
+    if 0 in runs and threads >= 2:
+        base = out["arms"]["0"]
+        p = Phases(sample=base["sample_s"], update=base["train_s"], cores=threads,
+                   sample_exponent=args.exponent, update_exponent=args.exponent)
+        predicted = split_step(p, max(1, threads // 2))
+        out["model"] = {"k0_step_s": base["step_s"], "predicted_lagged_step_s": predicted,
+                        "predicted_gain": base["step_s"] / predicted}
+        for k in ks:
+            if k:
+                arm = out["arms"][str(k)]
+                arm["gain_vs_k0"] = arm["steps_per_s"] / base["steps_per_s"]
+                arm["measured_over_predicted_step_s"] = arm["step_s"] / predicted
+    print(describe(out["cpu"]), f"; load {load_before[0]:.2f} -> {out['load_after'][0]:.2f}")
+    for k in ks:
+        arm = out["arms"][str(k)]
+        extra = f", {arm['gain_vs_k0']:.2f}x k=0" if "gain_vs_k0" in arm else ""
+        print(f"k={k}: {arm['steps_per_s']:.3f} steps/s (sample {arm['sample_s']:.3f} s, wait {arm['wait_s']:.3f} s, "
+              f"update {arm['train_s']:.3f} s){extra}")
+    if "model" in out:
+        print(f"model: lagged step {out['model']['predicted_lagged_step_s']:.3f} s predicted, gain "
+              f"{out['model']['predicted_gain']:.2f}x")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
