@@ -1,6 +1,6 @@
 """Checks on the per-step training curves: reward collapse, entropy, length, KL and importance-ratio tails,
-gradient spikes, non-finite steps, rollout/training mismatch, stalls, learning-rate mistakes and bf16 that the CPU
-emulated.
+gradient spikes, non-finite steps, rollout/training mismatch, lagged rollouts the correction does not hold, stalls,
+learning-rate mistakes and bf16 that the CPU emulated.
 
 Each check is ``check(records, thresholds) -> list[Finding] | Unchecked``: an empty list means "checked, no
 problem", :class:`Unchecked` says which metric was missing. Thresholds: :mod:`meshrl.doctor.thresholds`.
@@ -288,6 +288,103 @@ def check_mismatch(rec: RunRecords, th: Thresholds) -> Result:
                     "(meshrl plugins.rollout_corr.enabled=true; TRL vllm_importance_sampling_correction; verl "
                     "algorithm.rollout_correction.rollout_is=token)",
                     confidence(margin, len(rec.steps), th, persistent=len(steps) > 1))]
+
+
+#: The stale-step judgements of ``stale_rollouts``: (metric, threshold name, "below" / "above", what it measures).
+STALE_TESTS = (("rollout_corr/ess", "stale_ess_min", "below", "effective sample size of the importance weights"),
+               ("rollout_corr/frac_truncated", "stale_truncated_max", "above", "share of truncated weights"))
+STALE_KNOB = ("lower rollout.max_staleness; lower optim.lr (each step of lag then moves the policy less); use "
+              "rollout.staleness_correction=m2po; raise plugins.rollout_corr.threshold only knowingly (fewer "
+              "truncated weights, but the variance the truncation held back comes through)")
+
+
+def _prefixed(rec: RunRecords, prefix: str) -> bool:
+    return any(k.startswith(prefix) for r in rec.steps for k in r)
+
+
+def _persistent(bad: set[int], stale: list[int], th: Thresholds) -> bool:
+    """Failing on at least two steps and ``stale_step_share`` of the stale steps, over the whole run or over its
+    last window (so that a correction that fails late in a long run is seen): one step is a blip."""
+    w = min(len(stale), max(th.min_window, int(round(len(stale) * th.window_frac))))
+    for span in (stale, stale[-w:]):
+        n = sum(s in bad for s in span)
+        if n >= 2 and n >= th.stale_step_share * len(span):
+            return True
+    return False
+
+
+def check_stale(rec: RunRecords, th: Thresholds) -> Result:
+    """Lagged rollouts (``rollout.max_staleness = k >= 1``, the ``lag/*`` metrics): a lag trained on without a
+    correction, or a truncated-IS correction (``rollout_corr/*``) whose weights degenerate on the stale steps."""
+    if not _prefixed(rec, "lag/"):
+        why = ("no lag/* metrics: rollouts are not lagged (rollout.max_staleness = 0, or a run from before lagged "
+               "rollouts)" if rec.engine == "meshrl" else f"no lag/* metrics: {rec.engine} runs do not log "
+               "meshrl's lagged rollouts")
+        return Unchecked("stale_rollouts", why)
+    lag: dict[int, float] = {}  # step -> staleness (the largest of its rows; the mean where only that is logged)
+    for r in rec.steps:
+        d = next((r[k] for k in ("lag/staleness_max", "lag/staleness_mean") if math.isfinite(r.get(k, math.nan))),
+                 None)
+        if d is not None:
+            lag[int(r["step"])] = d
+    if not lag:
+        return Unchecked("stale_rollouts", "lag/* metrics without lag/staleness_max or lag/staleness_mean")
+    stale = sorted(s for s, d in lag.items() if d > 0)
+    if not stale:
+        return []  # every batch was sampled from the weights it was trained on (a run shorter than its lag)
+    k = max(lag.values())
+    corr, m2po = _prefixed(rec, "rollout_corr/"), _prefixed(rec, "m2po/")
+    base = {"staleness_max": fmt(k), "staleness_mean": fmt(statistics.fmean(rec.series("lag/staleness_mean")[1]))
+            if rec.first_of("lag/staleness_mean") else None, "stale_steps": len(stale)}
+    ages = sorted({key.removeprefix("lag/staleness/") for r in rec.steps for key in r
+                   if key.startswith("lag/staleness/")}, key=lambda d: (len(d), d))
+    if ages:  # the mean share of the rows d optimiser steps stale, over the steps that logged the lag
+        base["row_share_by_staleness"] = {d: fmt(sum(r.get(f"lag/staleness/{d}", 0.0) for r in rec.steps
+                                                     if int(r["step"]) in lag) / len(lag)) for d in ages}
+    if not corr and not m2po:
+        return [Finding("stale_rollouts", "Lagged rollouts trained on uncorrected", "warning", stale[:1],
+                        f"rollout.staleness_correction=none: stale batches are trained on uncorrected ({len(stale)} "
+                        f"step(s) with batches up to {k:g} optimiser step(s) old, from step {stale[0]}; neither "
+                        "rollout_corr/* nor m2po/* is logged)", base,
+                        "set rollout.staleness_correction=tis (the default) or m2po, or rollout.max_staleness=0",
+                        "high")]
+    if not corr:
+        return []  # corrected by M2PO's mask (m2po/*), which no threshold judges
+    judged = [t for t in STALE_TESTS if rec.first_of(t[0])]
+    if not judged:
+        return Unchecked("stale_rollouts", "a lagged run with rollout_corr/* but neither rollout_corr/ess nor "
+                                           "rollout_corr/frac_truncated in its records")
+    on_stale = set(stale)
+    bad: set[int] = set()
+    evidence, parts, margin = dict(base), [], 1.0
+    for key, name, side, measures in judged:
+        limit = getattr(th, name)
+        pts = [(x, y) for x, y in zip(*rec.series(key), strict=True) if x in on_stale]
+        hit = [(x, y) for x, y in pts if (y < limit if side == "below" else y > limit)]
+        if not hit:
+            continue
+        bad |= {x for x, _ in hit}
+        worst = sorted(hit, key=lambda p: p[1], reverse=side == "above")[:3]
+        evidence[key] = {"limit": limit, f"steps_{side}": len(hit), "of_stale_steps": len(pts),
+                         "worst": [{"step": x, "value": fmt(y)} for x, y in worst]}
+        parts.append(f"{key} ({measures}) {side} {limit:g} on {len(hit)} of {len(pts)} stale step(s), worst "
+                     + ", ".join(f"{y:.3g} at step {x}" for x, y in worst))
+        w = worst[0][1]
+        margin = max(margin, limit / max(w, 1e-12) if side == "below" else w / max(limit, 1e-12))
+    if not _persistent(bad, stale, th):
+        return []
+    missing = [t[0] for t in STALE_TESTS if t not in judged]
+    if missing:
+        evidence["not_logged"] = missing
+    wmax = [y for x, y in zip(*rec.series("rollout_corr/weight_max"), strict=True) if x in bad]
+    if wmax:
+        evidence["weight_max_on_those_steps"] = fmt(max(wmax))
+    steps = sorted(bad)
+    return [Finding("stale_rollouts", "The correction does not hold the rollout lag", "warning", steps[:10],
+                    f"on {len(steps)} of {len(stale)} stale step(s) (staleness up to k = {k:g} optimiser steps, "
+                    "lag/staleness_max) the importance weights pi_update / pi_sampler degenerate: "
+                    + "; ".join(parts), evidence, STALE_KNOB,
+                    confidence(margin, len(stale), th, persistent=True))]
 
 
 def check_stall(rec: RunRecords, th: Thresholds) -> Result:

@@ -33,6 +33,7 @@ CHECKS = [
     (("kl_blowup",), training.check_kl),
     (("ratio_tail",), training.check_ratio_tail),
     (("rollout_mismatch",), training.check_mismatch),
+    (("stale_rollouts",), training.check_stale),
     (("grad_spike",), training.check_grad_spikes),
     (("nonfinite",), training.check_nonfinite),
     (("strategy_collapse",), data.check_strategy),

@@ -66,6 +66,10 @@ class Thresholds:
     # meshrl: mean |log p_update - log p_sampler| on any step. fp32 sampler vs fp32 update agree to ~1e-7 on
     # tiny; a bf16-autocast sampler (or update) against fp32 gives ~5e-4 there (docs/doctor.md).
     mismatch_logp_absdiff_mean: float = 1e-4
+    # ---- lagged rollouts (rollout.max_staleness >= 1), judged on the stale steps only (lag/staleness_max > 0)
+    stale_ess_min: float = 0.5  # normalised ESS of the untruncated weights (rollout_corr/ess) below this on a step
+    stale_truncated_max: float = 0.2  # share of truncated / zeroed weights (rollout_corr/frac_truncated) above this
+    stale_step_share: float = 0.2  # ... on at least this share (and two) of the stale steps, whole run or last window
     # ---- tool-using runs (tools/* and turns/* metrics) and a reward without correct answers
     tool_min_calls: float = 0.2  # tool calls per episode in the first window below this: too few to collapse
     tool_collapse_frac: float = 0.5  # last-window calls per episode at or below this share of the first window
