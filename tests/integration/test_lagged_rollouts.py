@@ -280,3 +280,25 @@ def test_mei_reads_the_sampler_features_of_lagged_batches(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records]
     assert any("MEI features from the rollout" in m for m in said)
     assert not any("MEI features from the update's forward" in m for m in said)
+
+
+def test_the_sampler_stops_when_told_although_later_forks_hold_its_pipe(tmp_path):
+    """An evaluation's decode workers, forked from the trainer after the sampler, inherit the trainer's end of its
+    pipe: the sampler must end on the trainer's word, not wait for an EOF that never comes (5 s, then killed)."""
+    from meshrl.trainer.step import Trainer
+
+    cfg = _cfg("rollout.max_staleness=1", "rollout.sampler_process=process", "rollout.backend=native",
+               "rollout.decode_workers=2", "eval.every=1", steps=2)
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        for _ in range(2):
+            trainer.step()
+            trainer.evaluator(trainer.step_idx)  # forks the decode workers in the trainer's process
+            trainer.end_step()
+        proc = trainer.lag.producer.proc
+        assert proc is not None and proc.is_alive()
+    finally:
+        t0 = time.monotonic()
+        trainer.close()
+        took = time.monotonic() - t0
+    assert took < 4 and proc.exitcode == 0  # ended on its own, not killed after the 5 s join

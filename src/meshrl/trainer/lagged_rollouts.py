@@ -369,6 +369,10 @@ class ProcessProducer:
 
     def close(self) -> None:
         if self.conn is not None:
+            # Said, not only closed: a process forked from the trainer later (an evaluation's decode workers) may
+            # hold a copy of this end, and then the sampler would never see EOF.
+            with contextlib.suppress(OSError):
+                self.conn.send(("stop", 0))
             with contextlib.suppress(OSError):
                 self.conn.close()
             self.conn = None
@@ -401,8 +405,9 @@ def _sampler_main(conn: Any, parent: int, sampler: Any, policy: torch.nn.Module,
                 kind, value = conn.recv()
             except (EOFError, OSError):
                 return
-            if kind == "version":
-                published = max(published, int(value))
+            if kind == "stop":
+                return
+            published = max(published, int(value))  # kind == "version"
         try:
             out = sample_batch(sampler, model, ring, k, step, cursor, threads)
         except Exception as exc:  # noqa: BLE001 - sent to the trainer, which raises it
@@ -418,9 +423,13 @@ def _sampler_main(conn: Any, parent: int, sampler: Any, policy: torch.nn.Module,
         except OSError:
             return
         step, cursor = step + 1, out.cursor
-    with contextlib.suppress(EOFError, OSError):  # done: wait for the trainer to close the pipe
-        while conn.recv() is not None:
-            pass
+    with contextlib.suppress(EOFError, OSError):  # done: wait for the trainer to say stop (or go)
+        while True:
+            while not conn.poll(POLL_S):
+                if os.getppid() != parent:
+                    return
+            if conn.recv()[0] == "stop":
+                return
 
 
 # ---------------------------------------------------------------------- the trainer's side
