@@ -36,26 +36,30 @@ COMMITTED: dict[str, tuple[str, list[str]]] = {
 }
 
 
-#: persistence tables (persistence.py, preregistration.md) -> (committed table, warm start -> its pack)
-PERSISTENCE: dict[str, tuple[str, dict[str, str]]] = {
-    "persistence": ("testbed_persistence_results.md", {"W1": "data/testbed_persistence_W1.json.gz",
-                                                        "W2": "data/testbed_persistence_W2.json.gz"}),
+PERSISTENCE_PACKS = {"W1": "data/testbed_persistence_W1.json.gz", "W2": "data/testbed_persistence_W2.json.gz"}
+#: persistence-experiment tables (preregistration.md) -> (committed table, warm start -> its pack, the analysis:
+#: persistence.py's endpoints and tests, or mei_harm.py's MEI-against-harm)
+PERSISTENCE: dict[str, tuple[str, dict[str, str], str]] = {
+    "persistence": ("testbed_persistence_results.md", PERSISTENCE_PACKS, "persistence"),
+    "mei_harm": ("testbed_mei_harm_results.md", PERSISTENCE_PACKS, "mei_harm"),
 }
 
 
 def regenerate_persistence(name: str, work: Path) -> tuple[str, str]:
     """(regenerated, committed) text of persistence table ``name``: each warm start's pack unpacked under ``work``,
-    then ``persistence.py`` over all of them."""
-    from experiments.collapse_testbed import persistence
+    then its analysis over all of them."""
+    import importlib
+
     from experiments.collapse_testbed.pack import unpack_experiment
 
-    table, packs = PERSISTENCE[name]
+    table, packs, tool = PERSISTENCE[name]
+    analysis = importlib.import_module(f"experiments.collapse_testbed.{tool}")
     dirs = []
     for warm, pack in packs.items():
         unpack_experiment(HERE / pack, work / name / warm)
         dirs.append(f"{warm}={work / name / warm}")
     with contextlib.redirect_stdout(io.StringIO()):
-        rc = persistence.main([*dirs, "--out", str(work / name / "persistence.md")])
+        rc = analysis.main([*dirs, "--out", str(work / name / "persistence.md")])
     if rc != 0:
         raise RuntimeError(f"regenerating {name} failed (exit status {rc})")
     return (work / name / "persistence.md").read_text(), (DATA / table).read_text()
