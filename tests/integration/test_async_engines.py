@@ -45,7 +45,7 @@ from trl.experimental.async_grpo.async_rollout_worker import (  # noqa: E402
 from trl.trainer.utils import get_callable_name  # noqa: E402
 
 from meshrl.doctor import diagnose_records  # noqa: E402
-from meshrl.doctor.engines import load_trl, verl_records  # noqa: E402
+from meshrl.doctor.engines import TRL_ASYNC_CORRECTION, is_async_grpo, load_trl, verl_records  # noqa: E402
 from meshrl.doctor.live import truncate_records  # noqa: E402
 from meshrl.export.trl import export_rows  # noqa: E402
 from meshrl.integrations.trl import HealthCallback, MEICallback, MeshGRPOTrainer  # noqa: E402
@@ -229,9 +229,11 @@ def test_the_cpu_tree_attention_equals_a_plain_forward(make_trainer, model_dir, 
 
 
 # ---- health checks -----------------------------------------------------------------------------------------------
-def test_health_callback_on_an_async_run_equals_the_doctor_afterwards(make_trainer, tmp_path):
+def test_health_callback_on_an_async_run_equals_the_doctor_afterwards_and_reads_its_own_names(make_trainer, tmp_path):
     """HealthCallback attached to AsyncGRPOTrainer: a check every logged step, each the post-hoc doctor's verdict on
-    trainer_state.json cut there; which of AsyncGRPOTrainer's names the doctor maps, and what stays unchecked."""
+    trainer_state.json cut there. The doctor recognises the run from its records and reads AsyncGRPOTrainer's names:
+    ``kl`` as the sampler/trainer divergence, ``sample/staleness_*`` as the lag its clipped ratio corrects,
+    ``rewards/correct`` as the accuracy; what it does not log stays unchecked."""
     out = tmp_path / "out"
     steps = 6
     trainer, worker = make_trainer(out, steps + 3, max_steps=steps)
@@ -242,35 +244,44 @@ def test_health_callback_on_an_async_run_equals_the_doctor_afterwards(make_train
     checks = checks_of(out)
     assert [c["step"] for c in checks] == list(range(1, steps + 1))
     rec = load_trl(out)
+    assert is_async_grpo(trainer.state.log_history)
     for check in checks:
         assert check["findings"] == diagnose_records(truncate_records(rec, check["step"])).ids(), check["step"]
     assert callback.samples == []  # AsyncGRPOTrainer keeps no completion log for the callback to read
     for theirs, ours in {"reward": "reward/mean", "reward_std": "reward/std", "entropy": "entropy/mean",
-                         "kl": "kl/mean", "clip_ratio/region_mean": "clip/frac", "grad_norm": "grad/norm",
-                         "loss": "loss/total", "learning_rate": "lr"}.items():
+                         "kl": "mismatch/kl", "clip_ratio/region_mean": "clip/frac", "grad_norm": "grad/norm",
+                         "loss": "loss/total", "learning_rate": "lr", "rewards/correct": "acc/mean",
+                         "sample/staleness_mean": "lag/staleness_mean",
+                         "sample/staleness_max": "lag/staleness_max"}.items():
         assert rec.mapping.get(theirs) == ours, theirs
-    # Its staleness and per-function reward keys are kept under their own names, and not judged.
-    staleness = [r["sample/staleness_max"] for r in rec.steps]
+    assert rec.config["staleness_correction"] == TRL_ASYNC_CORRECTION
+    staleness = [r["lag/staleness_max"] for r in rec.steps]
     assert len(staleness) == steps and staleness == sorted(staleness) and staleness[0] >= 1
-    assert all("rewards/correct" in r and "acc/mean" not in r for r in rec.steps)
-    unchecked = {u.id: u.reason for u in diagnose_records(rec).unchecked}
-    assert "trl runs do not log meshrl's lagged rollouts" in unchecked["stale_rollouts"]
-    assert "acc/mean" in unchecked["reward_without_accuracy"]  # rewards/<f>, not rewards/<f>/mean
-    for check_id in ("length", "truncation", "no_learning_signal", "rollout_mismatch", "garbled_output"):
+    assert all("acc/mean" in r and "kl/mean" not in r and "sample/time_in_queue_s" in r for r in rec.steps)
+    diagnosis = diagnose_records(rec)
+    unchecked = {u.id: u.reason for u in diagnosis.unchecked}
+    judged = set(diagnosis.passed) | set(diagnosis.ids())
+    assert "stale_rollouts" in diagnosis.passed  # lagged, and corrected by the clipped ratio to the sampler
+    assert {"rollout_mismatch", "reward_without_accuracy"} <= judged
+    assert "the recipe has no KL term" in unchecked["kl_blowup"]
+    for check_id in ("length", "truncation", "no_learning_signal", "garbled_output"):
         assert check_id in unchecked, check_id
 
 
-def test_health_stop_ends_an_async_run_and_reads_its_kl_as_kl_to_the_reference(make_trainer, tmp_path):
-    """AsyncGRPOTrainer's ``kl`` measures the policy against the sampler's log-probs (staleness and
-    trainer/server mismatch), not against a reference; the doctor maps it to kl/mean all the same, so samples from a
-    drifted sampler raise kl_blowup. The stop action ends the run at the step of the check."""
+def test_health_stop_ends_an_async_run_on_the_sampler_mismatch_its_kl_measures(make_trainer, tmp_path):
+    """AsyncGRPOTrainer's ``kl`` measures the policy against the sampler's log-probs (staleness and trainer/server
+    mismatch), not against a reference: samples from a drifted sampler raise rollout_mismatch, never kl_blowup. The
+    stop action ends the run at the step of the check."""
     out = tmp_path / "out"
-    callback = HealthCallback(every=1, on={"kl_blowup": "stop"})
+    callback = HealthCallback(every=1, on={"rollout_mismatch": "stop", "kl_blowup": "stop"})
     trainer, _ = make_trainer(out, 8, callbacks=[callback], old_logp=-8.0, max_steps=4)
     trainer.train()
     assert trainer.state.global_step == 1 and trainer.state.log_history[0]["kl"] > 1.0
-    assert ("kl_blowup", "stop") in [(finding.id, action) for finding, action in callback.last_report.raised]
-    assert checks_of(out)[-1]["step"] == 1
+    raised = {finding.id: (finding, action) for finding, action in callback.last_report.raised}
+    assert "kl_blowup" not in raised and raised["rollout_mismatch"][1] == "stop"
+    evidence = raised["rollout_mismatch"][0].evidence["mismatch/kl"]
+    assert evidence["max"] == pytest.approx(trainer.state.log_history[0]["kl"], rel=1e-3)
+    assert checks_of(out)[-1]["step"] == 1 and "rollout_mismatch" in checks_of(out)[-1]["findings"]
 
 
 # ---- MEI -------------------------------------------------------------------------------------------------------

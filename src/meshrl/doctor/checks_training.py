@@ -315,7 +315,9 @@ def _persistent(bad: set[int], stale: list[int], th: Thresholds) -> bool:
 
 def check_stale(rec: RunRecords, th: Thresholds) -> Result:
     """Lagged rollouts (``rollout.max_staleness = k >= 1``, the ``lag/*`` metrics): a lag trained on without a
-    correction, or a truncated-IS correction (``rollout_corr/*``) whose weights degenerate on the stale steps."""
+    correction, or a truncated-IS correction (``rollout_corr/*``) whose weights degenerate on the stale steps. An
+    engine whose loss itself corrects the lag says so in ``config["staleness_correction"]`` (TRL's AsyncGRPOTrainer:
+    a clipped ratio to the sampler's log-probs); like M2PO's mask, that is only checked for being there."""
     if not _prefixed(rec, "lag/"):
         why = ("no lag/* metrics: rollouts are not lagged (rollout.max_staleness = 0, or a run from before lagged "
                "rollouts)" if rec.engine == "meshrl" else f"no lag/* metrics: {rec.engine} runs do not log "
@@ -341,6 +343,8 @@ def check_stale(rec: RunRecords, th: Thresholds) -> Result:
     if ages:  # the mean share of the rows d optimiser steps stale, over the steps that logged the lag
         base["row_share_by_staleness"] = {d: fmt(sum(r.get(f"lag/staleness/{d}", 0.0) for r in rec.steps
                                                      if int(r["step"]) in lag) / len(lag)) for d in ages}
+    if not corr and not m2po and rec.config.get("staleness_correction"):
+        return []  # corrected by the engine's own loss (a clipped ratio to the sampler: ratio_tail judges its clipping)
     if not corr and not m2po:
         return [Finding("stale_rollouts", "Lagged rollouts trained on uncorrected", "warning", stale[:1],
                         f"rollout.staleness_correction=none: stale batches are trained on uncorrected ({len(stale)} "

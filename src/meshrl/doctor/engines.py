@@ -7,6 +7,11 @@ is not in the map is kept under its own name (so it shows in ``--json``) and nev
   transformers ``Trainer`` keys ``loss``, ``grad_norm``, ``learning_rate``, ``epoch``. They reach
   ``trainer_state.json``'s ``log_history`` as they are (evaluation entries as ``eval_<name>``) and TensorBoard
   through transformers' callback with a ``train/`` or ``eval/`` prefix.
+- TRL 1.16 ``AsyncGRPOTrainer`` (``trl/experimental/async_grpo/async_grpo_trainer.py``), recognised from its records
+  (:func:`is_async_grpo`) and read through ``TRL_ASYNC_NAMES`` over ``TRL_NAMES``: its ``kl`` is the k3 estimate
+  against the sampler's log-probs (``mismatch/kl``, not KL to a reference), its ``sample/staleness_*`` are the lag
+  (``lag/*``), a reward function's mean is ``rewards/<name>`` (``TRL_ASYNC_ACCURACY``), and its loss, a clipped
+  ratio against the sampler's log-probs, is the lag's correction (``config["staleness_correction"]``).
 - verl 0.9 (``verl/trainer/ppo/metric_utils.py::compute_data_metrics``, the actor's update metrics, the
   rollout-correction diagnostics ``rollout_corr/*`` and ``training/rollout_probs_diff_*``), logged by its
   ``Tracking`` class: the ``file`` backend writes one JSON object per step to ``VERL_FILE_LOGGER_PATH``
@@ -54,6 +59,27 @@ TRL_SETTINGS: dict[str, str] = {"max_new_tokens": "max_completion_length", "grou
                                 "lr": "learning_rate", "warmup_steps": "warmup_steps", "steps": "max_steps"}
 # TRL logs one mean per reward function; one whose name says accuracy / correctness is the accuracy.
 TRL_ACCURACY = re.compile(r"^rewards/([^/]*(?:acc|correct)[^/]*)/mean$", re.IGNORECASE)
+
+#: AsyncGRPOTrainer's names where they differ from GRPOTrainer's (``TRL_NAMES`` holds the rest). Its ``kl`` is
+#: ``mean((r - 1) - log r)`` with ``r = pi_train / pi_sampler`` on the sampled tokens (``compute_loss``): the k3
+#: estimate of KL(sampler || trainer), as verl's ``rollout_corr/kl``, holding the policy's drift over the samples'
+#: staleness as well as the trainer/server mismatch; the trainer has no reference model and no KL term.
+#: ``sample/staleness_*``: weight versions between the sampler's and the trainer's at consumption (optimiser steps
+#: with ``weight_sync_steps=1``, the default), reduced per logged step as a mean and a max.
+TRL_ASYNC_NAMES: dict[str, str] = {
+    "kl": "mismatch/kl",
+    "sample/staleness_mean": "lag/staleness_mean",
+    "sample/staleness_max": "lag/staleness_max",
+}
+#: AsyncGRPOTrainer logs a reward function's mean over the step's samples as ``rewards/<name>`` (no ``/mean``).
+TRL_ASYNC_ACCURACY = re.compile(r"^rewards/([^/]*(?:acc|correct)[^/]*)$", re.IGNORECASE)
+#: Keys of AsyncGRPOTrainer's sample stream (``RolloutQueueDataset.__iter__``), which GRPOTrainer never logs; the
+#: asynchronous distillation trainer logs them too, but not the clipped-ratio loss's figures of ``TRL_ASYNC_LOSS``.
+TRL_ASYNC_SAMPLE_KEYS = ("sample/staleness_mean", "sample/staleness_max", "sample/time_in_queue_s",
+                         "sample/rollout_queue_size", "sample/dropped_stale_total")
+TRL_ASYNC_LOSS = ("kl", "ratio", "clip_ratio/region_mean")
+#: What corrects AsyncGRPOTrainer's lag (``RunRecords.config["staleness_correction"]``, read by ``stale_rollouts``).
+TRL_ASYNC_CORRECTION = "clipped ratio to the sampler's log-probs (TRL AsyncGRPOTrainer)"
 
 VERL_NAMES: dict[str, str] = {
     "critic/score/mean": "reward/mean",  # the verifier's sequence score (before any KL penalty)
@@ -113,7 +139,14 @@ def _trl_state(root: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def _trl_row(row: dict[str, Any], used: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def is_async_grpo(history: list[dict[str, Any]]) -> bool:
+    """Whether ``log_history`` entries are AsyncGRPOTrainer's: a key of its sample stream and one of its loss's."""
+    keys = {k for row in history for k in row}
+    return bool(keys & set(TRL_ASYNC_SAMPLE_KEYS)) and bool(keys & set(TRL_ASYNC_LOSS))
+
+
+def _trl_row(row: dict[str, Any], used: dict[str, str], *, names: dict[str, str] = TRL_NAMES,
+             accuracy: re.Pattern[str] = TRL_ACCURACY) -> tuple[dict[str, Any], dict[str, Any]]:
     """(training metrics, held-out metrics) of one log entry, in meshrl names."""
     train, held = {"step": row.get("step")}, {"step": row.get("step")}
     for k, v in row.items():
@@ -122,12 +155,16 @@ def _trl_row(row: dict[str, Any], used: dict[str, str]) -> tuple[dict[str, Any],
         if k.startswith("eval_"):
             held[f"eval/{k.removeprefix('eval_')}"] = v
             continue
-        acc = TRL_ACCURACY.match(k)
+        acc = accuracy.match(k)
         if acc:
             used[k] = "acc/mean"
             train["acc/mean"] = v
-        train.update(_rename({k: v}, TRL_NAMES, used))
+        train.update(_rename({k: v}, names, used))
     return train, held
+
+
+def _trl_async_row(row: dict[str, Any], used: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _trl_row(row, used, names={**TRL_NAMES, **TRL_ASYNC_NAMES}, accuracy=TRL_ASYNC_ACCURACY)
 
 
 def load_trl(root: Path) -> RunRecords:
@@ -164,8 +201,17 @@ def _tensorboard_history(tb: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def trl_records(root: Path, history: list[dict[str, Any]], config: dict[str, Any],
                 notes: list[str], samples: list[dict[str, Any]] | None = None) -> RunRecords:
     """:class:`RunRecords` of TRL ``log_history`` entries (meshrl's names; ``eval_*`` keys become held-out
-    records). Used by the post-hoc reader and by the live callback on ``TrainerState.log_history``."""
-    return _engine_records(root, "trl", history, _trl_row, config, notes, samples)
+    records). Used by the post-hoc reader and by the live callback on ``TrainerState.log_history``. Entries of an
+    AsyncGRPOTrainer run (:func:`is_async_grpo`) are read with its names, and the run's config says what corrects
+    its lag."""
+    if not is_async_grpo(history):
+        return _engine_records(root, "trl", history, _trl_row, config, notes, samples)
+    notes = [*notes, "AsyncGRPOTrainer records: its kl (k3 against the sampler's log-probs) is read as mismatch/kl, "
+             "which holds the policy's drift over the samples' staleness as well as the trainer/server mismatch "
+             "(a rollout_mismatch there may call for a lower max_staleness); sample/staleness_* as lag/*, corrected "
+             "by the loss's clipped ratio to the sampler's log-probs"]
+    config = {**config, "staleness_correction": TRL_ASYNC_CORRECTION}
+    return _engine_records(root, "trl", history, _trl_async_row, config, notes, samples)
 
 
 def _engine_records(root: Path, engine: str, rows: list[dict[str, Any]], split: Any, config: dict[str, Any],
