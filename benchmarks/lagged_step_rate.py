@@ -6,8 +6,9 @@ speed hits every arm alike; the first ``--warmup`` steps of each run (start-up, 
 steps per second, and the medians of the sampler's time per batch (``time/rollout_s``, measured where the batch is
 sampled: in the sampler process when k >= 1), the trainer's wait for its batch and its update (``time/train_s``).
 The model's prediction for k >= 1 is ``max(S(c), U(C - c))`` from the k = 0 medians (:func:`async_model.split_step`,
-the sampler on ``rollout.sampler_threads`` of the ``C`` torch threads, each phase scaling linearly with cores unless
-``--exponent`` says otherwise); the ratio measured / predicted is in the output.
+the sampler on ``rollout.sampler_threads`` of the ``C`` torch threads). How each phase scales with cores is measured
+by one more arm, k = 0 on one thread (``k0@1``; :func:`async_model.scaling_exponent`), unless ``--exponent`` fixes
+it (1 = linear); the ratio measured / predicted is in the output.
 
     python benchmarks/lagged_step_rate.py --out benchmarks/data/lagged_step_rate_tiny.json
     python benchmarks/lagged_step_rate.py --protocol smollm2 --steps 8 --repeats 2 --out ...
@@ -30,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from async_model import Phases, split_step  # noqa: E402
+from async_model import Phases, scaling_exponent, split_step  # noqa: E402
 
 PROTOCOLS = {
     # tiny: the test-suite model on its repeat task (sampling-bound: 8 prompts x G 8, 32 new tokens)
@@ -43,14 +44,14 @@ PROTOCOLS = {
 COMMON = ["eval.every=0", "log.samples_per_step=0", "checkpoint.every=1000", "rollout.backend=native"]
 
 
-def run_once(protocol: str, k: int, steps: int, seed: int, root: Path) -> list[dict]:
+def run_once(protocol: str, k: int, steps: int, seed: int, root: Path, correction: str = "tis") -> list[dict]:
     from meshrl.trainer.config import load_config
     from meshrl.trainer.loop import train
 
     overrides = [*PROTOCOLS[protocol], *COMMON, f"steps={steps}", f"seed={seed}", f"rollout.max_staleness={k}",
                  "log.progress=false"]
     if k:
-        overrides.append("rollout.sampler_process=process")
+        overrides += ["rollout.sampler_process=process", f"rollout.staleness_correction={correction}"]
     run = root / f"k{k}_s{seed}_{time.monotonic_ns()}"
     t0 = time.perf_counter()
     train(load_config(None, overrides), run)
@@ -78,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--exponent", type=float, default=1.0, help="core-scaling exponent of both phases in the model")
+    ap.add_argument("--exponent", type=float, default=None,
+                    help="core-scaling exponent of both phases in the model (default: measured, k=0 on one thread)")
+    ap.add_argument("--correction", choices=("tis", "m2po", "none"), default="tis",
+                    help="rollout.staleness_correction of the lagged arms (tis and m2po act on the update, so the "
+                         "update runs every row's backward: no zero-advantage skip)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--dry-run", action="store_true", help="2 steps per arm, one repeat, warm-up 0")
     args = ap.parse_args(argv)
@@ -93,40 +98,61 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     load_before = os.getloadavg()
     runs: dict[int, list[dict[str, float]]] = {k: [] for k in ks}
+    one_thread: list[dict[str, float]] = []  # k = 0 on one thread: how each phase scales with cores
+    measure = args.exponent is None and 0 in ks and threads >= 2
     with tempfile.TemporaryDirectory() as d:
         for rep in range(args.repeats):
             for k in ks:
-                rows = run_once(args.protocol, k, args.steps, rep, Path(d))
+                rows = run_once(args.protocol, k, args.steps, rep, Path(d), args.correction)
                 runs[k].append(summarise(rows, args.warmup))
                 torch.set_num_threads(threads)  # a lagged run hands the cores back at its end; be sure
                 print(f"repeat {rep} k={k}: " + ", ".join(f"{n} {v:.4g}" for n, v in runs[k][-1].items()),
                       flush=True)
-    out: dict[str, object] = {"protocol": args.protocol, "steps": args.steps, "warmup": args.warmup,
+            if measure:
+                torch.set_num_threads(1)
+                try:
+                    one_thread.append(summarise(run_once(args.protocol, 0, args.steps, rep, Path(d)), args.warmup))
+                finally:
+                    torch.set_num_threads(threads)
+                print(f"repeat {rep} k=0 on 1 thread: " + ", ".join(f"{n} {v:.4g}" for n, v in one_thread[-1].items()),
+                      flush=True)
+    out: dict[str, object] = {"protocol": args.protocol, "correction": args.correction, "steps": args.steps,
+                              "warmup": args.warmup,
                               "repeats": args.repeats, "cpu": cpu_info(), "torch_threads": threads,
                               "load_before": load_before, "load_after": os.getloadavg(), "arms": {}}
     for k in ks:
         out["arms"][str(k)] = {n: statistics.median(r[n] for r in runs[k]) for n in runs[k][0]} | {"runs": runs[k]}
     if 0 in runs and threads >= 2:
         base = out["arms"]["0"]
+        if measure:
+            one = {n: statistics.median(r[n] for r in one_thread) for n in one_thread[0]}
+            out["arms"]["0@1"] = one | {"runs": one_thread}
+            e_sample = scaling_exponent(one["sample_s"], 1, base["sample_s"], threads)
+            e_update = scaling_exponent(one["train_s"], 1, base["train_s"], threads)
+        else:
+            e_sample = e_update = args.exponent
         p = Phases(sample=base["sample_s"], update=base["train_s"], cores=threads,
-                   sample_exponent=args.exponent, update_exponent=args.exponent)
+                   sample_exponent=e_sample, update_exponent=e_update)
         predicted = split_step(p, max(1, threads // 2))
         out["model"] = {"k0_step_s": base["step_s"], "predicted_lagged_step_s": predicted,
-                        "predicted_gain": base["step_s"] / predicted}
+                        "predicted_gain": base["step_s"] / predicted, "sample_exponent": e_sample,
+                        "update_exponent": e_update, "exponents": "measured" if measure else "given"}
         for k in ks:
             if k:
                 arm = out["arms"][str(k)]
                 arm["gain_vs_k0"] = arm["steps_per_s"] / base["steps_per_s"]
                 arm["measured_over_predicted_step_s"] = arm["step_s"] / predicted
     print(describe(out["cpu"]), f"; load {load_before[0]:.2f} -> {out['load_after'][0]:.2f}")
-    for k in ks:
-        arm = out["arms"][str(k)]
+    for k in out["arms"]:
+        arm = out["arms"][k]
         extra = f", {arm['gain_vs_k0']:.2f}x k=0" if "gain_vs_k0" in arm else ""
         print(f"k={k}: {arm['steps_per_s']:.3f} steps/s (sample {arm['sample_s']:.3f} s, wait {arm['wait_s']:.3f} s, "
               f"update {arm['train_s']:.3f} s){extra}")
     if "model" in out:
-        print(f"model: lagged step {out['model']['predicted_lagged_step_s']:.3f} s predicted, gain "
-              f"{out['model']['predicted_gain']:.2f}x")
+        m = out["model"]
+        print(f"model ({m['exponents']} core-scaling exponents: sample {m['sample_exponent']:.2f}, update "
+              f"{m['update_exponent']:.2f}): lagged step {m['predicted_lagged_step_s']:.3f} s predicted, gain "
+              f"{m['predicted_gain']:.2f}x")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
