@@ -225,6 +225,58 @@ def test_m2po_behaviour_is_the_sampler_where_it_sampled():
     out = sampler_behaviour(data, start)
     assert out[0].tolist() == pytest.approx([-0.1]) and out[2].tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert out[1].tolist() == [-9.0, -9.0]
+    data.rollout_logps[2] = None  # a sampled row without the sampler's log-probs: M2PO's ratio would be 1 there
+    with pytest.raises(ValueError, match="m2po: row 2 has no sampler log-probs"):
+        sampler_behaviour(data, start)
+
+
+def test_a_correction_the_recipe_refuses_is_refused_by_its_setting():
+    with pytest.raises(ValueError, match="rollout.staleness_correction=tis turns on its plug-in.*token-level"):
+        _cfg("rollout.max_staleness=1", "recipe=grpo", "algo.policy_loss=gspo")
+    _cfg("rollout.max_staleness=1", "recipe=grpo", "algo.policy_loss=gspo", "rollout.staleness_correction=none")
+
+
+def test_mismatch_is_measured_on_rows_the_current_weights_sampled_only(lag2_process):
+    rows = read_jsonl(lag2_process / "metrics.jsonl")
+    assert any(k.startswith("mismatch/") for k in rows[0])  # step 1: sampled by the weights it trains
+    assert not any(k.startswith("mismatch/") for r in rows[1:] for k in r)  # the lag is rollout_corr/*'s
+
+
+def test_a_failed_sampler_is_not_started_again_for_the_stopping_checkpoint(tmp_path, monkeypatch):
+    from meshrl.trainer.lagged_rollouts import ProcessProducer
+
+    parent, real, starts = os.getpid(), RolloutStep.run, []
+    real_start = ProcessProducer.start
+
+    def failing(self, step, cursor):
+        if step == 1 and _in_child(parent):
+            raise ValueError("grader exploded on step 2")
+        return real(self, step, cursor)
+
+    def counted(self, *args, **kwargs):
+        starts.append(args[0])
+        return real_start(self, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutStep, "run", failing)
+    monkeypatch.setattr(ProcessProducer, "start", counted)
+    with pytest.raises(ValueError, match="grader exploded"):
+        train(_cfg("rollout.max_staleness=1", "rollout.sampler_process=process", steps=3), tmp_path / "run")
+    assert starts == [0]  # the stop's checkpoint did not fork a second sampler to wait on
+
+
+def test_the_producers_agree_with_several_decode_workers(tmp_path):
+    """More rows than one decode shard and two sampler threads: the native decoder shards rows over its workers,
+    and the shards' shapes round the logits, so both producers must decode with the same count."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        extra = ["rollout.max_staleness=1", "rollout.backend=native", "rollout.sampler_threads=2",
+                 "rollout.prompts_per_step=4", "rollout.group_size=8"]
+        train(_cfg(*extra, "rollout.sampler_process=process", steps=3), tmp_path / "process")
+        train(_cfg(*extra, "rollout.sampler_process=inline", steps=3), tmp_path / "inline")
+    finally:
+        torch.set_num_threads(saved)
+    assert _records(tmp_path / "process") == _records(tmp_path / "inline")
 
 
 # ---------------------------------------------------------------------- kills at a step, then --resume

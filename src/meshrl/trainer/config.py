@@ -74,8 +74,9 @@ class RolloutConfig:
                                    help="with max_staleness >= 1: process = a forked sampler overlapping the "
                                         "update (CPU); inline = the same batches sampled in turn, no overlap; "
                                         "auto = process where forking is safe (a CPU policy), else inline")
-    sampler_threads: int = setting(0, ge=0, help="with max_staleness >= 1: torch threads of the sampler; the "
-                                                 "update keeps the rest (0 = half of the torch threads, at least 1)")
+    sampler_threads: int = setting(0, ge=0, help="with max_staleness >= 1: cores of the sampler (the native "
+                                                 "decoder's worker processes; other backends use one); the update "
+                                                 "keeps the rest (0 = half of the torch threads, at least 1)")
     sampler_timeout_s: float = setting(1800.0, gt=0, help="with max_staleness >= 1: end the run when the sampler "
                                                           "has sent nothing for this long")
 

@@ -37,6 +37,7 @@ import copy
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import traceback
 from dataclasses import dataclass, field
@@ -62,13 +63,20 @@ class SamplerFailed(RuntimeError):
 # ---------------------------------------------------------------------- settings
 def check_staleness(cfg: Any) -> None:
     """Raise ``ValueError`` naming the setting that cannot run with ``rollout.max_staleness >= 1``."""
-    from meshrl.trainer.plugins import check_lagged
+    from meshrl.trainer.plugins import check_lagged, validate_plugins
 
-    if cfg.rollout.max_staleness:
-        check_lagged(cfg.plugins, cfg.rollout.max_staleness)
+    if not cfg.rollout.max_staleness:
+        return
+    check_lagged(cfg.plugins, cfg.rollout.max_staleness)
+    corrected = staleness_plugins(cfg, quiet=True)  # the plug-in the correction turns on, checked as if set by hand
+    try:
+        validate_plugins(corrected.plugins, corrected.resolved_recipe().policy_loss, corrected)
+    except ValueError as err:
+        raise ValueError(f"rollout.staleness_correction={cfg.rollout.staleness_correction} turns on its plug-in, "
+                         f"which this run refuses: {err}") from None
 
 
-def staleness_plugins(cfg: Any) -> Any:
+def staleness_plugins(cfg: Any, *, quiet: bool = False) -> Any:
     """``cfg`` with the plug-in that corrects for the lag turned on (``rollout.staleness_correction``): ``tis``
     enables ``plugins.rollout_corr`` (truncated weights ``min(pi_update / pi_sampler, C)``, the user's settings
     of it kept), ``m2po`` enables ``plugins.m2po`` (the ratio taken against the sampler's log-probs); a copy, the
@@ -80,7 +88,7 @@ def staleness_plugins(cfg: Any) -> Any:
         return cfg
     out = copy.deepcopy(cfg)
     key = enable_staleness_correction(out.plugins, how)
-    if key is not None:
+    if key is not None and not quiet:
         log.info("rollout.max_staleness=%d: %s on (rollout.staleness_correction=%s)", k, key, how)
     return out
 
@@ -109,10 +117,15 @@ class WeightRing:
     ``v % slots``. The trainer writes (:meth:`publish`), the sampler reads (:meth:`load`); no pickling, no copy
     through a pipe."""
 
-    def __init__(self, model: torch.nn.Module, slots: int) -> None:
-        check_shared_memory(model, extra=_state_bytes(model) * slots)
+    def __init__(self, model: torch.nn.Module, slots: int, *, shared: bool = True) -> None:
+        if shared:  # a forked sampler reads it; the inline producer (and a GPU) needs no shared memory
+            check_shared_memory(model, extra=_state_bytes(model) * slots)
         self.slots = slots
-        self.buffers = [[t.detach().clone().share_memory_() for t in _tensors(model)] for _ in range(slots)]
+        self.buffers = [[t.detach().clone() for t in _tensors(model)] for _ in range(slots)]
+        if shared:
+            for slot in self.buffers:
+                for t in slot:
+                    t.share_memory_()
         self.versions = [-1] * slots  # which version each slot holds (the trainer's view)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
@@ -221,16 +234,28 @@ class Sampled:
 def sample_batch(sampler: Any, model: torch.nn.Module, ring: WeightRing, k: int, step: int, cursor: int,
                  threads: int) -> Sampled:
     """Batch ``step`` from the weights of version ``max(0, step - k)`` (loaded from ``ring`` into ``model``, the
-    sampler's own), sampled under ``threads`` torch threads: what both producers run."""
+    sampler's own), on ``threads`` cores: what both producers run.
+
+    One torch thread, always: OpenMP's thread pool does not survive a fork (a forked sampler's first parallel region
+    can wait forever on the pool of the process it was forked from), so a sampler's cores are the native decoder's
+    worker processes (``workers = threads``, each on one thread, as :mod:`meshrl.forkpool` runs them); another
+    backend samples on one thread. The same counts in both producers: the decoder's row shards round the logits by
+    their shapes, so different counts would give different batches."""
     version = max(0, step - k)
     ring.load(version, model)
-    sampler.backend.sync_weights(model)
+    backend = sampler.backend
+    backend.sync_weights(model)
     saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    saved_workers = getattr(backend, "workers", None)
+    if saved_workers is not None and not sampler.cfg.rollout.decode_workers:
+        backend.workers = threads
+    torch.set_num_threads(1)
     try:
         data, cursor = sampler.run(step, cursor)
     finally:
         torch.set_num_threads(saved)
+        if saved_workers is not None:
+            backend.workers = saved_workers
     data.policy_versions = [version] * len(data)
     return Sampled(step, batch_to_json(data), cursor, sampler.rewards.pop_stats(),
                    getattr(sampler.rewards, "last_failure", None))
@@ -330,6 +355,9 @@ class ProcessProducer:
                     msg = self.conn.recv()
                 except (EOFError, OSError):
                     msg = None
+                except Exception as err:  # noqa: BLE001 - a message that does not unpickle
+                    self.close()
+                    raise SamplerFailed(f"the sampler sent what cannot be read ({err!r})") from err
                 if msg is not None:
                     return self._accept(msg)
             if not self.proc.is_alive() or (ready and msg is None):
@@ -390,10 +418,8 @@ def _sampler_main(conn: Any, parent: int, sampler: Any, policy: torch.nn.Module,
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # see sample_batch: never an OpenMP pool in a forked process
     model = private_copy(policy)  # the trainer keeps changing ``policy`` (possibly in shared memory)
-    if hasattr(sampler.backend, "workers") and not sampler.cfg.rollout.decode_workers:
-        sampler.backend.workers = threads  # the cores this process has, not the machine's
     release_free_heap()
     while step < stop:
         need = max(0, step - k)
@@ -412,11 +438,12 @@ def _sampler_main(conn: Any, parent: int, sampler: Any, policy: torch.nn.Module,
             out = sample_batch(sampler, model, ring, k, step, cursor, threads)
         except Exception as exc:  # noqa: BLE001 - sent to the trainer, which raises it
             text = traceback.format_exc()
-            try:
-                conn.send(("error", step, exc, text))
-            except Exception:  # noqa: BLE001 - an exception that does not pickle: its text alone
-                with contextlib.suppress(OSError):
-                    conn.send(("error", step, None, text))
+            try:  # the round trip the trainer's recv makes: some exceptions pickle but do not unpickle
+                sent: Exception | None = pickle.loads(pickle.dumps(exc))
+            except Exception:  # noqa: BLE001 - then its text alone
+                sent = None
+            with contextlib.suppress(Exception):
+                conn.send(("error", step, sent, text))
             return
         try:
             conn.send(("batch", out))
@@ -446,15 +473,16 @@ class LaggedRollouts:
         self.threads = sampler_threads(cfg, total)
         self.update_threads = max(1, total - self.threads)
         self.problems = {str(p.id): p for p in problems}
-        self.ring = WeightRing(model, self.k + 1)
-        self.ring.publish(model, 0)
         kind = producer_kind(cfg, model, sampler.backend)
+        self.ring = WeightRing(model, self.k + 1, shared=kind == "process")
+        self.ring.publish(model, 0)
         if kind == "process":
             self.producer: Any = ProcessProducer(sampler, model, self.ring, self.k, self.threads,
                                                  cfg.rollout.sampler_timeout_s)
         else:
             self.producer = InlineProducer(sampler, model, self.ring, self.k, self.threads)
         self.saved_threads = total
+        self.failed: str | None = None  # why the sampler failed: no checkpoint waits for it again
         self.ready: dict[int, Sampled] = {}
         self.started = False
         self.first_step, self.first_cursor, self.published_version = 0, 0, 0
@@ -473,10 +501,17 @@ class LaggedRollouts:
         sampled ahead yet), and its record (reward counters)."""
         self._ensure_started(step, cursor)
         while step not in self.ready:
-            got = self.producer.receive()
-            self.ready[got.step] = got
+            self._receive()
         out = self.ready.pop(step)
         return batch_from_json(out.batch, self.problems), out.cursor, out
+
+    def _receive(self) -> None:
+        try:
+            got = self.producer.receive()
+        except Exception as err:
+            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            raise
+        self.ready[got.step] = got
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """The trainer finished step ``version - 1``: its weights are version ``version``."""
@@ -487,11 +522,13 @@ class LaggedRollouts:
     def state_dict(self, step: int, cursor: int) -> dict[str, Any]:
         """At the boundary before step ``step``: the batches ``step .. step+k-1`` (sampled ahead, from versions
         the checkpoint does not hold), completed now, and the cursor after them."""
+        if self.failed is not None:
+            raise SamplerFailed(f"no checkpoint of step {step}: the sampler failed ({self.failed}); the last "
+                                "checkpoint stands")
         self._ensure_started(step, cursor)
         last = step + self.k
         while any(s not in self.ready for s in range(step, last)):
-            got = self.producer.receive()
-            self.ready[got.step] = got
+            self._receive()
         kept = [self.ready[s] for s in range(step, last)]
         return {"k": self.k, "batches": [{"step": b.step, "cursor": b.cursor, "batch": b.batch,
                                           "reward_stats": b.reward_stats, "reward_failure": b.reward_failure}

@@ -102,7 +102,9 @@ class Trainer:
             data, cursor, got = self.lag.next_batch(self.step_idx, self.cursor)
             data = self.plugins.received(self.step_idx, data, self.sampler)
             self.lag_reward = (got.reward_stats, got.reward_failure)
-        self.mismatch.begin(data, unsampled_rows(data))
+        # The mismatch is measured on rows the current weights sampled: a lagged row's gap is mostly the lag, which
+        # the correction's weights (rollout_corr/*) report.
+        self.mismatch.begin(data, unsampled_rows(data) | stale_rows(data, self.step_idx))
         self.last_data = data
         if not self.cfg.rollout.keep_decoders:  # their private pages would sit through the update
             self.backend.release_workers()
@@ -310,9 +312,24 @@ class Trainer:
         self.backend.close()
 
 
+def stale_rows(data: StepData, step: int) -> set[int]:
+    """Rows sampled by weights older than step ``step``'s (lagged rollouts; none otherwise)."""
+    return {i for i, v in enumerate(data.policy_versions) if v != step}
+
+
 def sampler_behaviour(data: StepData, start_logps: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per row, the sampler's log-probs of its tokens (whole tempered vocabulary: meshrl.trainer.mismatch), where it
-    sampled them all; the update's start log-probs for a row it did not (a forced opening, a trace)."""
-    rows = whole_vocab_rows(data, data.rollout_logps, unsampled_rows(data), list(range(len(data))))
-    return [start if r is None or len(r) != len(start) else torch.tensor(r, dtype=start.dtype)
-            for r, start in zip(rows, start_logps, strict=True)]
+    sampled them all; the update's start log-probs for a row it did not (a forced opening, a trace). A sampled row
+    without them is an error: M2PO's ratio would silently be 1 there."""
+    unsampled = unsampled_rows(data)
+    rows = whole_vocab_rows(data, data.rollout_logps, unsampled, list(range(len(data))))
+    out = []
+    for i, (r, start) in enumerate(zip(rows, start_logps, strict=True)):
+        if i in unsampled:
+            out.append(start)
+        elif r is None or len(r) != len(start):
+            raise ValueError(f"rollout.staleness_correction=m2po: row {i} has {'no' if r is None else len(r)} sampler "
+                             f"log-probs for its {len(start)} response tokens (the rollout backend must return them)")
+        else:
+            out.append(torch.tensor(r, dtype=start.dtype))
+    return out
