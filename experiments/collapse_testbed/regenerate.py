@@ -36,7 +36,8 @@ COMMITTED: dict[str, tuple[str, list[str]]] = {
 }
 
 
-PERSISTENCE_PACKS = {"W1": "data/testbed_persistence_W1.json.gz", "W2": "data/testbed_persistence_W2.json.gz"}
+PERSISTENCE_PACKS = {"W1": "data/testbed_persistence_W1.json.gz", "W2": "data/testbed_persistence_W2.json.gz",
+                     "W3": "data/testbed_persistence_W3.json.gz"}
 #: persistence-experiment tables (preregistration.md) -> (committed table, warm start -> its pack, the analysis:
 #: persistence.py's endpoints and tests, or mei_harm.py's MEI-against-harm)
 PERSISTENCE: dict[str, tuple[str, dict[str, str], str]] = {
