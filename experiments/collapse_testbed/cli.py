@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib needed)")
     p.add_argument("--pack", type=Path, default=None, metavar="FILE.json.gz",
                    help="after the tables, write the compact per-run data (no weights, no training rollouts)")
+    p.add_argument("--pack-finished", type=Path, default=None, metavar="FILE.json.gz",
+                   help="only write the pack of --out's finished runs (done.json), no tables; safe while the "
+                        "experiment runs (a partial pack, committed as it grows)")
     p.add_argument("--unpack", type=Path, default=None, metavar="FILE.json.gz",
                    help="first write a pack's files into --out (then use --summarize-only to rebuild the tables)")
     p.add_argument("--tables-from", type=Path, default=None, metavar="RESULTS.json[.gz]",
@@ -85,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out} is a file, not a directory")
     if args.tables_from is not None:
         return write_tables(load_results(args.tables_from), args)
+    if args.pack_finished is not None:
+        counts = pack_experiment(args.out, args.pack_finished, finished_only=True)
+        print(json.dumps({"pack": str(args.pack_finished), **counts}))
+        return 0
     if args.unpack is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with experiment_lock(args.out, doing="unpack into it"):

@@ -39,9 +39,10 @@ def _trimmed(path: Path, keep) -> str:
     return "".join(x + "\n" for x in rows)
 
 
-def pack_experiment(out: Path, path: Path) -> dict[str, int]:
+def pack_experiment(out: Path, path: Path, *, finished_only: bool = False) -> dict[str, int]:
     """Write ``path`` (gzipped JSON) from experiment directory ``out``; return ``{"runs": n, "files": m}``.
-    Symlinked run directories (an experiment assembled from several) are followed."""
+    Symlinked run directories (an experiment assembled from several) are followed. ``finished_only``: only the runs
+    whose ``done.json`` exists (written last), so that a partial pack can be taken while the experiment runs."""
     from experiments.collapse_testbed.results import DERIVED, _training_truth, coach_following_run, experiment_task
 
     task = experiment_task(out)
@@ -53,7 +54,8 @@ def pack_experiment(out: Path, path: Path) -> dict[str, int]:
         files[str(ev.relative_to(out))] = ev.read_text()
     if (out / "baseline_per_problem.jsonl").is_file():
         files["baseline_per_problem.jsonl"] = _trimmed(out / "baseline_per_problem.jsonl", _keep_probe_field)
-    runs = sorted(d for d in (out / "runs").glob("*/seed_*") if (d / "eval" / "eval.json").is_file())
+    runs = sorted(d for d in (out / "runs").glob("*/seed_*") if (d / "eval" / "eval.json").is_file()
+                  and (not finished_only or (d / "done.json").is_file()))
     for d in runs:
         rel = f"runs/{d.parent.name}/{d.name}"
         for name in RUN_FILES:

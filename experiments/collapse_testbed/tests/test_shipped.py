@@ -118,6 +118,7 @@ def test_resuming_with_another_warm_start_is_refused(tmp_path):
 @pytest.mark.slow
 def test_a_toy_run_starts_from_the_shipped_weights_with_a_step_0_evaluation(tmp_path):
     from experiments.collapse_testbed import persistence
+    from experiments.collapse_testbed.cli import main
     from experiments.collapse_testbed.experiment import run_experiment
     from experiments.collapse_testbed.pack import pack_experiment
 
@@ -136,3 +137,8 @@ def test_a_toy_run_starts_from_the_shipped_weights_with_a_step_0_evaluation(tmp_
     pack_experiment(out, tmp_path / "pack.json.gz")
     with gzip.open(tmp_path / "pack.json.gz", "rt") as fh:
         assert "warm_eval/seed_0/eval.json" in json.load(fh)
+    (out / "runs" / "grpo" / "seed_0" / "done.json").unlink()  # as if still running: a partial pack leaves it out
+    assert main(["--out", str(out), "--pack-finished", str(tmp_path / "part.json.gz")]) == 0
+    with gzip.open(tmp_path / "part.json.gz", "rt") as fh:
+        names = json.load(fh)
+    assert "runs/cp_only/seed_0/done.json" in names and not any(n.startswith("runs/grpo/") for n in names)
