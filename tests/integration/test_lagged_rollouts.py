@@ -354,3 +354,14 @@ def test_the_sampler_stops_when_told_although_later_forks_hold_its_pipe(tmp_path
         trainer.close()
         took = time.monotonic() - t0
     assert took < 4 and proc.exitcode == 0  # ended on its own, not killed after the 5 s join
+
+
+def test_a_resume_with_another_lag_is_refused_and_hands_the_cores_back(lag2_process, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lag2_process, run)
+    threads = torch.get_num_threads()
+    with pytest.raises(ValueError, match="written with rollout.max_staleness=2, this run has 1"):
+        train(_cfg("rollout.max_staleness=1", "rollout.sampler_process=process", steps=8), run, resume=True)
+    assert torch.get_num_threads() == threads  # the update's share of the cores was given back

@@ -42,7 +42,11 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
     (prepare_resume if resume else prepare_fresh)(run_dir)
     trainer = Trainer(cfg, run_dir)
     if resume:
-        trainer.restore()
+        try:
+            trainer.restore()
+        except BaseException:  # e.g. a checkpoint of another rollout.max_staleness: hand back what it holds
+            trainer.close()
+            raise
         rewind_records(run_dir, trainer.step_idx)
     record = config_record(trainer.cfg, trainer.task)  # the trainer's: a correction a setting turned on shows
     write_config(record, run_dir)
