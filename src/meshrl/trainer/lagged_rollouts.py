@@ -126,14 +126,12 @@ class WeightRing:
             for slot in self.buffers:
                 for t in slot:
                     t.share_memory_()
-        self.versions = [-1] * slots  # which version each slot holds (the trainer's view)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         slot = version % self.slots
         with torch.no_grad():
             for dst, src in zip(self.buffers[slot], _tensors(model), strict=True):
                 dst.copy_(src)
-        self.versions[slot] = version
 
     def load(self, version: int, model: torch.nn.Module) -> None:
         with torch.no_grad():
@@ -485,7 +483,7 @@ class LaggedRollouts:
         self.failed: str | None = None  # why the sampler failed: no checkpoint waits for it again
         self.ready: dict[int, Sampled] = {}
         self.started = False
-        self.first_step, self.first_cursor, self.published_version = 0, 0, 0
+        self.first_cursor, self.published_version = 0, 0
         torch.set_num_threads(self.update_threads)  # the update's share of the cores (the sampler has the rest)
         log.info("rollouts lagged by %d step(s): %s sampler on %d thread(s), update on %d", self.k, kind,
                  self.threads, self.update_threads)
