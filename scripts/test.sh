@@ -13,7 +13,8 @@ fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ruff check src tests benchmarks experiments
 python -m pytest -q "$@"
-# The CI-sized demo end to end (warm start, three arms, evaluation, report); skipped when pytest args are given.
+# The CI-sized demo end to end (warm start, two arms x three seeds in worker processes, evaluation, report); skipped
+# when pytest args are given.
 if [ "$#" -eq 0 ]; then
   demo_out="$(mktemp -d)"
   meshrl demo --quick --out "$demo_out/demo" --no-progress

@@ -1,60 +1,101 @@
-"""meshrl demo plumbing at toy size: warm start -> three arms -> held-out eval by type -> comparisons."""
+"""meshrl demo at toy size: warm start -> GRPO and forking tokens on several seeds, in worker processes or here ->
+the niche's story per run -> rates -> the printed table and caption."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
-from meshrl.testbed.demo import ARMS, DemoSettings, run_demo
+from meshrl.testbed.demo import ARMS, DEMO_SEEDS, DemoSettings, caption, rates_record, run_demo, summary_markdown
+
+TOY = DemoSettings(warm_steps=2, steps=2, prompts_per_step=2, group_size=3, ppo_epochs=1, mini_batches=1,
+                   eval_every=1, eval_problems=12, eval_n=2, workers=1)
+
+
+def _records(run_dir):
+    ev = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    return ev, [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_demo_pipeline_at_toy_size(tmp_path, monkeypatch):
+def test_demo_pipeline_at_toy_size_and_the_same_runs_in_worker_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
-    s = DemoSettings(warm_steps=2, steps=1, prompts_per_step=2, group_size=3, ppo_epochs=1, mini_batches=1,
-                     eval_problems=6, eval_n=2, ks=(1, 2), threads=1)
-    summary = run_demo(tmp_path / "demo", settings=s, progress=False)
-    assert set(summary["runs"]) == set(ARMS)
-    assert set(summary["evals"]) == {*ARMS, "warm_start"}
-    for arm in ARMS:
-        metrics = [json.loads(x) for x in (tmp_path / "demo" / "runs" / arm / "metrics.jsonl").read_text().splitlines()]
+    summary = run_demo(tmp_path / "one", seeds=(0, 1), settings=TOY, progress=False)
+    assert set(summary["runs"]) == {f"{a}/seed_{s}" for a in ARMS for s in (0, 1)}
+    for key, d in summary["runs"].items():
+        arm, seed = key.split("/seed_")
+        evals, metrics = _records(Path(d))
+        assert [e["step"] for e in evals] == [0, 1, 2]  # the starting policy, then every step
+        assert all("eval/by/decade/mean@1" in e for e in evals)
         assert metrics[-1]["rollouts/count"] == 6  # matched budget: 2 problems x G=3 for every arm
-        assert "strategy/max_mass" in metrics[-1] and "mei/query" in metrics[-1]
-        ev = json.loads((tmp_path / "demo" / "evals" / arm / "eval.json").read_text())
-        assert ev["overall"]["problems"] == 6 and ev["by"]["field"] == "type"
-    assert {"fork_vs_grpo", "cp_only_vs_grpo", "mesh_vs_grpo"} <= set(summary["comparisons"])
-    assert ARMS == ("grpo", "fork", "cp_only", "mesh")
-    assert (tmp_path / "demo" / "demo_summary.json").is_file()
+        assert "mei/query" in metrics[-1]
+        story = summary["stories"][arm][int(seed)]
+        assert [s for s, _ in story["curve"]] == [0, 1, 2]
+    assert summary["rates"]["grpo"]["runs"] == 2 and summary["seeds"] == [0, 1]
+    # two at a time in spawned workers, one thread each: the same records (each run sets its own thread count)
+    two = run_demo(tmp_path / "two", seeds=(0, 1), settings=dataclasses.replace(TOY, workers=2), progress=False)
+    for key in summary["runs"]:
+        a, b = _records(Path(summary["runs"][key])), _records(Path(two["runs"][key]))
+        drop = ("time/", "throughput/", "mem/")
+        assert a[0] == b[0]
+        assert [{k: v for k, v in m.items() if not k.startswith(drop)} for m in a[1]] == \
+            [{k: v for k, v in m.items() if not k.startswith(drop)} for m in b[1]]
+    text = summary_markdown(summary)
+    assert text.count("| grpo |") == 2 and text.count("| fork |") == 2 and "Mesh at the paper's" in text
+    # a second call reuses the finished runs
+    again = run_demo(tmp_path / "one", seeds=(0, 1), settings=TOY, progress=False)
+    assert again["stories"] == summary["stories"]
+    # rates written with --rates-out become the caption of a demo with the same settings, and only of that one
+    rec = tmp_path / "rates.json"
+    rec.write_text(json.dumps(rates_record(summary)))
+    assert "Over RL seeds 0-1" in caption(TOY, rec) and "grpo: fell in" in caption(TOY, rec)
+    assert "other settings" in caption(dataclasses.replace(TOY, steps=3), rec)
+    assert "Over RL seeds" in caption(dataclasses.replace(TOY, workers=2), rec)  # workers change no figure
 
 
-def test_demo_arms_run_the_default_engines(tmp_path):
+def test_demo_arms_run_the_default_engines_and_evaluate_the_niche_from_step_0(tmp_path):
     """The testbed's base pins generate sampling and one update process (the experiments reproduce sample for
-    sample); the demo's arms override them with meshrl's defaults (the native decoder, forked update workers)."""
+    sample); the demo's arms override them with meshrl's defaults, and evaluate by type every eval_every steps."""
     from meshrl.testbed.demo import DEMO_ENGINE, arm_config
     from meshrl.trainer import load_config
 
     defaults = load_config(overrides=["model=tiny", "task=tiny:repeat"])
     for s in (DemoSettings(), DemoSettings.quick()):
         assert s.extra == DEMO_ENGINE
-        cfg = arm_config("mesh", tmp_path, s, 0, 30)
+        cfg = arm_config("fork", tmp_path, s, 0, 30)
         assert cfg.rollout.backend == defaults.rollout.backend == "auto"
         for key in ("share_prompts", "update_workers", "skip_zero_advantage"):
             assert getattr(cfg.train, key) == getattr(defaults.train, key)
+        assert (cfg.eval.every, cfg.eval.at_start, cfg.eval.by) == (s.eval_every, True, "type")
+        assert cfg.diag.mei.every == 1 and cfg.plugins.fork.enabled
     pinned = arm_config("grpo", tmp_path, DemoSettings(extra=()), 0, 30)
     assert pinned.rollout.backend == "hf" and pinned.train.update_workers == 1
+    assert DEMO_SEEDS == (0, 1, 2) and ARMS == ("grpo", "fork")
 
 
-def _summary(grpo_acc: float) -> dict:
-    row = {"eval": {"pass@1": 0.0}, "eval_by_type": {"low": {"pass@1": 0.0}}}
-    arms = {arm: row for arm in ARMS}
-    arms["grpo"] = {"eval": {"pass@1": grpo_acc}, "eval_by_type": {"low": {"pass@1": grpo_acc}}}
-    return {"settings": {"warm_steps": 120}, "final": {**arms, "warm_start": row}}
+def test_the_shipped_caption_was_measured_with_the_demos_settings():
+    """The rates the demo prints were measured by this demo's configuration over ten seeds: a change of the
+    settings without a new measurement would print another configuration's rates (caption() then refuses)."""
+    from meshrl.testbed.demo import RATES_FILE
+
+    rec = json.loads(RATES_FILE.read_text())
+    assert rec["settings"] == json.loads(json.dumps(DemoSettings().numeric()))
+    assert rec["seeds"] == list(range(10)) and set(rec["rates"]) == set(ARMS)
+    assert all(r["runs"] == 10 for r in rec["rates"].values())
+    assert caption(DemoSettings()).startswith("Over RL seeds 0-9")
 
 
-def test_plumbing_note_only_when_no_policy_moved_from_the_warm_start():
+def _summary(values: list[float]) -> dict:
+    story = {"curve": list(enumerate(values))}
+    return {"settings": {"warm_steps": 120}, "stories": {"grpo": {0: story}, "fork": {0: story}}}
+
+
+def test_plumbing_note_only_when_no_niche_moved_from_step_0():
     from meshrl.testbed.demo import plumbing_note
 
-    note = plumbing_note(_summary(0.0))
+    note = plumbing_note(_summary([0.0, 0.0, 0.0]))
     assert note and "plumbing only" in note and "120 steps" in note
-    assert plumbing_note(_summary(0.25)) is None
+    assert plumbing_note(_summary([0.0, 0.25, 0.0])) is None

@@ -264,3 +264,12 @@ def test_diagnosis_renders_in_a_headless_browser(inputs: dict[str, Path], tmp_pa
     red = ((abs(pixels[..., 0] - 198 / 255) < 0.03) & (abs(pixels[..., 1] - 40 / 255) < 0.03)
            & (abs(pixels[..., 2] - 40 / 255) < 0.03))
     assert int(red.sum()) >= 5 * 20  # a 5-pixel border at least 20 pixels tall
+
+
+def test_held_out_plot_leaves_out_counts_and_keeps_measures():
+    from meshrl.report.plots import _plotted_eval_key
+
+    assert not any(_plotted_eval_key(k) for k in ("eval/reward_errors", "eval/skipped_long_prompts",
+                                                  "eval/reward_timeouts", "eval/by/decade/problems"))
+    assert all(_plotted_eval_key(k) for k in ("eval/mean@1", "eval/by/decade/mean@1", "eval/pass@4",
+                                              "eval/strategy/max_mass"))

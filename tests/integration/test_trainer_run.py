@@ -174,6 +174,33 @@ def test_periodic_held_out_eval_and_checkpoint_rule(tmp_path):
     assert 0.0 <= summary["best"]["eval/pass@2"] <= 1.0
 
 
+def test_periodic_eval_breaks_accuracy_down_by_a_meta_field(tmp_path):
+    """eval.by=a: per value of the problems' meta field, mean@1 over those problems and their count; the counts
+    add up to the held-out problems and the count-weighted means to the overall mean@1."""
+    cfg = load_config(overrides=[*FAST, "task=tiny:add", "steps=1", "eval.every=1", "eval.n=2", "eval.limit=12",
+                                 "eval.by=a"])
+    hist = train(cfg, tmp_path / "by")
+    ev = read_jsonl(tmp_path / "by" / "evals.jsonl")[-1]
+    counts = {k.split("/")[2]: v for k, v in ev.items() if k.startswith("eval/by/") and k.endswith("/problems")}
+    assert sum(counts.values()) == 12 and len(counts) >= 2
+    weighted = sum(ev[f"eval/by/{v}/mean@1"] * n for v, n in counts.items()) / 12
+    assert weighted == pytest.approx(ev["eval/mean@1"])
+    assert hist[-1]["eval/by/" + next(iter(counts)) + "/problems"] == counts[next(iter(counts))]
+
+
+def test_eval_at_start_adds_step_0_and_leaves_the_training_steps_unchanged(tmp_path):
+    base = [*FAST, "task=tiny:add", "steps=2", "eval.every=2", "eval.n=2", "eval.limit=5"]
+    plain = train(load_config(overrides=base), tmp_path / "plain")
+    started = train(load_config(overrides=[*base, "eval.at_start=true"]), tmp_path / "start")
+    evals = read_jsonl(tmp_path / "start" / "evals.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert evals[1] == read_jsonl(tmp_path / "plain" / "evals.jsonl")[0]
+    drop = ("time/", "throughput/", "mem/")
+    for a, b in zip(plain, started, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(drop)} == {
+            k: v for k, v in b.items() if not k.startswith(drop)}
+
+
 def test_eval_needs_a_held_out_split(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text('{"problem": "1+1", "answer": "2"}\n')

@@ -262,21 +262,20 @@ def test_arm_and_preset_files_are_checked(tmp_path):
 
 def test_demo_arms_are_the_experiment_arms(tmp_path):
     """``meshrl demo`` keeps its own arm list inside the package; it must train exactly the experiment's arms (on
-    meshrl's default engines, ``DEMO_ENGINE``, where the experiments pin ``generate`` and one update process)."""
+    meshrl's default engines, ``DEMO_ENGINE``, where the experiments pin ``generate`` and one update process, and
+    with its own evaluation keys, ``demo_keys``)."""
     from experiments.collapse_testbed.experiment import ARMS, ExperimentSettings, base_overrides
-    from meshrl.testbed.demo import DEMO_ARMS, DEMO_ENGINE, DemoSettings, arm_config
+    from meshrl.testbed.demo import DEMO_ARMS, DEMO_ENGINE, DemoSettings, arm_config, demo_keys
     from meshrl.trainer import load_config
 
-    same = {"grpo": "grpo", "fork": "grpo_fork", "cp_only": "cp_only", "mesh": "mesh_mu1e-5"}
+    same = {"grpo": "grpo", "fork": "grpo_fork"}
     assert list(DEMO_ARMS) == list(same)
     for s in (DemoSettings(), DemoSettings.quick()):
         es = ExperimentSettings(steps=s.steps, prompts_per_step=s.prompts_per_step, group_size=s.group_size,
                                 lr=s.lr, ppo_epochs=s.ppo_epochs, mini_batches=s.mini_batches)
         for demo_arm, arm in same.items():
-            want = load_config(overrides=[*base_overrides(es, tmp_path, 30), *ARMS[arm], "seed=3",
-                                          "log.samples_per_step=4", "log.progress=true",
-                                          f"checkpoint.every={max(s.steps, 1)}", "checkpoint.keep_last=1",
-                                          *DEMO_ENGINE])
+            want = load_config(overrides=[*base_overrides(es, tmp_path, 30), *DEMO_ENGINE, *ARMS[arm],
+                                          *demo_keys(s, 3)])
             assert arm_config(demo_arm, tmp_path, s, 3, 30) == want
 
 

@@ -253,8 +253,17 @@ def plot_strategy_masses(runs: Sequence[RunData], out_dir: Path) -> list[Plot]:
     return plots
 
 
+#: Held-out keys that count problems or failures rather than measure the policy: not plotted (a panel each made the
+#: figure of a run with a per-type breakdown twice as large and its drawing most of the report's time).
+EVAL_COUNTS = ("eval/skipped_long_prompts", "eval/reward_errors", "eval/reward_timeouts")
+
+
+def _plotted_eval_key(key: str) -> bool:
+    return key not in EVAL_COUNTS and not (key.startswith("eval/by/") and key.endswith("/problems"))
+
+
 def plot_heldout(runs: Sequence[RunData], out_dir: Path) -> Plot | None:
-    keys = sorted({k for run in runs for k in run.eval_keys()}, key=eval_key_order)
+    keys = sorted({k for run in runs for k in run.eval_keys() if _plotted_eval_key(k)}, key=eval_key_order)
     if not keys:
         return None
     ncols = min(3, len(keys))

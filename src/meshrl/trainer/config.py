@@ -164,6 +164,11 @@ class EvalDuringTrainConfig:
     limit: int = setting(64, ge=0, help="held-out problems (0 = all)")
     temperature: float = setting(1.0, ge=0, help="sampling temperature of the evaluation")
     max_new_tokens: int = setting(0, ge=0, help="response limit of the evaluation (0 = rollout.max_new_tokens)")
+    at_start: bool = setting(False, help="also evaluate the starting policy, as step 0 of evals.jsonl (not on "
+                                         "resume; sampled with its own seed: the training steps are unchanged)")
+    by: str = setting("", help="a problem meta field to break held-out accuracy down by (e.g. type): "
+                               "eval/by/<value>/mean@1 and eval/by/<value>/problems; problems without it count "
+                               "under 'none'")
 
 
 @dataclass

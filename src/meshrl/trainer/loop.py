@@ -57,6 +57,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
     with StopRequests() as stops:
         stopping = False
         try:
+            if trainer.evaluator and cfg.eval.at_start and trainer.step_idx == 0:  # the starting policy's figure
+                writers["evals"].write({"step": 0, **trainer.evaluator(0)})
             with progress_bar("train", cfg.steps, cfg.log.progress, start=trainer.step_idx) as advance:
                 while trainer.step_idx < cfg.steps and not stops.requested:
                     metrics = _step_and_record(trainer, writers, trackers)

@@ -90,7 +90,21 @@ class PeriodicEval:
             # coach-conditioned, so only these held-out samples show which strategy it picks on its own
             **strategy_figures(self.task, list(zip(label_texts, scores, probs, strict=True)), prefix="eval/"),
             **({f"eval/{k}": v for k, v in episode_metrics(episodes).items()} if episodes else {}),  # tools
+            **(self._by_group(correct, ev.by) if ev.by else {}),
         }
+
+    def _by_group(self, correct: dict[str, list[bool]], field: str) -> dict[str, float]:
+        """mean@1 and the problem count per value of the problems' meta ``field`` (e.g. a testbed's niche)."""
+        groups: dict[str, list[float]] = {}
+        for p in self.problems:
+            if p.id in correct:
+                v = correct[p.id]
+                groups.setdefault(str(p.meta.get(field, "none")), []).append(sum(v) / len(v))
+        out: dict[str, float] = {}
+        for value, accs in sorted(groups.items()):
+            out[f"eval/by/{value}/mean@1"] = sum(accs) / len(accs)
+            out[f"eval/by/{value}/problems"] = float(len(accs))
+        return out
 
 
 def write_summary(run_dir: Path, key: str = "eval/mean@1") -> dict[str, Any] | None:
