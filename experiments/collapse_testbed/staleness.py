@@ -1,0 +1,185 @@
+"""The staleness experiment's endpoints and seed-level tests, as pre-registered in preregistration_staleness.md.
+
+Per run: the persistence experiment's endpoints (``persistence.py``: the niche curve from the checkpoint evaluations,
+time to re-learn T censored at 160, the niche at 160, the area, kept / borderline / lost) and, from the lagged runs'
+``metrics.jsonl``, what they trained on: the staleness (``lag/staleness_mean``) and the correction's weights
+(``rollout_corr/ess``, ``rollout_corr/frac_truncated``, ``m2po/*``), averaged over the run's steps.
+
+Comparisons (seeds paired by number, all from warm start W2; difference = arm − reference):
+
+* **primary** (Holm over 3, on T): ``grpo_k8_none − grpo`` (S1: staleness), ``grpo_k8_tis − grpo_k8_none`` and
+  ``grpo_k8_m2po − grpo_k8_none`` (S2: correction);
+* **secondary** (Holm over all of it): the same three at k = 1, 2, 4 on T; the niche at 160, the area and kept
+  (McNemar) for every comparison above; and ``grpo_k8_tis − grpo`` on all four endpoints.
+
+The k = 0 check: the ``grpo`` arm must reproduce the persistence experiment's W2 GRPO curves seed for seed (the lag
+code is not used at k = 0); :func:`reproduces` compares them when that experiment's directory is given.
+
+``python -m experiments.collapse_testbed.staleness runs/staleness [--reference runs/persist_W2] --out staleness.md``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from experiments.collapse_testbed import persistence as P
+
+WARM = "W2"
+K_PRIMARY = 8
+K_SECONDARY = (1, 2, 4)
+LAG_METRICS = ("lag/staleness_mean", "rollout_corr/ess", "rollout_corr/frac_truncated", "rollout_corr/weight_max",
+               "m2po/masked_frac")
+
+
+def lagged(k: int, correction: str) -> str:
+    return f"grpo_k{k}_{correction}"
+
+
+def planned() -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """``(family, arm, reference, endpoints)`` for every pre-registered comparison, in the tables' order."""
+    rows: list[tuple[str, str, str, tuple[str, ...]]] = []
+    k8 = [(lagged(K_PRIMARY, "none"), "grpo"), (lagged(K_PRIMARY, "tis"), lagged(K_PRIMARY, "none")),
+          (lagged(K_PRIMARY, "m2po"), lagged(K_PRIMARY, "none"))]
+    rows += [("primary", arm, ref, ("relearn",)) for arm, ref in k8]
+    rows += [("secondary", arm, ref, ("final", "auc", "kept")) for arm, ref in k8]
+    for k in K_SECONDARY:
+        for arm, ref in ((lagged(k, "none"), "grpo"), (lagged(k, "tis"), lagged(k, "none")),
+                         (lagged(k, "m2po"), lagged(k, "none"))):
+            rows.append(("secondary", arm, ref, P.ENDPOINTS))
+    rows.append(("secondary", lagged(K_PRIMARY, "tis"), "grpo", P.ENDPOINTS))
+    return rows
+
+
+def comparisons(runs: list[P.RunEndpoints]) -> list[dict[str, Any]]:
+    """Every planned comparison over the complete seed pairs found, Holm-corrected within each family (a
+    comparison without pairs is listed with n = 0 and left out of the correction)."""
+    from meshrl.stats import holm_correction
+
+    rows = []
+    for family, arm, ref, endpoints in planned():
+        ps = P.pairs(runs, arm, ref, [WARM])
+        rows += [{"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
+                 for e in endpoints]
+    for family in ("primary", "secondary"):
+        idx = [i for i, r in enumerate(rows) if r["family"] == family and r["p"] == r["p"]]
+        if idx:
+            adjusted, _ = holm_correction([rows[i]["p"] for i in idx])
+            for i, p in zip(idx, adjusted, strict=True):
+                rows[i]["p_holm"] = float(p)
+    return rows
+
+
+def lag_figures(out: Path) -> dict[str, dict[str, float]]:
+    """Per arm: the mean over its runs of each run's mean of :data:`LAG_METRICS` (keys a run never logged are
+    left out; a run counts once whatever its length)."""
+    per_arm: dict[str, dict[str, list[float]]] = {}
+    for d in sorted((out / "runs").glob("*/seed_*")):
+        path = d / "metrics.jsonl"
+        if not path.is_file():
+            continue
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        for key in LAG_METRICS:
+            vals = [float(r[key]) for r in rows if isinstance(r.get(key), int | float) and r[key] == r[key]]
+            if vals:
+                per_arm.setdefault(d.parent.name, {}).setdefault(key, []).append(sum(vals) / len(vals))
+    return {arm: {k: sum(v) / len(v) for k, v in keys.items()} for arm, keys in per_arm.items()}
+
+
+def reproduces(runs: list[P.RunEndpoints], reference: list[P.RunEndpoints]) -> list[dict[str, Any]]:
+    """The k = 0 check: per seed present in both, whether this experiment's ``grpo`` niche curve equals the
+    reference experiment's ``grpo`` curve (persistence, W2) exactly, and the first step where they differ."""
+    mine = {r.seed: r for r in runs if r.arm == "grpo"}
+    ref = {r.seed: r for r in reference if r.arm == "grpo"}
+    out = []
+    for seed in sorted(set(mine) & set(ref)):
+        a, b = dict(zip(mine[seed].steps, mine[seed].niche, strict=True)), \
+            dict(zip(ref[seed].steps, ref[seed].niche, strict=True))
+        common = sorted(set(a) & set(b))
+        first = next((s for s in common if a[s] != b[s]), None)
+        out.append({"seed": seed, "checkpoints": len(common), "identical": first is None, "first_difference": first})
+    return out
+
+
+def decision(rows: list[dict[str, Any]]) -> str:
+    """The pre-registered decision rules in one paragraph."""
+    prim = {r["arm"]: r for r in rows if r["family"] == "primary"}
+    s1 = prim.get(lagged(K_PRIMARY, "none"))
+    if s1 is None or s1["n"] == 0:
+        return "S1 not testable yet: no complete seed pair of grpo_k8_none and grpo."
+    holm = s1.get("p_holm", math.nan)
+    if holm <= 0.05:
+        way = "later" if s1["mean_diff"] > 0 else "sooner"
+        text = (f"S1 passes (Holm p = {holm:.3g}, {s1['n']} pairs): an 8-step lag re-learns the niche {way} "
+                f"(mean difference in T {s1['mean_diff']:+.1f} steps).")
+        undo = [arm for arm in (lagged(K_PRIMARY, "tis"), lagged(K_PRIMARY, "m2po"))
+                if prim.get(arm, {}).get("p_holm", math.nan) <= 0.05
+                and math.copysign(1, prim[arm]["mean_diff"]) != math.copysign(1, s1["mean_diff"])]
+        return text + (f" Correction undoes it: {', '.join(undo)}." if undo else " No correction undoes it.")
+    return (f"No effect of an 8-step lag detected at {s1['n']} pairs (Holm p = {P._f(holm)}; mean difference in T "
+            f"{P._f(s1['mean_diff'])} steps); the S2 rows report what the correction changed, not an undoing.")
+
+
+def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],
+             check: list[dict[str, Any]] | None) -> str:
+    out = ["# Staleness and strategy collapse (preregistration_staleness.md)", "", decision(rows), ""]
+    if check is not None:
+        same = sum(c["identical"] for c in check)
+        out += [f"k = 0 check against the persistence experiment's W2 GRPO runs: {same} of {len(check)} seeds "
+                "identical" + ("" if same == len(check) else " (first differences: " + ", ".join(
+                    f"seed {c['seed']} at step {c['first_difference']}" for c in check if not c["identical"]) + ")")
+                + ".", ""]
+    out += ["| arm | runs (complete) | kept / borderline / lost | persistent loss | re-learned (steps; - = censored) "
+            "| decade at 160 | area | " + " | ".join(LAG_METRICS) + " |", "|---" * (7 + len(LAG_METRICS)) + "|"]
+    for a in P.arm_summary(runs):
+        steps = ", ".join("-" if t is None else str(t) for t in a["relearn_steps"])
+        figs = lag.get(a["arm"], {})
+        out.append(f"| {a['arm']} | {a['runs']} ({a['complete']}) | {a['kept']} / {a['borderline']} / {a['lost']} | "
+                   f"{a['persistent_loss']} | {a['relearned']} ({steps}) | {P._f(a['final'])} ± "
+                   f"{P._f(a['final_sd'], 2)} | {P._f(a['auc'])} ± {P._f(a['auc_sd'], 2)} | "
+                   + " | ".join(P._f(figs.get(k)) for k in LAG_METRICS) + " |")
+    out += ["", "Comparisons (arm − reference; seeds paired; Holm within each family):", "",
+            "| family | arm | reference | endpoint | pairs | test | difference or discordant | p | Holm p |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        what = f"{r['arm_only']} / {r['base_only']}" if r["endpoint"] == "kept" else P._f(r.get("mean_diff"))
+        out.append(f"| {r['family']} | {r['arm']} | {r['reference']} | {r['endpoint']} | {r['n']} | {r['test']} | "
+                   f"{what} | {P._f(r['p'])} | {P._f(r.get('p_holm'))} |")
+    out += ["", "Per run:", "", "| arm | seed | complete | decade at 160 | outcome | re-learned at | area | curve |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        curve = " ".join(f"{s}:{v:.2f}" for s, v in zip(r.steps, r.niche, strict=True))
+        out.append(f"| {r.arm} | {r.seed} | {'yes' if r.complete else 'no'} | {P._f(r.final)} | {r.at_horizon} | "
+                   f"{'>' if r.censored else ''}{r.relearn} | {P._f(r.auc)} | {curve} |")
+    return "\n".join(out) + "\n"
+
+
+def analyse(out: Path, reference: Path | None = None) -> str:
+    runs = P.read_runs(WARM, out)
+    check = reproduces(runs, P.read_runs(WARM, reference)) if reference is not None else None
+    return markdown(runs, comparisons(runs), lag_figures(out), check)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.collapse_testbed.staleness",
+                                description="The staleness experiment's endpoints and seed-level tests.")
+    p.add_argument("dir", type=Path, help="the staleness experiment's directory (--preset staleness --out DIR)")
+    p.add_argument("--reference", type=Path, default=None,
+                   help="the persistence experiment's W2 directory, for the k = 0 check")
+    p.add_argument("--out", type=Path, default=Path("staleness.md"))
+    args = p.parse_args(argv)
+    for d in (args.dir, args.reference):
+        if d is not None and not (d / "runs").is_dir():
+            print(f"{p.prog}: error: {d} is not an experiment directory (no runs/)", file=sys.stderr)
+            return 2
+    args.out.write_text(analyse(args.dir, args.reference))
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The staleness experiment's analysis (staleness.py) on hand-made runs: the planned families, Holm, the decision
+rules, the lag figures and the k = 0 check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.collapse_testbed import persistence as P
+from experiments.collapse_testbed import staleness as S
+
+
+def _curve(values: list[float]) -> list[tuple[int, float]]:
+    return [(i * 8, v) for i, v in enumerate(values)]
+
+
+FAST = _curve([0.3, 0.1, 0.6] + [0.9] * 18)  # T = 16
+SLOW = _curve([0.3, 0.1] + [0.05] * 10 + [0.9] * 9)  # T = 96
+NEVER = _curve([0.3] + [0.02] * 20)  # censored at 160
+
+
+def _runs(curves: dict[str, list[tuple[int, float]]], seeds: int = 8) -> list[P.RunEndpoints]:
+    return [P.endpoints("W2", arm, s, c) for arm, c in curves.items() for s in range(seeds)]
+
+
+def test_the_planned_comparisons_are_the_preregistered_ones():
+    plan = S.planned()
+    primary = [(a, r, e) for f, a, r, e in plan if f == "primary"]
+    assert primary == [("grpo_k8_none", "grpo", ("relearn",)), ("grpo_k8_tis", "grpo_k8_none", ("relearn",)),
+                       ("grpo_k8_m2po", "grpo_k8_none", ("relearn",))]
+    secondary = [(a, r) for f, a, r, _ in plan if f == "secondary"]
+    assert ("grpo_k2_tis", "grpo_k2_none") in secondary and ("grpo_k8_tis", "grpo") in secondary
+    assert len(secondary) == 3 + 9 + 1
+
+
+def test_staleness_that_slows_relearning_and_a_correction_that_undoes_it():
+    runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW, "grpo_k8_tis": FAST, "grpo_k8_m2po": SLOW})
+    rows = S.comparisons(runs)
+    prim = {r["arm"]: r for r in rows if r["family"] == "primary"}
+    assert prim["grpo_k8_none"]["n"] == 8 and prim["grpo_k8_none"]["mean_diff"] == 80
+    # 8 pairs all one way: p = 2 / 2^8; M2PO equals k8_none in every pair (p = 1); Holm over the 3
+    assert prim["grpo_k8_none"]["p"] == pytest.approx(2 / 256)
+    assert prim["grpo_k8_m2po"]["p"] == 1.0
+    assert prim["grpo_k8_none"]["p_holm"] == pytest.approx(3 * 2 / 256)
+    text = S.decision(rows)
+    assert text.startswith("S1 passes") and "later" in text and "undoes it: grpo_k8_tis." in text
+    # arms never run (k = 1, 2, 4) are listed with no pairs and left out of the correction
+    k2 = [r for r in rows if r["arm"] == "grpo_k2_none"]
+    assert k2 and all(r["n"] == 0 and "p_holm" not in r for r in k2)
+
+
+def test_no_effect_detected_reads_as_such():
+    runs = _runs({"grpo": FAST, "grpo_k8_none": FAST, "grpo_k8_tis": NEVER, "grpo_k8_m2po": FAST}, seeds=5)
+    text = S.decision(S.comparisons(runs))
+    assert text.startswith("No effect of an 8-step lag detected at 5 pairs")
+    assert S.decision([]).startswith("S1 not testable yet")
+
+
+def test_lag_figures_average_each_run_once(tmp_path):
+    for arm, seed, rows in (("grpo_k8_tis", 0, [{"lag/staleness_mean": 8.0, "rollout_corr/ess": 0.5}] * 3),
+                            ("grpo_k8_tis", 1, [{"lag/staleness_mean": 4.0, "rollout_corr/ess": 0.9}]),
+                            ("grpo", 0, [{"acc/mean": 0.5}])):
+        d = tmp_path / "runs" / arm / f"seed_{seed}"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figs = S.lag_figures(tmp_path)
+    assert figs == {"grpo_k8_tis": {"lag/staleness_mean": 6.0, "rollout_corr/ess": pytest.approx(0.7)}}
+
+
+def test_the_k0_check_names_the_first_difference():
+    mine = _runs({"grpo": FAST}, seeds=2)
+    other = _curve([0.3, 0.1, 0.6, 0.85] + [0.9] * 17)
+    ref = [P.endpoints("W2", "grpo", 0, FAST), P.endpoints("W2", "grpo", 1, other),
+           P.endpoints("W2", "cp_only", 0, SLOW)]
+    check = S.reproduces(mine, ref)
+    assert check == [{"seed": 0, "checkpoints": 21, "identical": True, "first_difference": None},
+                     {"seed": 1, "checkpoints": 21, "identical": False, "first_difference": 24}]
+    md = S.markdown(mine, S.comparisons(mine), {}, check)
+    assert "1 of 2 seeds identical (first differences: seed 1 at step 24)" in md
