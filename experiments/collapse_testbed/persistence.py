@@ -238,8 +238,6 @@ def comparisons(runs: list[RunEndpoints], warms: Sequence[str]) -> list[dict[str
     """The pre-registered families, Holm-corrected within each: ``primary`` = CP-only vs GRPO pooled over the
     warm starts (4 tests); ``secondary`` = the same per warm start, and the secondary arms vs GRPO (pooled and
     per warm start)."""
-    from meshrl.stats import holm_correction
-
     rows = []
     for arm in (PRIMARY[0], *SECONDARY_ARMS):
         for scope in ("pooled", *warms):
@@ -249,7 +247,15 @@ def comparisons(runs: list[RunEndpoints], warms: Sequence[str]) -> list[dict[str
                 continue
             rows += [{"family": family, "arm": arm, "scope": scope, "endpoint": e, **compare(ps, e)}
                      for e in ENDPOINTS]
-    for family in ("primary", "secondary"):
+    return holm_within_families(rows)
+
+
+def holm_within_families(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Set ``p_holm`` on every row with a p, Holm-corrected within its ``family`` (rows without a p, e.g. no
+    pairs yet, stay out of the correction)."""
+    from meshrl.stats import holm_correction
+
+    for family in dict.fromkeys(r["family"] for r in rows):
         idx = [i for i, r in enumerate(rows) if r["family"] == family and r["p"] == r["p"]]
         if idx:
             adjusted, _ = holm_correction([rows[i]["p"] for i in idx])

@@ -58,20 +58,12 @@ def planned() -> list[tuple[str, str, str, tuple[str, ...]]]:
 def comparisons(runs: list[P.RunEndpoints]) -> list[dict[str, Any]]:
     """Every planned comparison over the complete seed pairs found, Holm-corrected within each family (a
     comparison without pairs is listed with n = 0 and left out of the correction)."""
-    from meshrl.stats import holm_correction
-
     rows = []
     for family, arm, ref, endpoints in planned():
         ps = P.pairs(runs, arm, ref, [WARM])
         rows += [{"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
                  for e in endpoints]
-    for family in ("primary", "secondary"):
-        idx = [i for i, r in enumerate(rows) if r["family"] == family and r["p"] == r["p"]]
-        if idx:
-            adjusted, _ = holm_correction([rows[i]["p"] for i in idx])
-            for i, p in zip(idx, adjusted, strict=True):
-                rows[i]["p_holm"] = float(p)
-    return rows
+    return P.holm_within_families(rows)
 
 
 def lag_figures(out: Path) -> dict[str, dict[str, float]]:
