@@ -11,7 +11,8 @@ import pytest
 
 from meshrl.testbed.demo import ARMS, DEMO_SEEDS, DemoSettings, caption, rates_record, run_demo, summary_markdown
 
-TOY = DemoSettings(warm_steps=2, steps=2, prompts_per_step=2, group_size=3, ppo_epochs=1, mini_batches=1,
+# the shipped warm start (no training: it solves about half the problems, so the runs get rewards and updates)
+TOY = DemoSettings(warm_steps=700, steps=2, prompts_per_step=2, group_size=3, ppo_epochs=1, mini_batches=1,
                    eval_every=1, eval_problems=12, eval_n=2, workers=1)
 
 
@@ -24,6 +25,7 @@ def _records(run_dir):
 def test_demo_pipeline_at_toy_size_and_the_same_runs_in_worker_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHRL_CACHE", str(tmp_path / "cache"))
     summary = run_demo(tmp_path / "one", seeds=(0, 1), settings=TOY, progress=False)
+    updated = False
     assert set(summary["runs"]) == {f"{a}/seed_{s}" for a in ARMS for s in (0, 1)}
     for key, d in summary["runs"].items():
         arm, seed = key.split("/seed_")
@@ -31,10 +33,12 @@ def test_demo_pipeline_at_toy_size_and_the_same_runs_in_worker_processes(tmp_pat
         assert [e["step"] for e in evals] == [0, 1, 2]  # the starting policy, then every step
         assert all("eval/by/decade/mean@1" in e for e in evals)
         assert metrics[-1]["rollouts/count"] == 6  # matched budget: 2 problems x G=3 for every arm
+        updated |= any(m["grad/norm"] > 0 for m in metrics)
         assert "mei/query" in metrics[-1]
         story = summary["stories"][arm][int(seed)]
         assert [s for s, _ in story["curve"]] == [0, 1, 2]
     assert summary["rates"]["grpo"]["runs"] == 2 and summary["seeds"] == [0, 1]
+    assert updated  # some update had a gradient: the comparison below covers training, not sampling alone
     # two at a time in spawned workers, one thread each: the same records (each run sets its own thread count)
     two = run_demo(tmp_path / "two", seeds=(0, 1), settings=dataclasses.replace(TOY, workers=2), progress=False)
     for key in summary["runs"]:
@@ -45,9 +49,14 @@ def test_demo_pipeline_at_toy_size_and_the_same_runs_in_worker_processes(tmp_pat
             [{k: v for k, v in m.items() if not k.startswith(drop)} for m in b[1]]
     text = summary_markdown(summary)
     assert text.count("| grpo |") == 2 and text.count("| fork |") == 2 and "Mesh at the paper's" in text
-    # a second call reuses the finished runs
+    # a second call reuses the finished runs: nothing is trained or written again
+    stamps = {k: (Path(d) / "metrics.jsonl").stat().st_mtime_ns for k, d in summary["runs"].items()}
     again = run_demo(tmp_path / "one", seeds=(0, 1), settings=TOY, progress=False)
     assert again["stories"] == summary["stories"]
+    assert stamps == {k: (Path(d) / "metrics.jsonl").stat().st_mtime_ns for k, d in again["runs"].items()}
+    # ... and refuses a directory made with other settings (--quick and the full demo share the default --out)
+    with pytest.raises(ValueError, match=r"other settings \(steps differ"):
+        run_demo(tmp_path / "one", seeds=(0, 1), settings=dataclasses.replace(TOY, steps=3), progress=False)
     # rates written with --rates-out become the caption of a demo with the same settings, and only of that one
     rec = tmp_path / "rates.json"
     rec.write_text(json.dumps(rates_record(summary)))
@@ -99,3 +108,15 @@ def test_plumbing_note_only_when_no_niche_moved_from_step_0():
     note = plumbing_note(_summary([0.0, 0.0, 0.0]))
     assert note and "plumbing only" in note and "120 steps" in note
     assert plumbing_note(_summary([0.0, 0.25, 0.0])) is None
+
+
+def test_a_run_stopped_in_a_worker_reaches_the_demo_as_itself():
+    """RunInterrupted crosses the process pool (pickled) with its signal, so Ctrl-C in a worker is not a
+    BrokenProcessPool."""
+    import pickle
+    import signal
+
+    from meshrl.trainer.signals import RunInterrupted
+
+    err = pickle.loads(pickle.dumps(RunInterrupted(signal.SIGTERM)))
+    assert isinstance(err, RunInterrupted) and err.signum == signal.SIGTERM and str(err) == "stopped by SIGTERM"

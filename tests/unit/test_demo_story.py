@@ -31,8 +31,11 @@ def test_sparkline_maps_0_to_the_lowest_bar_and_top_to_the_highest():
      {"fell": 8, "low": 0.0, "back": 24}),
     # a dip of less than 0.2 below the running maximum is no fall
     ([(0, 0.39), (4, 0.31), (8, 0.35), (12, 0.9)], {"fell": None, "low": None, "back": None}),
-    # the running maximum counts later peaks: 0.9 -> 0.65 is a fall (0.25); back = the next checkpoint >= 0.5
-    ([(0, 0.3), (4, 0.9), (8, 0.65), (12, 0.45), (16, 0.7)], {"fell": 8, "low": 0.45, "back": 16}),
+    # the running maximum counts later peaks; 0.9 -> 0.65 is 0.25 lower but the niche is still held (>= 0.5): the
+    # fall is at 0.45, and it is back at the next checkpoint >= 0.5
+    ([(0, 0.3), (4, 0.9), (8, 0.65), (12, 0.45), (16, 0.7)], {"fell": 12, "low": 0.45, "back": 16}),
+    # forking tokens' seed 0 of the demo: 0.97 -> 0.59 -> 0.97 never lost the niche: no fall, no trivial return
+    ([(0, 0.39), (24, 0.97), (28, 0.59), (32, 0.97)], {"fell": None, "low": None, "back": None}),
     # exactly 0.2 below counts (ends included); never back
     ([(0, 0.4), (4, 0.2), (8, 0.1)], {"fell": 4, "low": 0.1, "back": None}),
 ])
@@ -61,16 +64,21 @@ def _write(run, evals, mei):
 
 def test_run_story_reads_the_records_and_says_whether_mei_warned(tmp_path):
     evals = [{"step": s, "eval/mean@1": 0.5, "eval/by/decade/mean@1": v}
-             for s, v in [(0, 0.4), (4, 0.4), (8, 0.1), (12, 0.8)]]
-    mei = [(s, 1.0 + (s % 2)) for s in range(1, 5)] + [(s, 9.0) for s in range(5, 13)]
+             for s, v in [(0, 0.4), (4, 0.4), (8, 0.4), (12, 0.1), (16, 0.8)]]
+    mei = [(s, 1.0 + (s % 2)) for s in range(1, 5)] + [(s, 9.0) for s in range(5, 17)]
     _write(tmp_path / "r", evals, mei)
     story = run_story(tmp_path / "r")
-    assert (story["fell"], story["back"], story["outcome"], story["mei_crossed"]) == (8, 12, "kept", 5)
-    assert story["warned"] is True and story["accuracy_last"] == 0.5
-    assert mei_per_checkpoint(story) == [1.5, 9.0, 9.0]
+    assert (story["fell"], story["back"], story["outcome"], story["mei_crossed"]) == (12, 16, "kept", 5)
+    assert story["warned"] is True and story["accuracy_last"] == 0.5  # 7 steps ahead: a whole interval
+    assert mei_per_checkpoint(story) == [1.5, 9.0, 9.0, 9.0]
     table = story_table({"grpo": {0: story}}, 4)
-    assert "| grpo | 0 | `▄▄▂▇` | step 8 (to 0.10) | step 12 | 0.80 kept |" in table
-    assert "step 5 (3 before the fall)" in table
+    assert "| grpo | 0 | `▄▄▄▂▇` | step 12 (to 0.10) | step 16 | 0.80 kept |" in table
+    assert "step 5 (7 before the fall)" in table
+    # a crossing less than one evaluation interval before the checkpoint that saw the fall is no warning: the
+    # fall happened somewhere in that interval
+    _write(tmp_path / "early", evals[:1] + [{**e, "step": e["step"] - 4} for e in evals[2:]], mei)
+    story = run_story(tmp_path / "early")
+    assert (story["fell"], story["mei_crossed"], story["warned"]) == (8, 5, False)
 
 
 def test_run_story_refuses_records_without_the_niche_from_step_0(tmp_path):

@@ -109,7 +109,7 @@ def _train_one(arm: str, seed: int, model_path: str, s: DemoSettings, run_dir: s
 
 
 def _worker_init() -> None:
-    """Die with the demo (its runs resume on the next call) and compute on the thread count each job sets."""
+    """Die with the demo (its runs resume on the next call); each job sets its own thread count."""
     import ctypes
     import signal
     import sys
@@ -127,25 +127,16 @@ def run_demo(out: Path, *, quick: bool = False, seeds: tuple[int, ...] = DEMO_SE
 
     s = settings or (DemoSettings.quick() if quick else DemoSettings())
     out.mkdir(parents=True, exist_ok=True)
+    check_settings(out, s)
     t0 = time.perf_counter()
     model_path = warm_start(seed=0, steps=s.warm_steps, progress=progress)
     # longest first (forking tokens' update takes about 15% longer than GRPO's), so that two workers end together
     jobs = [(arm, seed, str(out / "runs" / arm / f"seed_{seed}")) for arm in reversed(ARMS) for seed in seeds]
     with progress_bar("demo runs", len(jobs), progress) as advance:
         if s.workers > 1 and len(jobs) > 1:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor, as_completed
-
-            with ProcessPoolExecutor(max_workers=min(s.workers, len(jobs)), mp_context=mp.get_context("spawn"),
-                                     initializer=_worker_init) as pool:
-                futures = [pool.submit(_train_one, arm, seed, str(model_path), s, d, s.threads)
-                           for arm, seed, d in jobs]
-                for f in as_completed(futures):
-                    advance(description=Path(f.result()).parent.name + "/" + Path(f.result()).name)
+            _train_in_workers(jobs, str(model_path), s, advance)
         else:
-            for arm, seed, d in jobs:
-                _train_one(arm, seed, str(model_path), s, d, s.threads)
-                advance(description=f"{arm}/seed_{seed}")
+            _train_here(jobs, str(model_path), s, advance)
     stories = {arm: {seed: run_story(Path(d)) for a, seed, d in jobs if a == arm} for arm in ARMS}
     summary = {"settings": asdict(s), "seeds": list(seeds), "warm_start": str(model_path),
                "warm_info": warm_info(model_path), "runs": {f"{a}/seed_{seed}": d for a, seed, d in jobs},
@@ -153,6 +144,56 @@ def run_demo(out: Path, *, quick: bool = False, seeds: tuple[int, ...] = DEMO_SE
                "machine": machine()}
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
+
+
+SETTINGS_FILE = "demo_settings.json"
+
+
+def check_settings(out: Path, s: DemoSettings) -> None:
+    """Refuse to reuse ``out`` whose runs were made with other settings (``--quick`` and the full demo share the
+    default ``--out``); record the settings in a new one."""
+    path = out / SETTINGS_FILE
+    mine = json.loads(json.dumps(s.numeric()))
+    if path.is_file():
+        theirs = json.loads(path.read_text())
+        if theirs != mine:
+            changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise ValueError(f"{out} holds a demo made with other settings ({', '.join(changed)} differ; "
+                             f"{path}): choose another --out, or delete it to start again")
+        return
+    path.write_text(json.dumps(mine, indent=1) + "\n")
+
+
+def _train_here(jobs: list[tuple[str, int, str]], model_path: str, s: DemoSettings, advance: Any) -> None:
+    """The runs one after another in this process (its torch thread count restored afterwards)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        for arm, seed, d in jobs:
+            _train_one(arm, seed, model_path, s, d, s.threads)
+            advance(description=f"{arm}/seed_{seed}")
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train_in_workers(jobs: list[tuple[str, int, str]], model_path: str, s: DemoSettings, advance: Any) -> None:
+    """The runs ``s.workers`` at a time in spawned processes. The first failure (or Ctrl-C) cancels the runs not
+    yet started and is raised at once; a stopped run resumes on the next call."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    pool = ProcessPoolExecutor(max_workers=min(s.workers, len(jobs)), mp_context=mp.get_context("spawn"),
+                               initializer=_worker_init)
+    try:
+        futures = [pool.submit(_train_one, arm, seed, model_path, s, d, s.threads) for arm, seed, d in jobs]
+        for f in as_completed(futures):
+            done = Path(f.result())
+            advance(description=f"{done.parent.name}/{done.name}")
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def machine() -> dict[str, Any]:

@@ -3,17 +3,23 @@ rates over seeds, and the printed table.
 
 The niche is held-out ``decade`` accuracy (the problem type whose fitting procedure is the rare one), measured by
 the trainer's own evaluation every few steps from the warm start on (``evals.jsonl``: ``eval.at_start``,
-``eval.by=type``). The rules are those of the pre-registered persistence experiment
-(experiments/collapse_testbed/preregistration.md), at the demo's shorter horizon:
+``eval.by=type``). The rules are adapted from the pre-registered persistence experiment
+(experiments/collapse_testbed/preregistration.md) to a demo about dips, at its shorter horizon:
 
-* **fell**: the niche at least :data:`FELL_BY` below its running maximum (from step 0); the step is the first such
-  checkpoint, the depth the lowest niche after it and before it came back;
-* **back**: after a fall, the first checkpoint with the niche at or above :data:`BACK_AT`;
+* **fell**: the niche at least :data:`FELL_BY` below its running maximum (from step 0) *and* below :data:`BACK_AT`
+  (the niche lost, not just lower); one checkpoint is enough (the experiment's harm needs two: a transient dip
+  counts here, which is what the demo is about); the step is the first such checkpoint, the depth the lowest niche
+  after it and before it came back;
+* **back**: after a fall, the first checkpoint with the niche at or above :data:`BACK_AT` again (the experiment's
+  time to re-learn);
 * **kept**: the niche at the last step above :data:`KEPT_ABOVE` (the top of the experiment's borderline band);
   ``lost`` below 0.4, ``borderline`` in between;
 * **MEI crossed**: the batch MEI (``mei/query``, every step) above the mean + 3 standard deviations of its first
   :data:`MEI_CALIBRATION` steps for 3 steps in a row (the trainer's ``diag.mei.patience``); the step is the first
-  of them. It is compared with the fall: a warning is the crossing before it.
+  of them. It **warned** when it crossed at least one evaluation interval before the fall (the fall happened
+  somewhere in the interval before the checkpoint that saw it). Most falls come at step 4-8, during or right after
+  the calibration, so the demo cannot test MEI as an early warning; the pre-registered test is the persistence
+  experiment's (docs/testbed.md).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ def fall_and_return(curve: list[tuple[int, float]]) -> dict[str, Any]:
     peak, fell, low, back = -math.inf, None, None, None
     for step, value in curve:
         if fell is None:
-            if value <= peak - FELL_BY + 1e-12:
+            if value <= peak - FELL_BY + 1e-12 and value < BACK_AT:
                 fell, low = step, value
             peak = max(peak, value)
         elif back is None:
@@ -63,6 +69,7 @@ def fall_and_return(curve: list[tuple[int, float]]) -> dict[str, Any]:
 
 
 def outcome(value: float) -> str:
+    """``kept`` above :data:`KEPT_ABOVE`, ``lost`` below :data:`LOST_BELOW`, ``borderline`` in between."""
     return "kept" if value > KEPT_ABOVE else "lost" if value < LOST_BELOW else "borderline"
 
 
@@ -84,7 +91,8 @@ def mei_crossing(mei: list[tuple[int, float]]) -> tuple[float | None, int | None
 
 
 def run_story(run_dir: Path) -> dict[str, Any]:
-    """One run's story from its ``evals.jsonl`` and ``metrics.jsonl``."""
+    """One run's story from its ``evals.jsonl`` and ``metrics.jsonl`` (``warned``: MEI crossed at least one
+    evaluation interval before the checkpoint that saw the fall)."""
     evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines() if x.strip()]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     key = f"eval/by/{NICHE}/mean@1"
@@ -97,7 +105,8 @@ def run_story(run_dir: Path) -> dict[str, Any]:
     line, crossed = mei_crossing(mei)
     story = {"curve": curve, **fall_and_return(curve), "last": curve[-1][1], "outcome": outcome(curve[-1][1]),
              "accuracy_last": float(evals[-1]["eval/mean@1"]), "mei": mei, "mei_line": line, "mei_crossed": crossed}
-    story["warned"] = story["fell"] is not None and crossed is not None and crossed < story["fell"]
+    every = curve[1][0] - curve[0][0] if len(curve) > 1 else 0
+    story["warned"] = story["fell"] is not None and crossed is not None and crossed <= story["fell"] - every
     return story
 
 
@@ -140,6 +149,8 @@ def _cell_mei(r: dict[str, Any]) -> str:
     if r["fell"] is None:
         return f"step {r['mei_crossed']} (no fall)"
     lead = r["fell"] - r["mei_crossed"]
+    if lead == 0:
+        return f"step {r['mei_crossed']} (at the fall)"
     return f"step {r['mei_crossed']} ({lead} before the fall)" if lead > 0 else \
         f"step {r['mei_crossed']} ({-lead} after the fall)"
 
@@ -160,9 +171,10 @@ def story_table(stories: dict[str, dict[int, dict[str, Any]]], every: int) -> st
 
 
 def rates_line(arm: str, r: dict[str, Any]) -> str:
+    """One arm's counts over its seeds, as a sentence."""
     back = (f", back after {min(r['steps_to_back'])}-{max(r['steps_to_back'])} steps" if r["steps_to_back"]
             else "")
     return (f"{arm}: fell in {r['fell']} of {r['runs']}, came back in {r['back']} of those{back}; kept at the "
             f"last step in {r['kept']} of {r['runs']} (lost {r['lost']}, borderline {r['borderline']}); MEI "
-            f"crossed before the fall in {r['warned']} of {r['fell']} falls and in {r['false_alarms']} of "
+            f"crossed an interval before the fall in {r['warned']} of {r['fell']} falls and in {r['false_alarms']} of "
             f"{r['no_fall']} runs without one")

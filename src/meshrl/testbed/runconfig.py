@@ -23,9 +23,9 @@ def base_overrides(sizes: Any, model_path: Path, max_new_tokens: int) -> list[st
         "optim.warmup_steps=3", f"train.ppo_epochs={sizes.ppo_epochs}", f"train.mini_batches={sizes.mini_batches}",
         "train.micro_batch_size=96", "mesh.m=3", "mesh.template=plain", "diag.mei.every=1",
         "log.progress=false", "log.samples_per_step=-1",
-        # The documented results (experiments/collapse_testbed/results.md, the README's demo table) were sampled
-        # with transformers' generate and scored in one pass in one process; pinned so that they reproduce sample
-        # for sample.
+        # The experiments' documented results (experiments/collapse_testbed/results.md) were sampled with
+        # transformers' generate and scored in one pass in one process; pinned so that they reproduce sample for
+        # sample (the demo overrides these with meshrl's default engines: meshrl.testbed.demo.DEMO_ENGINE).
         "rollout.backend=hf", "train.share_prompts=false", "train.update_workers=1",
         "train.skip_zero_advantage=false", *getattr(sizes, "extra", ()),
     ]

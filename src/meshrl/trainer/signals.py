@@ -30,6 +30,9 @@ class RunInterrupted(KeyboardInterrupt):
         super().__init__(message or f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
 
+    def __reduce__(self):  # a run stopped in a worker process reaches its parent as itself (pickled)
+        return type(self), (self.signum, str(self))
+
 
 class StopRequests:
     """Context manager that turns SIGTERM / SIGINT into :attr:`requested` (see the module docstring).
