@@ -46,6 +46,28 @@ PERSISTENCE: dict[str, tuple[str, dict[str, str], str]] = {
 }
 
 
+#: the staleness experiment's table (preregistration_staleness.md) -> (committed table, its pack); the k = 0 check
+#: reads the persistence experiment's W2 pack
+STALENESS: dict[str, tuple[str, str]] = {
+    "staleness": ("testbed_staleness_results.md", "data/testbed_staleness.json.gz")}
+
+
+def regenerate_staleness(name: str, work: Path) -> tuple[str, str]:
+    """(regenerated, committed) text of the staleness table: its pack and W2's unpacked under ``work``."""
+    from experiments.collapse_testbed import staleness
+    from experiments.collapse_testbed.pack import unpack_experiment
+
+    table, pack = STALENESS[name]
+    unpack_experiment(HERE / pack, work / name / "runs")
+    unpack_experiment(HERE / PERSISTENCE_PACKS["W2"], work / name / "W2")
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = staleness.main([str(work / name / "runs"), "--reference", str(work / name / "W2"),
+                             "--out", str(work / name / "staleness.md")])
+    if rc != 0:
+        raise RuntimeError(f"regenerating {name} failed (exit status {rc})")
+    return (work / name / "staleness.md").read_text(), (DATA / table).read_text()
+
+
 def regenerate_persistence(name: str, work: Path) -> tuple[str, str]:
     """(regenerated, committed) text of persistence table ``name``: each warm start's pack unpacked under ``work``,
     then its analysis over all of them."""
@@ -72,6 +94,8 @@ def regenerate(name: str, work: Path) -> tuple[str, str]:
 
     if name in PERSISTENCE:
         return regenerate_persistence(name, work)
+    if name in STALENESS:
+        return regenerate_staleness(name, work)
     table, args = COMMITTED[name]
     out = work / name
     argv = [str(HERE / a) if a.startswith("data/") else a for a in args]
@@ -84,7 +108,7 @@ def regenerate(name: str, work: Path) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.collapse_testbed.regenerate", description=__doc__)
-    names = [*COMMITTED, *PERSISTENCE]
+    names = [*COMMITTED, *PERSISTENCE, *STALENESS]
     p.add_argument("--only", nargs="+", choices=names, default=names)
     p.add_argument("--keep", type=Path, default=None, help="work here (kept) instead of a temporary directory")
     args = p.parse_args(argv)
@@ -94,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.only:
             new, old = regenerate(name, work)
             same = new == old
-            table = {**COMMITTED, **PERSISTENCE}[name][0]
+            table = {**COMMITTED, **PERSISTENCE, **STALENESS}[name][0]
             print(f"{name}: {'identical' if same else 'DIFFERS'} ({table})")
             if not same:
                 failed += 1

@@ -66,13 +66,14 @@ def comparisons(runs: list[P.RunEndpoints]) -> list[dict[str, Any]]:
     return P.holm_within_families(rows)
 
 
-def lag_figures(out: Path) -> dict[str, dict[str, float]]:
+def lag_figures(out: Path, complete: set[tuple[str, int]] | None = None) -> dict[str, dict[str, float]]:
     """Per arm: the mean over its runs of each run's mean of :data:`LAG_METRICS` (keys a run never logged are
-    left out; a run counts once whatever its length)."""
+    left out; a run counts once whatever its length); only the ``complete`` runs (arm, seed) when given, so that a
+    run still training does not move the table."""
     per_arm: dict[str, dict[str, list[float]]] = {}
     for d in sorted((out / "runs").glob("*/seed_*")):
         path = d / "metrics.jsonl"
-        if not path.is_file():
+        if not path.is_file() or (complete is not None and (d.parent.name, int(d.name[5:])) not in complete):
             continue
         rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
         for key in LAG_METRICS:
@@ -80,6 +81,16 @@ def lag_figures(out: Path) -> dict[str, dict[str, float]]:
             if vals:
                 per_arm.setdefault(d.parent.name, {}).setdefault(key, []).append(sum(vals) / len(vals))
     return {arm: {k: sum(v) / len(v) for k, v in keys.items()} for arm, keys in per_arm.items()}
+
+
+def overall_at_horizon(out: Path, horizon: int = P.HORIZON) -> dict[tuple[str, int], float]:
+    """Per run (arm, seed): held-out accuracy over every problem type at the horizon (the divergence check: a run
+    that lost every type measures instability, not strategy retention)."""
+    found = {}
+    for e in sorted((out / "runs").glob(f"*/seed_*/ckpt_eval/step_{horizon}/eval.json")):
+        run = e.parents[2]
+        found[run.parent.name, int(run.name[5:])] = float(json.loads(e.read_text())["overall"]["pass@1"])
+    return found
 
 
 def reproduces(runs: list[P.RunEndpoints], reference: list[P.RunEndpoints]) -> list[dict[str, Any]]:
@@ -117,7 +128,7 @@ def decision(rows: list[dict[str, Any]]) -> str:
 
 
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],
-             check: list[dict[str, Any]] | None) -> str:
+             check: list[dict[str, Any]] | None, overall: dict[tuple[str, int], float] | None = None) -> str:
     out = ["# Staleness and strategy collapse (preregistration_staleness.md)", "", decision(rows), ""]
     if check is not None:
         same = sum(c["identical"] for c in check)
@@ -125,14 +136,18 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
                 "identical" + ("" if same == len(check) else " (first differences: " + ", ".join(
                     f"seed {c['seed']} at step {c['first_difference']}" for c in check if not c["identical"]) + ")")
                 + ".", ""]
+    overall = overall or {}
     out += ["| arm | runs (complete) | kept / borderline / lost | persistent loss | re-learned (steps; - = censored) "
-            "| decade at 160 | area | " + " | ".join(LAG_METRICS) + " |", "|---" * (7 + len(LAG_METRICS)) + "|"]
+            "| decade at 160 | area | all types at 160 | " + " | ".join(LAG_METRICS) + " |",
+            "|---" * (8 + len(LAG_METRICS)) + "|"]
     for a in P.arm_summary(runs):
         steps = ", ".join("-" if t is None else str(t) for t in a["relearn_steps"])
         figs = lag.get(a["arm"], {})
+        acc = [overall[r.arm, r.seed] for r in runs if r.arm == a["arm"] and r.complete and (r.arm, r.seed) in overall]
         out.append(f"| {a['arm']} | {a['runs']} ({a['complete']}) | {a['kept']} / {a['borderline']} / {a['lost']} | "
                    f"{a['persistent_loss']} | {a['relearned']} ({steps}) | {P._f(a['final'])} ± "
                    f"{P._f(a['final_sd'], 2)} | {P._f(a['auc'])} ± {P._f(a['auc_sd'], 2)} | "
+                   f"{P._f(sum(acc) / len(acc) if acc else None)} | "
                    + " | ".join(P._f(figs.get(k)) for k in LAG_METRICS) + " |")
     out += ["", "Comparisons (arm − reference; seeds paired; Holm within each family):", "",
             "| family | arm | reference | endpoint | pairs | test | difference or discordant | p | Holm p |",
@@ -141,19 +156,21 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
         what = f"{r['arm_only']} / {r['base_only']}" if r["endpoint"] == "kept" else P._f(r.get("mean_diff"))
         out.append(f"| {r['family']} | {r['arm']} | {r['reference']} | {r['endpoint']} | {r['n']} | {r['test']} | "
                    f"{what} | {P._f(r['p'])} | {P._f(r.get('p_holm'))} |")
-    out += ["", "Per run:", "", "| arm | seed | complete | decade at 160 | outcome | re-learned at | area | curve |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += ["", "Per run:", "", "| arm | seed | complete | decade at 160 | outcome | re-learned at | area | "
+            "all types at 160 | curve |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         curve = " ".join(f"{s}:{v:.2f}" for s, v in zip(r.steps, r.niche, strict=True))
         out.append(f"| {r.arm} | {r.seed} | {'yes' if r.complete else 'no'} | {P._f(r.final)} | {r.at_horizon} | "
-                   f"{'>' if r.censored else ''}{r.relearn} | {P._f(r.auc)} | {curve} |")
+                   f"{'>' if r.censored else ''}{r.relearn} | {P._f(r.auc)} | {P._f(overall.get((r.arm, r.seed)))} | "
+                   f"{curve} |")
     return "\n".join(out) + "\n"
 
 
 def analyse(out: Path, reference: Path | None = None) -> str:
     runs = P.read_runs(WARM, out)
     check = reproduces(runs, P.read_runs(WARM, reference)) if reference is not None else None
-    return markdown(runs, comparisons(runs), lag_figures(out), check)
+    complete = {(r.arm, r.seed) for r in runs if r.complete}
+    return markdown(runs, comparisons(runs), lag_figures(out, complete), check, overall_at_horizon(out))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from experiments.collapse_testbed.regenerate import COMMITTED, DATA, PERSISTENCE, regenerate
+from experiments.collapse_testbed.regenerate import COMMITTED, DATA, PERSISTENCE, STALENESS, regenerate
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "second" else n
-                                  for n in [*COMMITTED, *PERSISTENCE]])
+                                  for n in [*COMMITTED, *PERSISTENCE, *STALENESS]])
 def test_committed_table_regenerates_byte_identically(name, tmp_path):
     new, committed = regenerate(name, tmp_path)
     assert new == committed

@@ -78,3 +78,18 @@ def test_the_k0_check_names_the_first_difference():
                      {"seed": 1, "checkpoints": 21, "identical": False, "first_difference": 24}]
     md = S.markdown(mine, S.comparisons(mine), {}, check)
     assert "1 of 2 seeds identical (first differences: seed 1 at step 24)" in md
+
+
+def test_lag_figures_leave_out_runs_still_training_and_overall_accuracy_is_read_per_run(tmp_path):
+    for seed, lag in ((0, 8.0), (1, 2.0)):
+        d = tmp_path / "runs" / "grpo_k8_none" / f"seed_{seed}"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text(json.dumps({"lag/staleness_mean": lag}) + "\n")
+    assert S.lag_figures(tmp_path, {("grpo_k8_none", 0)}) == {"grpo_k8_none": {"lag/staleness_mean": 8.0}}
+    e = tmp_path / "runs" / "grpo_k8_none" / "seed_0" / "ckpt_eval" / "step_160"
+    e.mkdir(parents=True)
+    (e / "eval.json").write_text(json.dumps({"overall": {"pass@1": 0.06}}))
+    assert S.overall_at_horizon(tmp_path) == {("grpo_k8_none", 0): 0.06}
+    runs = [P.endpoints("W2", "grpo_k8_none", 0, NEVER)]
+    md = S.markdown(runs, S.comparisons(runs), {}, None, S.overall_at_horizon(tmp_path))
+    assert "| grpo_k8_none | 0 | yes | 0.02 | lost | >160 | " in md and " | 0.06 | 0:0.30" in md
