@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.collapse_testbed import persistence as P
+from meshrl.jsonl import read_jsonl
 
 WARM = "W2"
 K_PRIMARY = 8
@@ -75,7 +76,7 @@ def lag_figures(out: Path, complete: set[tuple[str, int]] | None = None) -> dict
         path = d / "metrics.jsonl"
         if not path.is_file() or (complete is not None and (d.parent.name, int(d.name[5:])) not in complete):
             continue
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        rows = read_jsonl(path)
         for key in LAG_METRICS:
             vals = [float(r[key]) for r in rows if isinstance(r.get(key), int | float) and r[key] == r[key]]
             if vals:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -69,8 +68,8 @@ class DemoSettings:
                    eval_n=2)
 
     def numeric(self) -> dict[str, Any]:
-        """The settings the figures depend on (not ``workers``)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "workers"}
+        """The settings the figures depend on (not ``workers``), in their JSON form (lists, as stored)."""
+        return json.loads(json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name != "workers"}))
 
 
 def demo_keys(s: DemoSettings, seed: int) -> list[str]:
@@ -153,7 +152,7 @@ def check_settings(out: Path, s: DemoSettings) -> None:
     """Refuse to reuse ``out`` whose runs were made with other settings (``--quick`` and the full demo share the
     default ``--out``); record the settings in a new one."""
     path = out / SETTINGS_FILE
-    mine = json.loads(json.dumps(s.numeric()))
+    mine = s.numeric()
     if path.is_file():
         theirs = json.loads(path.read_text())
         if theirs != mine:
@@ -197,26 +196,23 @@ def _train_in_workers(jobs: list[tuple[str, int, str]], model_path: str, s: Demo
 
 
 def machine() -> dict[str, Any]:
-    """What the figures depend on besides the settings: the CPU, its vector instructions, torch."""
+    """What the figures depend on besides the settings: the CPU record benchmarks keep (:func:`meshrl.cpu.cpu_info`:
+    model, kernel-deciding flags, native bf16) and the torch version."""
     import torch
 
-    flags: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = sorted({f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx"))})
-                break
-        name = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                     if x.startswith("model name")), platform.processor())
-    except OSError:
-        name = platform.processor()
-    return {"cpu": name, "flags": flags, "torch": torch.__version__}
+    from meshrl.cpu import cpu_info
+
+    return {**cpu_info(), "torch": torch.__version__}
+
+
+def settings_of(summary: dict[str, Any]) -> DemoSettings:
+    """The :class:`DemoSettings` a summary was made with (its JSON form has lists where the dataclass has tuples)."""
+    return DemoSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in summary["settings"].items()})
 
 
 def rates_record(summary: dict[str, Any]) -> dict[str, Any]:
     """What ``--rates-out`` writes: the rates with the settings, seeds and machine that produced them."""
-    s = DemoSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in summary["settings"].items()})
-    return {"settings": s.numeric(), "seeds": summary["seeds"], "rates": summary["rates"],
+    return {"settings": settings_of(summary).numeric(), "seeds": summary["seeds"], "rates": summary["rates"],
             "machine": summary["machine"], "date": time.strftime("%Y-%m-%d"),
             "command": "meshrl demo --seeds " + " ".join(map(str, summary["seeds"])) + " --rates-out PATH"}
 
@@ -228,13 +224,13 @@ def caption(settings: DemoSettings, path: Path = RATES_FILE) -> str:
     if not path.is_file():
         return "(no multi-seed rates recorded for this demo)"
     rec = json.loads(path.read_text())
-    mine = json.loads(json.dumps(settings.numeric()))
+    mine = settings.numeric()
     if rec["settings"] != mine:
         return ("(the recorded multi-seed rates were measured with other settings: "
                 f"{sorted(k for k in mine if rec['settings'].get(k) != mine[k])}; not shown)")
     seeds = rec["seeds"]
     head = (f"Over RL seeds {seeds[0]}-{seeds[-1]} of this configuration ({len(seeds)} runs per arm; "
-            f"measured {rec['date']} on {rec['machine']['cpu']}, where every digit may differ from this machine's):")
+            f"measured {rec['date']} on {rec['machine']['model']}, where every digit may differ from this machine's):")
     return "\n".join([head, *(f"- {rates_line(arm, r)}" for arm, r in rec["rates"].items())])
 
 
@@ -243,7 +239,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     multi-seed caption."""
     from meshrl.testbed.demo_story import rates_line, story_table
 
-    s = DemoSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in summary["settings"].items()})
+    s = settings_of(summary)
     stories = {arm: {int(k): v for k, v in by.items()} for arm, by in summary["stories"].items()}
     seeds = summary["seeds"]
     return "\n".join([

@@ -24,11 +24,12 @@ the trainer's own evaluation every few steps from the warm start on (``evals.jso
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any
+
+from meshrl.jsonl import read_jsonl
 
 NICHE = "decade"
 FELL_BY = 0.2
@@ -93,8 +94,7 @@ def mei_crossing(mei: list[tuple[int, float]]) -> tuple[float | None, int | None
 def run_story(run_dir: Path) -> dict[str, Any]:
     """One run's story from its ``evals.jsonl`` and ``metrics.jsonl`` (``warned``: MEI crossed at least one
     evaluation interval before the checkpoint that saw the fall)."""
-    evals = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines() if x.strip()]
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    evals, metrics = read_jsonl(run_dir / "evals.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
     key = f"eval/by/{NICHE}/mean@1"
     missing = [e["step"] for e in evals if key not in e]
     if missing or not evals or evals[0]["step"] != 0:
