@@ -172,6 +172,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     import torch
 
     import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
+    from meshrl.cpu import cpu_info
     from meshrl.evaluation import run_eval
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.tasks import load_task
@@ -199,9 +200,10 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     if s.prune_checkpoints:
         prune_checkpoints(run_dir)
     # written last, after the pruning: done.json marks a run that is never touched again. Compute of this call
-    # (a resumed run adds its calls' figures; training time is in metrics.jsonl)
+    # (a resumed run adds its calls' figures; training time is in metrics.jsonl), and the CPU that made it: float
+    # rounding follows the CPU's vector instructions, so a seed reproduces bit for bit only on a like machine
     (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
-                                                   "cpu_s": time.process_time() - cpu0}))
+                                                   "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
 
 

@@ -103,7 +103,8 @@ def analyse(pack: dict[str, Any]) -> dict[str, Any]:
         arm, seed = key.split("/")
         step0 = float(pack["step0"][seed][f"mean@{pack['settings']['eval_n']}"])
         runs[key] = {"arm": arm, "seed": int(seed.split("_")[1]),
-                     **run_endpoints(step0, run["evals"], run["metrics"], horizon), "seconds": run["seconds"]}
+                     **run_endpoints(step0, run["evals"], run["metrics"], horizon), "seconds": run["seconds"],
+                     "cpu": cpu_label(run.get("machine"))}
     arms = sorted({r["arm"] for r in runs.values()})
     per_arm = {}
     for arm in arms:
@@ -116,6 +117,14 @@ def analyse(pack: dict[str, Any]) -> dict[str, Any]:
     return {"runs": runs, "arms": per_arm, "pilot": pack["pilot"]}
 
 
+def cpu_label(machine: dict[str, Any] | None) -> str:
+    """The CPU a run was made on, as the table names it: PyTorch's capability (what decides float rounding),
+    with native bf16 said; ``-`` where the run recorded none."""
+    if not machine:
+        return "-"
+    return f"{machine.get('capability', '?')}{', native bf16' if machine.get('bf16_native') else ''}"
+
+
 def _f(x: float | None, digits: int = 3) -> str:
     return "-" if x is None or x != x else f"{x:.{digits}f}"
 
@@ -126,14 +135,14 @@ def table(result: dict[str, Any]) -> str:
     tried = ", ".join(f"A = {a}: {float(v):.3f}" for a, v in p["tried"].items())
     lines = ["# SmolLM2-135M-Instruct: GRPO and forking tokens (preregistration.md)", "",
              f"Pilot (base model, held-out accuracy at T = 1): {tried}; chosen A = {p['chosen']}.", "",
-             "| arm | seed | step 0 | final | gain | best (step) | fall | MEI threshold | MEI crossing | lead |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | seed | step 0 | final | gain | best (step) | fall | MEI threshold | MEI crossing | lead | CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"].values():
         fall_text = r["fall"] if r["fall"] == "none" else f"{r['fall']} at {r['fall_step']} (-{r['depth']:.3f})"
         lines.append(f"| {r['arm']} | {r['seed']} | {_f(r['acc0'])} | {_f(r['final'])} | {r['gain']:+.3f} | "
                      f"{_f(r['best'])} ({r['best_step']}) | {fall_text} | {_f(r['mei_threshold'], 4)} | "
                      f"{r['mei_cross'] if r['mei_cross'] is not None else '-'} | "
-                     f"{r['lead'] if r['lead'] is not None else '-'} |")
+                     f"{r['lead'] if r['lead'] is not None else '-'} | {r['cpu']} |")
     lines += ["", "| arm | seeds | verdict (Q1) | mean gain | runs with harm (Q2) | warned in time (Q3) | "
                   "crossings without harm |", "|---|---|---|---|---|---|---|"]
     for arm, a in result["arms"].items():

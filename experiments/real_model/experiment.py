@@ -3,7 +3,9 @@ that fixes the task's operand range, the runs (resumable), the step-0 evaluation
 
 Every run is ``meshrl train`` with :func:`run_overrides`; a run resumes from its last checkpoint, and a finished one
 (``done.json``) is skipped, so the command can be stopped and started again. The pack keeps what the analysis reads:
-per run the held-out evaluations and the per-step metrics it needs (MEI, reward, time), not the weights.
+per run the held-out evaluations and the per-step metrics it needs (MEI, reward, time) and the CPU that made it, not
+the weights. A run takes hours and a machine may not outlive it, so the grid can be made a few runs at a time on
+different machines: ``pack`` adds the finished runs of ``out`` to an existing pack of the same experiment.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def run_all(s: Settings, out: Path) -> None:
     """The pilot, then every (seed, arm) run and its step-0 evaluation, skipping what is done."""
     import torch
 
+    from meshrl.cpu import cpu_info
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.trainer import load_config, train
 
@@ -129,11 +132,19 @@ def run_all(s: Settings, out: Path) -> None:
             log.info("real model: %s seed %d (%s)", arm, seed, "resuming" if ckpt else "starting")
             for _ in train(cfg, run_dir, resume=ckpt is not None):
                 pass
-            (run_dir / "done.json").write_text(json.dumps({"seconds": time.perf_counter() - t0}))
+            # the CPU that made it: float rounding follows its vector instructions (a seed repeats bit for bit only
+            # on a like machine), and "seconds" is this call's, a resumed run's last stretch only
+            (run_dir / "done.json").write_text(json.dumps({"seconds": time.perf_counter() - t0, "machine": cpu_info()}))
+
+
+#: settings that choose which runs a call makes, not what a run is: packs that differ only in these merge
+RUN_SELECTION = ("seeds", "arms", "threads")
 
 
 def pack(out: Path, dest: Path) -> Path:
-    """The compact data of every finished run (evaluations, kept metrics, events) and the step-0 evaluations."""
+    """The compact data of every finished run (evaluations, kept metrics, events, machine) and the step-0
+    evaluations, added to ``dest`` when it already holds runs of the same experiment (same settings but the run
+    selection, same pilot); a run in both is taken from ``out``. Anything else in ``dest`` is a ValueError."""
     from meshrl.jsonl import read_jsonl
 
     runs: dict[str, Any] = {}
@@ -141,17 +152,37 @@ def pack(out: Path, dest: Path) -> Path:
         run_dir = done.parent
         metrics = [{k: r[k] for k in ("step", *KEPT_METRICS) if k in r} for r in read_jsonl(run_dir / "metrics.jsonl")
                    if "step" in r]
+        record = json.loads(done.read_text())
         runs[f"{run_dir.parent.name}/{run_dir.name}"] = {
             "evals": read_jsonl(run_dir / "evals.jsonl"), "metrics": metrics,
             "events": read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").is_file() else [],
-            "seconds": json.loads(done.read_text())["seconds"]}
+            "seconds": record["seconds"], "machine": record.get("machine")}
     step0 = {p.parent.name: json.loads(p.read_text())["overall"] for p in sorted(out.glob("step0/seed_*/eval.json"))}
     data = {"settings": json.loads((out / "settings.json").read_text()),
             "pilot": json.loads((out / "pilot.json").read_text()), "step0": step0, "runs": runs}
+    if dest.is_file():
+        data = merged(read_pack(dest), data, dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(dest, "wt") as fh:
         json.dump(data, fh, sort_keys=True)
     return dest
+
+
+def merged(old: dict[str, Any], new: dict[str, Any], where: Path) -> dict[str, Any]:
+    """``new``'s runs and step-0 evaluations added to ``old``'s; the settings' run selection becomes the union."""
+    def what(settings: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in settings.items() if k not in RUN_SELECTION}
+
+    if what(old["settings"]) != what(new["settings"]):
+        diff = sorted(k for k in what(old["settings"]).keys() | what(new["settings"]).keys()
+                      if old["settings"].get(k) != new["settings"].get(k))
+        raise ValueError(f"{where}: holds runs made with other settings ({', '.join(diff)}); pack into another file")
+    if old["pilot"] != new["pilot"]:
+        raise ValueError(f"{where}: holds runs of another pilot ({old['pilot']} against {new['pilot']})")
+    settings = {**new["settings"], "seeds": sorted({*old["settings"]["seeds"], *new["settings"]["seeds"]}),
+                "arms": [a for a in ARMS if a in {*old["settings"]["arms"], *new["settings"]["arms"]}]}
+    return {"settings": settings, "pilot": new["pilot"], "step0": {**old["step0"], **new["step0"]},
+            "runs": {**old["runs"], **new["runs"]}}
 
 
 def read_pack(path: Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@ step-0 evaluations, pack, table) on the tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -81,3 +82,47 @@ def test_bad_arguments_are_one_line_errors(capsys):
     assert main(["run", "--seeds", "1", "1"]) == 2
     assert "--seeds names a seed twice" in capsys.readouterr().err
     assert main(["run", "--threads", "0"]) == 2
+
+
+def _fake_out(root, seed, arm, *, lr=5e-6, acc=0.25):
+    """An experiment directory holding one finished run, as ``run_all`` leaves it (the files ``pack`` reads)."""
+    s = experiment.Settings(seeds=(seed,), arms=(arm,), lr=lr)
+    (root / "step0" / f"seed_{seed}").mkdir(parents=True)
+    (root / "settings.json").write_text(json.dumps(dataclasses.asdict(s)))
+    (root / "pilot.json").write_text(json.dumps({"tried": {"20": 0.1275}, "chosen": 20}))
+    (root / "step0" / f"seed_{seed}" / "eval.json").write_text(json.dumps({"overall": {"mean@4": 0.1}}))
+    run = root / "runs" / arm / f"seed_{seed}"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "mei/query": 0.9, "other": 1}) + "\n")
+    (run / "evals.jsonl").write_text(json.dumps({"step": 10, "eval/mean@1": acc}) + "\n")
+    (run / "done.json").write_text(json.dumps({"seconds": 5.0, "machine": {"capability": "AVX2"}}))
+    return root
+
+
+def test_packs_made_on_different_machines_merge_into_one(tmp_path):
+    dest = tmp_path / "pack.json.gz"
+    experiment.pack(_fake_out(tmp_path / "a", 0, "grpo"), dest)
+    experiment.pack(_fake_out(tmp_path / "b", 1, "fork", acc=0.5), dest)
+    data = experiment.read_pack(dest)
+    assert set(data["runs"]) == {"grpo/seed_0", "fork/seed_1"} and set(data["step0"]) == {"seed_0", "seed_1"}
+    assert data["settings"]["seeds"] == [0, 1] and data["settings"]["arms"] == ["grpo", "fork"]
+    assert data["runs"]["grpo/seed_0"]["machine"] == {"capability": "AVX2"}
+    assert data["runs"]["grpo/seed_0"]["metrics"] == [{"step": 1, "mei/query": 0.9}]  # only the kept metrics
+    # the same run packed again is taken from the newer directory
+    experiment.pack(_fake_out(tmp_path / "c", 0, "grpo", acc=0.75), dest)
+    assert experiment.read_pack(dest)["runs"]["grpo/seed_0"]["evals"] == [{"step": 10, "eval/mean@1": 0.75}]
+
+
+def test_a_pack_of_other_settings_is_refused_by_name(tmp_path):
+    dest = tmp_path / "pack.json.gz"
+    experiment.pack(_fake_out(tmp_path / "a", 0, "grpo"), dest)
+    before = dest.read_bytes()
+    with pytest.raises(ValueError, match=r"other settings \(lr\)"):
+        experiment.pack(_fake_out(tmp_path / "b", 1, "grpo", lr=1e-6), dest)
+    assert dest.read_bytes() == before
+
+
+def test_the_table_names_the_cpu_of_each_run():
+    assert analysis.cpu_label({"capability": "AVX2", "bf16_native": False}) == "AVX2"
+    assert analysis.cpu_label({"capability": "AVX512", "bf16_native": True}) == "AVX512, native bf16"
+    assert analysis.cpu_label(None) == "-"  # a run made before runs recorded their machine
