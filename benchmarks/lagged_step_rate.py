@@ -44,7 +44,8 @@ PROTOCOLS = {
 COMMON = ["eval.every=0", "log.samples_per_step=0", "checkpoint.every=1000", "rollout.backend=native"]
 
 
-def run_once(protocol: str, k: int, steps: int, seed: int, root: Path, correction: str = "tis") -> list[dict]:
+def run_once(protocol: str, k: int, steps: int, seed: int, root: Path, correction: str = "tis",
+             extra: tuple[str, ...] = ()) -> list[dict]:
     from meshrl.trainer.config import load_config
     from meshrl.trainer.loop import train
 
@@ -52,6 +53,7 @@ def run_once(protocol: str, k: int, steps: int, seed: int, root: Path, correctio
                  "log.progress=false"]
     if k:
         overrides += ["rollout.sampler_process=process", f"rollout.staleness_correction={correction}"]
+    overrides += list(extra)
     run = root / f"k{k}_s{seed}_{time.monotonic_ns()}"
     t0 = time.perf_counter()
     train(load_config(None, overrides), run)
@@ -82,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exponent", type=float, default=None,
                     help="core-scaling exponent of both phases in the model (default: measured, k=0 on one thread)")
     ap.add_argument("--correction", choices=("tis", "m2po", "none"), default="tis",
-                    help="rollout.staleness_correction of the lagged arms (tis and m2po act on the update, so the "
-                         "update runs every row's backward: no zero-advantage skip)")
+                    help="rollout.staleness_correction of the lagged arms (tis and m2po act on the update: one "
+                         "update process, rows with advantage 0 forward only)")
+    ap.add_argument("--every-row", action="store_true",
+                    help="also each lagged arm with train.skip_zero_advantage=false (every row's backward), "
+                         "labelled '<k>_every_row': what the zero-advantage shortcut buys, in the same run")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--dry-run", action="store_true", help="2 steps per arm, one repeat, warm-up 0")
     args = ap.parse_args(argv)
@@ -97,16 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     ks = [int(x) for x in args.ks.split(",")]
     threads = torch.get_num_threads()
     load_before = os.getloadavg()
-    runs: dict[int, list[dict[str, float]]] = {k: [] for k in ks}
+    arms = [(str(k), k, ()) for k in ks] + [(f"{k}_every_row", k, ("train.skip_zero_advantage=false",))
+                                             for k in ks if k and args.every_row]
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in arms}
     one_thread: list[dict[str, float]] = []  # k = 0 on one thread: how each phase scales with cores
     measure = args.exponent is None and 0 in ks and threads >= 2
     with tempfile.TemporaryDirectory() as d:
         for rep in range(args.repeats):
-            for k in ks:
-                rows = run_once(args.protocol, k, args.steps, rep, Path(d), args.correction)
-                runs[k].append(summarise(rows, args.warmup))
+            for label, k, extra in arms:
+                rows = run_once(args.protocol, k, args.steps, rep, Path(d), args.correction, extra)
+                runs[label].append(summarise(rows, args.warmup))
                 torch.set_num_threads(threads)  # a lagged run hands the cores back at its end; be sure
-                print(f"repeat {rep} k={k}: " + ", ".join(f"{n} {v:.4g}" for n, v in runs[k][-1].items()),
+                print(f"repeat {rep} k={label}: " + ", ".join(f"{n} {v:.4g}" for n, v in runs[label][-1].items()),
                       flush=True)
             if measure:
                 torch.set_num_threads(1)
@@ -120,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                               "warmup": args.warmup,
                               "repeats": args.repeats, "cpu": cpu_info(), "torch_threads": threads,
                               "load_before": load_before, "load_after": os.getloadavg(), "arms": {}}
-    for k in ks:
-        out["arms"][str(k)] = {n: statistics.median(r[n] for r in runs[k]) for n in runs[k][0]} | {"runs": runs[k]}
-    if 0 in runs and threads >= 2:
+    for label, rs in runs.items():
+        out["arms"][label] = {n: statistics.median(r[n] for r in rs) for n in rs[0]} | {"runs": rs}
+    if "0" in runs and threads >= 2:
         base = out["arms"]["0"]
         if measure:
             one = {n: statistics.median(r[n] for r in one_thread) for n in one_thread[0]}
@@ -137,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         out["model"] = {"k0_step_s": base["step_s"], "predicted_lagged_step_s": predicted,
                         "predicted_gain": base["step_s"] / predicted, "sample_exponent": e_sample,
                         "update_exponent": e_update, "exponents": "measured" if measure else "given"}
-        for k in ks:
+        for label, k, _ in arms:
             if k:
-                arm = out["arms"][str(k)]
+                arm = out["arms"][label]
                 arm["gain_vs_k0"] = arm["steps_per_s"] / base["steps_per_s"]
                 arm["measured_over_predicted_step_s"] = arm["step_s"] / predicted
     print(describe(out["cpu"]), f"; load {load_before[0]:.2f} -> {out['load_after'][0]:.2f}")

@@ -15,14 +15,15 @@ from lagged_step_rate import main, summarise  # noqa: E402
 
 def test_the_dry_run_reports_each_arm_and_the_model(tmp_path):
     out = tmp_path / "lag.json"
-    assert main(["--dry-run", "--ks", "0,1", "--out", str(out)]) == 0
+    assert main(["--dry-run", "--ks", "0,1", "--every-row", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert set(res["arms"]) == {"0", "1"}
+    assert set(res["arms"]) - {"0@1"} == {"0", "1", "1_every_row"}
     for arm in res["arms"].values():
         assert arm["steps_per_s"] > 0 and arm["sample_s"] > 0 and arm["train_s"] > 0 and arm["wait_s"] >= 0
     assert res["cpu"]["flags"] is not None and len(res["load_before"]) == 3
     if res["torch_threads"] >= 2:
-        assert res["model"]["predicted_lagged_step_s"] > 0 and "gain_vs_k0" in res["arms"]["1"]
+        assert res["model"]["predicted_lagged_step_s"] > 0
+        assert "gain_vs_k0" in res["arms"]["1"] and "gain_vs_k0" in res["arms"]["1_every_row"]
 
 
 def test_summary_leaves_out_the_warm_up_steps():

@@ -117,8 +117,11 @@ def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_p
         assert set(m_plain) == set(m_fast) and metric in m_fast
         for k, v in m_plain.items():
             assert m_fast[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+        # a plug-in whose terms vanish with the advantage keeps the shortcut in one process (equal up to rounding:
+        # the other rows' forward runs in a smaller batch); any other one computes exactly what one process does
+        assert fast.engine.freeze_zero == type(fast.plugins.get(plugin)).zero_advantage_exact
         for p, q in zip(plain.model.parameters(), fast.model.parameters(), strict=True):
-            torch.testing.assert_close(q, p, rtol=0, atol=0)
+            torch.testing.assert_close(q, p, **({} if fast.engine.freeze_zero else {"rtol": 0, "atol": 0}))
     finally:
         plain.close()
         fast.close()

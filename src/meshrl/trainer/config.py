@@ -134,7 +134,7 @@ class TrainConfig:
     update_workers: int = setting(0, ge=0, help="CPU: processes sharing each micro-batch (0 = one per torch thread, "
                                                 "up to 16M trainable parameters; 1 = one process)")
     skip_zero_advantage: bool = setting(True, help="rows with advantage 0 run forward only when their gradient is "
-                                                   "exactly 0 (the loss is the policy term alone)")
+                                                   "exactly 0 (the policy term alone, or times TIS / M2PO factors)")
     lora_r: int = setting(0, ge=0, help="LoRA rank (peft); 0 = full fine-tuning")
     lora_alpha: int = setting(16, gt=0, help="LoRA alpha (the adapter's scale is alpha / r)")
 

@@ -111,6 +111,35 @@ class Objective:
         values = (logp.detach(), entropy, None if js_mat is None else js_mat.detach())
         return MicroLoss(True, total, stats, (logp * mask).sum(-1), values)
 
+    def micro_loss_frozen(self, rows: list[int], mb: MicroBatch, inputs: UpdateInputs, frozen: set[int]) -> MicroLoss:
+        """:meth:`micro_loss` with the rows at positions ``frozen`` forwarded without a graph. Their per-token values
+        enter the loss as constants, so the plug-ins' terms, the aggregation's token counts and the metrics see the
+        whole micro-batch as :meth:`micro_loss` does, and the backward runs over the other rows only. For rows
+        whose gradient is exactly zero (advantage 0, a loss that is the policy term times factors): the same loss
+        and gradient up to float rounding (the other rows' forward runs in a smaller batch). Not for a loss that
+        reads the whole logits (:attr:`reads_logits`) or per-row graphs (a surrogate, balancing)."""
+        data, width = inputs.data, mb.response_ids.shape[1]
+        lengths = [len(data.response_ids[j]) for j in rows]
+        logp = torch.zeros(len(rows), width, device=mb.response_ids.device)
+        entropy = torch.zeros_like(logp)
+        for grad in (True, False):
+            ks = [k for k in range(len(rows)) if lengths[k] > 0 and (k in frozen) != grad]
+            if not ks:
+                continue
+            sub = self.forward.collate([data.prompt_ids[rows[k]] for k in ks], [data.response_ids[rows[k]] for k in ks])
+            with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+                sub_logp, sub_entropy = self.forward.token_terms(self.forward.model, sub)
+            at = torch.tensor(ks, device=logp.device)
+            pad = width - sub_logp.shape[1]
+            logp = logp.index_copy(0, at, torch.nn.functional.pad(sub_logp, (0, pad)).to(logp.dtype))
+            entropy = entropy.index_copy(0, at, torch.nn.functional.pad(sub_entropy, (0, pad)).to(entropy.dtype))
+        mask = mb.response_mask
+        if not bool(torch.isfinite(logp.detach()[mask > 0]).all()):  # skipped as a non-finite loss is
+            nan = torch.tensor(float("nan"))
+            return MicroLoss(False, nan, {}, (logp * mask).sum(-1), (logp.detach(), entropy, None))
+        total, stats = self.token_loss(rows, mask, inputs, logp, entropy, None)
+        return MicroLoss(True, total, stats, (logp * mask).sum(-1), (logp.detach(), entropy, None))
+
     def weighted(self, rows: list[int], mb: MicroBatch, result: MicroLoss, sizes: MiniBatchSizes) -> torch.Tensor:
         """The micro-batch's share of the mini-batch loss (:func:`micro_weight`) plus the plug-ins' per-row
         surrogates (e.g. DPO's, already weighted for the whole step)."""

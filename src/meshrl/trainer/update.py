@@ -13,7 +13,11 @@ the run                                                     engine
 ==========================================================  =================================================
 an enabled plug-in overrides an update hook                 SerialEngine (``plugins.UPDATE_HOOKS``: the workers
                                                             would not see the state it sets here, nor the
-                                                            whole batch; the skip would drop its terms)
+                                                            whole batch; the skip would drop its terms); rows
+                                                            with advantage 0 forward only (``freeze_zero``)
+                                                            where every such plug-in is
+                                                            ``zero_advantage_exact`` (TIS, M2PO) and the
+                                                            parts engine's skip conditions hold
 one update process (``train.update_workers=1``; auto with   SerialEngine
 more than 16M trainable parameters; not a CPU, no fork, a
 CUDA build) and no zero-advantage skip
@@ -77,13 +81,15 @@ class StepPlan:
 
 
 class SerialEngine:
-    """Micro-batches one after another in this process."""
+    """Micro-batches one after another in this process; with ``freeze_zero``, rows whose advantage is 0 are
+    forwarded without a graph (:meth:`Objective.micro_loss_frozen`: the loss still sees their values)."""
 
-    skip_zero = False  # every row runs its backward
+    skip_zero = False  # the parts engine's shortcut (its rows split over parts)
     started = False  # no worker processes
 
-    def __init__(self, objective: Objective, balance: Any, mei: Any) -> None:
+    def __init__(self, objective: Objective, balance: Any, mei: Any, *, freeze_zero: bool = False) -> None:
         self.objective, self.forward, self.balance, self.mei = objective, objective.forward, balance, mei
+        self.freeze_zero = freeze_zero
 
     def serial(self, plan: StepPlan, epoch: int) -> bool:
         """Whether a mini-batch of this epoch runs the serial path (always, here)."""
@@ -95,15 +101,21 @@ class SerialEngine:
         ``stats``. False when a loss or log-prob is not finite."""
         sizes = MiniBatchSizes.of(rows, inputs.data)
         on_logits = self.mei.add_logits if plan.collect_mei and epoch == 0 else None
+        freeze = (self.freeze_zero and not plan.every_row_here(epoch) and self.balance.paper_weights is None
+                  and not getattr(inputs.data, "response_masks", None))
+        keep = kept_row(rows, inputs.data) if freeze else None
         balance_grads: list[torch.Tensor] | None = None
         for idx, mb in self.forward.micro_batches(rows, inputs.data):
             if mb.num_tokens == 0:
                 continue
-            result = self.objective.micro_loss(idx, mb, inputs, on_logits)
+            frozen = frozen_rows(idx, inputs.data, keep) if freeze else set()
+            result = (self.objective.micro_loss_frozen(idx, mb, inputs, frozen) if frozen
+                      else self.objective.micro_loss(idx, mb, inputs, on_logits))
             loss = self.objective.weighted(idx, mb, result, sizes) if result.finite else result.loss
             if not result.finite or not torch.isfinite(loss):
                 return False
-            loss.backward(retain_graph=self.balance.paper_weights is not None)
+            if loss.requires_grad:  # not when every row of this micro-batch is frozen
+                loss.backward(retain_graph=self.balance.paper_weights is not None)
             if self.balance.paper_weights is not None:
                 balance_grads = self.balance.paper_grads(idx, result.seq_logp, params, balance_grads)
             for k, v in result.stats.items():  # metrics: row-weighted mean over micro-batches
@@ -336,6 +348,13 @@ def kept_row(rows: list[int], data: Any) -> int | None:
     return min(live, key=lambda j: (len(data.response_ids[j]), j))
 
 
+def frozen_rows(idx: list[int], data: Any, keep: int | None) -> set[int]:
+    """Positions in micro-batch ``idx`` of the non-empty rows with advantage 0 (but row ``keep``: see
+    :func:`kept_row`), whose gradient is exactly zero when the loss is the policy term times factors."""
+    return {k for k, j in enumerate(idx)
+            if len(data.response_ids[j]) > 0 and j != keep and float(data.advantages[j]) == 0.0}
+
+
 def update_hooks(plugins: Any) -> list[str]:
     """``<plug-in name>.<hook>`` for every update hook (:data:`meshrl.trainer.plugins.UPDATE_HOOKS`) an enabled
     plug-in overrides. The parts engine honours none of them: its workers were forked once and do not see state a
@@ -355,13 +374,16 @@ def make_engine(cfg: Any, recipe: Any, objective: Objective, balance: Any, mei: 
     alone and every row reaches every parameter, not so with routed experts) and no plug-in acts on the update,
     else :class:`SerialEngine`."""
     hooks = update_hooks(objective.plugins)
-    if hooks:
-        log.info("update: one process, every row's backward (plug-in hooks on the update: %s)", ", ".join(hooks))
-        return SerialEngine(objective, balance, mei)
     model = objective.forward.model
-    workers = update_worker_count(cfg.train.update_workers, model)
     skip_zero = (cfg.train.skip_zero_advantage and recipe.kl_coef == 0 and recipe.js_coef == 0
                  and not routed_experts(model))
+    if hooks:
+        acting = [p for p in objective.plugins.active if any(h.startswith(f"{p.name}.") for h in hooks)]
+        freeze = skip_zero and not objective.reads_logits and all(p.zero_advantage_exact for p in acting)
+        log.info("update: one process, %s (plug-in hooks on the update: %s)",
+                 "rows with advantage 0 forward only" if freeze else "every row's backward", ", ".join(hooks))
+        return SerialEngine(objective, balance, mei, freeze_zero=freeze)
+    workers = update_worker_count(cfg.train.update_workers, model)
     if workers < 2 and not skip_zero:
         return SerialEngine(objective, balance, mei)
     return PartsEngine(objective, balance, mei, workers=workers, skip_zero=skip_zero,

@@ -97,6 +97,10 @@ class Plugin:
     lag_safe: ClassVar[bool] = False
     lag_refusal: ClassVar[str] = ""
     corrects_staleness: ClassVar[str] = ""
+    # True: every update hook the plug-in overrides leaves a row with advantage 0 an exactly zero gradient (its terms
+    # multiply the policy term, and read the micro-batch's other values, never their graphs), so that the serial
+    # update engine may forward such rows without a graph (train.skip_zero_advantage; meshrl.trainer.update).
+    zero_advantage_exact: ClassVar[bool] = False
     summary: ClassVar[str] = ""  # one line for the docs and `--help-config`
 
     def __init__(self, cfg: Any, ctx: PluginContext) -> None:

@@ -30,6 +30,7 @@ class M2po(Plugin):
     order = 2.0
     summary = "M2PO: second-moment token mask for stale rollouts (Zheng et al. 2025)"
     corrects_staleness = "m2po"
+    zero_advantage_exact = True  # the policy term times a detached mask (the clip setting keeps it A times f(r))
 
     def loss_settings(self, loss_name: str, loss_cfg: dict[str, Any]) -> dict[str, Any]:
         if loss_name == "ppo_clip" and not self.cfg.keep_clip:  # clamp(r, 1 - inf, 1 + inf) = r: the surrogate -A r

@@ -48,6 +48,7 @@ class RolloutCorr(Plugin):
     summary = "rollout importance correction: TIS / IcePop weights, k1/k2/k3 rejection (Yao et al. 2025)"
     lag_safe = True  # after_sampling only checks that the batch has sampler log-probs
     corrects_staleness = "tis"
+    zero_advantage_exact = True  # the policy term times a detached weight and mask
 
     @classmethod
     def check(cls, cfg: RolloutCorrConfig, run_cfg: Any) -> None:
