@@ -115,8 +115,9 @@ def test_plugins_turn_off_workers_and_skipping_and_match_one_plain_process(tmp_p
         m_plain, m_fast = plain.update(data), fast.update(data)
         metric = PLUGIN_METRIC.get(plugin, {"luffy": "offpolicy/frac_tokens", "distill": "distill/loss"}.get(plugin))
         assert set(m_plain) == set(m_fast) and metric in m_fast
+        rel = 1e-5 if fast.engine.freeze_zero else 1e-6  # the frozen rows' shortcut: equal up to rounding
         for k, v in m_plain.items():
-            assert m_fast[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+            assert m_fast[k] == pytest.approx(v, rel=rel, abs=1e-7 if fast.engine.freeze_zero else 1e-9), k
         # a plug-in whose terms vanish with the advantage keeps the shortcut in one process (equal up to rounding:
         # the other rows' forward runs in a smaller batch); any other one computes exactly what one process does
         assert fast.engine.freeze_zero == type(fast.plugins.get(plugin)).zero_advantage_exact

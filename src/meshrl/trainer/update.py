@@ -355,6 +355,20 @@ def frozen_rows(idx: list[int], data: Any, keep: int | None) -> set[int]:
             if len(data.response_ids[j]) > 0 and j != keep and float(data.advantages[j]) == 0.0}
 
 
+def exact_at_zero_advantage(plugin: Any) -> bool:
+    """Whether every update hook ``plugin`` overrides is declared ``zero_advantage_exact`` by the class that defines
+    it: a subclass that overrides ``transform`` with a term of its own does not inherit its parent's declaration."""
+    from meshrl.trainer.plugins import UPDATE_HOOKS, Plugin
+
+    for hook in UPDATE_HOOKS:
+        if getattr(type(plugin), hook) is getattr(Plugin, hook):
+            continue
+        owner = next(c for c in type(plugin).__mro__ if hook in vars(c))
+        if vars(owner).get("zero_advantage_exact") is not True:
+            return False
+    return True
+
+
 def update_hooks(plugins: Any) -> list[str]:
     """``<plug-in name>.<hook>`` for every update hook (:data:`meshrl.trainer.plugins.UPDATE_HOOKS`) an enabled
     plug-in overrides. The parts engine honours none of them: its workers were forked once and do not see state a
@@ -378,8 +392,8 @@ def make_engine(cfg: Any, recipe: Any, objective: Objective, balance: Any, mei: 
     skip_zero = (cfg.train.skip_zero_advantage and recipe.kl_coef == 0 and recipe.js_coef == 0
                  and not routed_experts(model))
     if hooks:
-        acting = [p for p in objective.plugins.active if any(h.startswith(f"{p.name}.") for h in hooks)]
-        freeze = skip_zero and not objective.reads_logits and all(p.zero_advantage_exact for p in acting)
+        freeze = (skip_zero and not objective.reads_logits
+                  and all(map(exact_at_zero_advantage, objective.plugins.active)))
         log.info("update: one process, %s (plug-in hooks on the update: %s)",
                  "rows with advantage 0 forward only" if freeze else "every row's backward", ", ".join(hooks))
         return SerialEngine(objective, balance, mei, freeze_zero=freeze)
