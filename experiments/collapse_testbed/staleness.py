@@ -94,9 +94,24 @@ def overall_at_horizon(out: Path, horizon: int = P.HORIZON) -> dict[tuple[str, i
     return found
 
 
-def reproduces(runs: list[P.RunEndpoints], reference: list[P.RunEndpoints]) -> list[dict[str, Any]]:
+def run_machines(out: Path, arm: str = "grpo") -> dict[int, str]:
+    """PyTorch's capability of the CPU each finished run of ``arm`` was made on, where its ``done.json`` records it
+    (runs made before runs recorded their machine are left out)."""
+    found = {}
+    for done in sorted((out / "runs" / arm).glob("seed_*/done.json")):
+        machine = json.loads(done.read_text()).get("machine")
+        if machine:
+            found[int(done.parent.name[5:])] = str(machine.get("capability", "?"))
+    return found
+
+
+def reproduces(runs: list[P.RunEndpoints], reference: list[P.RunEndpoints],
+               machines: dict[int, str] | None = None) -> list[dict[str, Any]]:
     """The k = 0 check: per seed present in both, whether this experiment's ``grpo`` niche curve equals the
-    reference experiment's ``grpo`` curve (persistence, W2) exactly, and the first step where they differ."""
+    reference experiment's ``grpo`` curve (persistence, W2) exactly, the first step where they differ, and the CPU
+    the seed was made on where recorded (``machines``, :func:`run_machines`): a run repeats bit for bit only on a
+    like CPU, float rounding following its vector instructions."""
+    machines = machines or {}
     mine = {r.seed: r for r in runs if r.arm == "grpo"}
     ref = {r.seed: r for r in reference if r.arm == "grpo"}
     out = []
@@ -105,7 +120,8 @@ def reproduces(runs: list[P.RunEndpoints], reference: list[P.RunEndpoints]) -> l
             dict(zip(ref[seed].steps, ref[seed].niche, strict=True))
         common = sorted(set(a) & set(b))
         first = next((s for s in common if a[s] != b[s]), None)
-        out.append({"seed": seed, "checkpoints": len(common), "identical": first is None, "first_difference": first})
+        out.append({"seed": seed, "checkpoints": len(common), "identical": first is None, "first_difference": first,
+                    **({"machine": machines[seed]} if seed in machines else {})})
     return out
 
 
@@ -133,10 +149,15 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
     out = ["# Staleness and strategy collapse (preregistration_staleness.md)", "", decision(rows), ""]
     if check is not None:
         same = sum(c["identical"] for c in check)
+        differ = [c for c in check if not c["identical"]]
         out += [f"k = 0 check against the persistence experiment's W2 GRPO runs: {same} of {len(check)} seeds "
-                "identical" + ("" if same == len(check) else " (first differences: " + ", ".join(
-                    f"seed {c['seed']} at step {c['first_difference']}" for c in check if not c["identical"]) + ")")
-                + ".", ""]
+                "identical" + ("" if not differ else " (first differences: " + ", ".join(
+                    f"seed {c['seed']} at step {c['first_difference']}"
+                    + (f", made on a CPU with PyTorch capability {c['machine']}" if "machine" in c else "")
+                    for c in differ) + ")") + "."
+                + (" A run repeats bit for bit only on a like CPU (float rounding follows its vector "
+                   "instructions); the reference runs' CPU is not recorded in their pack."
+                   if any("machine" in c for c in differ) else ""), ""]
     overall = overall or {}
     out += ["| arm | runs (complete) | kept / borderline / lost | persistent loss | re-learned (steps; - = censored) "
             "| decade at 160 | area | all types at 160 | " + " | ".join(LAG_METRICS) + " |",
@@ -169,7 +190,7 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
 
 def analyse(out: Path, reference: Path | None = None) -> str:
     runs = P.read_runs(WARM, out)
-    check = reproduces(runs, P.read_runs(WARM, reference)) if reference is not None else None
+    check = reproduces(runs, P.read_runs(WARM, reference), run_machines(out)) if reference is not None else None
     complete = {(r.arm, r.seed) for r in runs if r.complete}
     return markdown(runs, comparisons(runs), lag_figures(out, complete), check, overall_at_horizon(out))
 

@@ -77,7 +77,21 @@ def test_the_k0_check_names_the_first_difference():
     assert check == [{"seed": 0, "checkpoints": 21, "identical": True, "first_difference": None},
                      {"seed": 1, "checkpoints": 21, "identical": False, "first_difference": 24}]
     md = S.markdown(mine, S.comparisons(mine), {}, check)
-    assert "1 of 2 seeds identical (first differences: seed 1 at step 24)" in md
+    assert "1 of 2 seeds identical (first differences: seed 1 at step 24)." in md
+    # a seed made on another CPU says so: float rounding alone can part the curves
+    check = S.reproduces(mine, ref, {1: "AVX2"})
+    assert check[1]["machine"] == "AVX2" and "machine" not in check[0]
+    md = S.markdown(mine, S.comparisons(mine), {}, check)
+    assert ("(first differences: seed 1 at step 24, made on a CPU with PyTorch capability AVX2). A run repeats bit "
+            "for bit only on a like CPU") in md
+
+
+def test_run_machines_reads_the_cpu_each_run_recorded(tmp_path):
+    for seed, record in ((0, {"arm": "grpo"}), (1, {"machine": {"capability": "AVX512"}})):
+        d = tmp_path / "runs" / "grpo" / f"seed_{seed}"
+        d.mkdir(parents=True)
+        (d / "done.json").write_text(json.dumps(record))
+    assert S.run_machines(tmp_path) == {1: "AVX512"}
 
 
 def test_lag_figures_leave_out_runs_still_training_and_overall_accuracy_is_read_per_run(tmp_path):
