@@ -65,6 +65,11 @@ def pad_rows(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _not_finite(logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> MicroLoss:
+    """A micro-batch with a non-finite log-prob: a NaN loss, so that the step is skipped."""
+    return MicroLoss(False, torch.tensor(float("nan")), {}, (logp * mask).sum(-1), (logp.detach(), entropy, None))
+
+
 def extra_loss_overridden(plugins: Any) -> bool:
     """Whether an enabled plug-in overrides ``extra_loss`` (which reads the whole logits)."""
     from meshrl.trainer.plugins import Plugin
@@ -95,8 +100,7 @@ class Objective:
             assert entropy is not None
         mask = mb.response_mask
         if not bool(torch.isfinite(logp.detach()[mask > 0]).all()):  # skipped as a non-finite loss is
-            nan = torch.tensor(float("nan"))
-            return MicroLoss(False, nan, {}, (logp * mask).sum(-1), (logp.detach(), entropy, None))
+            return _not_finite(logp, entropy, mask)
         if on_logits is not None and logits is not None:
             on_logits(rows, logits.detach(), mb)
         js_mat = None
@@ -134,9 +138,8 @@ class Objective:
             logp = logp.index_copy(0, at, torch.nn.functional.pad(sub_logp, (0, pad)).to(logp.dtype))
             entropy = entropy.index_copy(0, at, torch.nn.functional.pad(sub_entropy, (0, pad)).to(entropy.dtype))
         mask = mb.response_mask
-        if not bool(torch.isfinite(logp.detach()[mask > 0]).all()):  # skipped as a non-finite loss is
-            nan = torch.tensor(float("nan"))
-            return MicroLoss(False, nan, {}, (logp * mask).sum(-1), (logp.detach(), entropy, None))
+        if not bool(torch.isfinite(logp.detach()[mask > 0]).all()):
+            return _not_finite(logp, entropy, mask)
         total, stats = self.token_loss(rows, mask, inputs, logp, entropy, None)
         return MicroLoss(True, total, stats, (logp * mask).sum(-1), (logp.detach(), entropy, None))
 

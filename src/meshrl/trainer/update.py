@@ -355,18 +355,18 @@ def frozen_rows(idx: list[int], data: Any, keep: int | None) -> set[int]:
             if len(data.response_ids[j]) > 0 and j != keep and float(data.advantages[j]) == 0.0}
 
 
+def overridden_update_hooks(plugin: Any) -> list[str]:
+    """The update hooks (:data:`meshrl.trainer.plugins.UPDATE_HOOKS`) ``plugin``'s class overrides."""
+    from meshrl.trainer.plugins import UPDATE_HOOKS, Plugin
+
+    return [hook for hook in UPDATE_HOOKS if getattr(type(plugin), hook) is not getattr(Plugin, hook)]
+
+
 def exact_at_zero_advantage(plugin: Any) -> bool:
     """Whether every update hook ``plugin`` overrides is declared ``zero_advantage_exact`` by the class that defines
     it: a subclass that overrides ``transform`` with a term of its own does not inherit its parent's declaration."""
-    from meshrl.trainer.plugins import UPDATE_HOOKS, Plugin
-
-    for hook in UPDATE_HOOKS:
-        if getattr(type(plugin), hook) is getattr(Plugin, hook):
-            continue
-        owner = next(c for c in type(plugin).__mro__ if hook in vars(c))
-        if vars(owner).get("zero_advantage_exact") is not True:
-            return False
-    return True
+    owners = (next(c for c in type(plugin).__mro__ if hook in vars(c)) for hook in overridden_update_hooks(plugin))
+    return all(vars(owner).get("zero_advantage_exact") is True for owner in owners)
 
 
 def update_hooks(plugins: Any) -> list[str]:
@@ -376,10 +376,7 @@ def update_hooks(plugins: Any) -> list[str]:
     advantages only (TokenTerms.batch), the metrics are recomputed here from per-token values without extra_loss,
     and the zero-advantage skip assumes a gradient of A times a function of the ratio (and a plug-in's term may use
     statistics of the whole micro-batch: an entropy quantile, a covariance mean)."""
-    from meshrl.trainer.plugins import UPDATE_HOOKS, Plugin
-
-    return [f"{p.name}.{hook}" for p in plugins.active for hook in UPDATE_HOOKS
-            if getattr(type(p), hook) is not getattr(Plugin, hook)]
+    return [f"{p.name}.{hook}" for p in plugins.active for hook in overridden_update_hooks(p)]
 
 
 def make_engine(cfg: Any, recipe: Any, objective: Objective, balance: Any, mei: Any) -> SerialEngine:
