@@ -79,6 +79,7 @@ from typing import Any
 
 import torch
 
+from meshrl.runs.run_dir import is_ours
 from meshrl.settings import setting
 from meshrl.trainer.plugins import Plugin
 
@@ -381,7 +382,7 @@ def build_run(spec: RunSpec, out: Path, model: Path | str) -> tuple[Path, float 
         check_label(json.loads(label_path.read_text()), str(label_path))
         return path, None
     if path.exists():  # an unfinished run: only a directory meshrl made is deleted
-        if any(path.iterdir()) and not (path / ".meshrl-run").is_file():
+        if not is_ours(path):
             raise ValueError(f"{path} exists, has no label.json and is not a meshrl run: not deleting it")
         shutil.rmtree(path)
     t0 = time.perf_counter()

@@ -48,3 +48,21 @@ def test_runs_write_the_marker_first_and_a_legacy_run_still_resumes(tmp_path):
     empty.mkdir()
     train(tiny_config(steps=1), empty)  # an empty directory is fine
     assert (empty / MARKER).is_file()
+
+
+def test_a_kill_while_the_marker_was_written_leaves_a_directory_meshrl_reuses(tmp_path):
+    """A kill between the marker's temporary file and its rename leaves only that temporary: the directory was
+    empty or new, so the rerun takes it (and removes the temporary); a user's file beside one is still refused."""
+    from meshrl.jsonl import TEMP_PREFIX
+
+    run = tmp_path / "run"
+    run.mkdir()
+    leftover = run / f"{TEMP_PREFIX}{MARKER}.2tp4_n67"
+    leftover.write_text("")
+    train(tiny_config(steps=1), run)
+    assert (run / MARKER).is_file() and not leftover.exists()
+    mine = _user_dir(tmp_path / "mine")
+    (mine / f"{TEMP_PREFIX}{MARKER}.abc").write_text("")
+    with pytest.raises(ValueError, match="not a meshrl run"):
+        train(tiny_config(steps=1), mine)
+    assert (mine / "config.yaml").read_text() == USER_FILES["config.yaml"]

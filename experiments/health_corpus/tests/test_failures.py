@@ -114,6 +114,9 @@ def test_an_unfinished_run_is_trained_again(tmp_path):
     with pytest.raises(ValueError, match="not a meshrl run"):
         fl.build_run(spec, tmp_path, "tiny")
     (path / "notes.txt").unlink()
+    (path / "..meshrl-run.x1y2").write_text("")  # a kill while the marker was written: ours, trained again
+    path, _ = fl.build_run(spec, tmp_path, "tiny")
+    (path / "label.json").unlink()
     (path / ".meshrl-run").write_text("")
     (path / "metrics.jsonl").write_text('{"step": 1}\n')
     path, seconds = fl.build_run(spec, tmp_path, "tiny")

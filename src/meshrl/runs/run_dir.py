@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from meshrl.jsonl import truncate_after_step
+from meshrl.jsonl import TEMP_PREFIX, truncate_after_step
 from meshrl.runs.checkpoint import (
     atomic_write_text,
     latest_checkpoint,
@@ -65,15 +65,30 @@ def _remove_record_temporaries(run_dir: Path) -> None:
 MARKER = ".meshrl-run"  # written first into every run directory: what meshrl may clean, rewrite and delete
 
 
-def check_is_ours(run_dir: Path, option: str = "--out") -> None:
-    """Refuse a non-empty ``run_dir`` that meshrl did not create: the run would overwrite the user's
-    ``config.yaml`` and delete files named like its records. A directory without the marker that holds
-    ``checkpoints/`` or ``metrics.jsonl`` is a run of a meshrl from before the marker, and is taken as ours."""
+def _marker_temporaries(run_dir: Path) -> list[Path]:
+    """The temporary siblings of the marker: a kill while the marker was being written leaves one in a directory
+    that held nothing else, and that directory is ours to use (it must not be refused as the user's)."""
+    return sorted(run_dir.glob(f"{TEMP_PREFIX}{MARKER}.*"))
+
+
+def is_ours(run_dir: Path) -> bool:
+    """Whether meshrl may clean, rewrite and delete in ``run_dir``: it is missing, empty (but for a marker
+    temporary), marked, or a run of a meshrl from before the marker (it holds ``checkpoints/`` or
+    ``metrics.jsonl``)."""
     if not run_dir.is_dir() or (run_dir / MARKER).is_file():
+        return True
+    leftovers = set(_marker_temporaries(run_dir))
+    if not any(p not in leftovers for p in run_dir.iterdir()):
+        return True
+    return (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file()
+
+
+def check_is_ours(run_dir: Path, option: str = "--out") -> None:
+    """Refuse a non-empty ``run_dir`` that meshrl did not create (see ``is_ours``): the run would overwrite the
+    user's ``config.yaml`` and delete files named like its records."""
+    if is_ours(run_dir):
         return
     entries = sorted(p.name for p in run_dir.iterdir())
-    if not entries or (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file():
-        return
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     raise ValueError(f"{option} {run_dir} is a non-empty directory that is not a meshrl run ({shown}); meshrl "
                      f"would overwrite or delete files there: choose a new or empty directory")
@@ -82,6 +97,8 @@ def check_is_ours(run_dir: Path, option: str = "--out") -> None:
 def mark_run_dir(run_dir: Path) -> None:
     if not (run_dir / MARKER).is_file():
         atomic_write_text(run_dir / MARKER, "written by meshrl: this directory holds a training run\n")
+    for tmp in _marker_temporaries(run_dir):
+        tmp.unlink(missing_ok=True)
 
 
 def prepare_fresh(run_dir: Path) -> None:
