@@ -12,7 +12,8 @@ fi
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 ruff check src tests benchmarks experiments
-python -m pytest -q "$@"
+# --durations: the 25 slowest tests in every CI log (where a slower CPU, e.g. AVX2 only, spends the suite's time).
+python -m pytest -q --durations=25 "$@"
 # The CI-sized demo end to end (warm start, two arms x three seeds in worker processes, evaluation, report); skipped
 # when pytest args are given.
 if [ "$#" -eq 0 ]; then

@@ -12,37 +12,48 @@ import math
 import statistics
 from typing import Any
 
+from experiments.real_model.experiment import ARMS, Settings
+
 FALL = 0.1
 FALL_RUN = 2
 CALIBRATION_STEPS = (1, 10)
 SIGMAS = 3.0
 PATIENCE = 3
 IN_TIME = 10
+PLANNED_SEEDS = len(Settings().seeds)
 Curve = list[tuple[int, float]]
 
 
-def fall(curve: Curve, drop: float = FALL, run: int = FALL_RUN) -> tuple[str, int | None, float]:
-    """``(class, step, depth)``: ``harm`` when the accuracy is >= ``drop`` below its running maximum for >= ``run``
-    consecutive evaluations (step = the first of the first such run), ``dip`` when a shorter run is (step of the
-    first), else ``none``; depth = the largest distance below the running maximum."""
-    best, below, first_dip, depth = -math.inf, [], None, 0.0
-    harm_step = None
+def below_runs(curve: Curve, drop: float = FALL) -> list[tuple[list[int], float]]:
+    """The maximal runs of consecutive evaluations at least ``drop`` below the running maximum (step 0 included in
+    it), each with its depth (the largest distance below the running maximum within the run)."""
+    runs: list[tuple[list[int], float]] = []
+    best, steps, depth = -math.inf, [], 0.0
     for step, value in curve:
         best = max(best, value)
-        depth = max(depth, best - value)
-        if best - value >= drop - 1e-12:
-            below.append(step)
-            if len(below) >= run and harm_step is None:
-                harm_step = below[0]
-        else:
-            if below and first_dip is None:
-                first_dip = below[0]
-            below = []
-    if harm_step is not None:
-        return "harm", harm_step, depth
-    if below and len(below) < run and first_dip is None:
-        first_dip = below[0]
-    return ("dip", first_dip, depth) if first_dip is not None else ("none", None, depth)
+        if best - value >= drop - 1e-12:  # 0.35 - 0.25 is 0.0999...98 in floats: a fall of exactly 0.1 counts
+            steps, depth = [*steps, step], max(depth, best - value)
+        elif steps:
+            runs.append((steps, depth))
+            steps, depth = [], 0.0
+    if steps:
+        runs.append((steps, depth))
+    return runs
+
+
+def fall(curve: Curve, drop: float = FALL, run: int = FALL_RUN) -> tuple[str, int | None, float, list]:
+    """``(class, step, depth, dips)``: ``harm`` when the accuracy is >= ``drop`` below its running maximum for >=
+    ``run`` consecutive evaluations (step and depth of the first such run), else ``dip`` when a shorter run is (the
+    first one's), else ``none``; ``dips`` lists every shorter run as ``(step, depth)``, reported apart (a run with
+    harm can have dips too)."""
+    runs = below_runs(curve, drop)
+    dips = [(steps[0], depth) for steps, depth in runs if len(steps) < run]
+    harm = next(((steps[0], depth) for steps, depth in runs if len(steps) >= run), None)
+    if harm is not None:
+        return "harm", harm[0], harm[1], dips
+    if dips:
+        return "dip", dips[0][0], dips[0][1], dips
+    return "none", None, 0.0, dips
 
 
 def mei_threshold(series: list[tuple[int, float]], window: tuple[int, int] = CALIBRATION_STEPS,
@@ -71,50 +82,68 @@ def crossing(series: list[tuple[int, float]], threshold: float, patience: int = 
 
 
 def run_endpoints(step0: float, evals: list[dict[str, Any]], metrics: list[dict[str, Any]],
-                  horizon: int) -> dict[str, Any]:
-    """The endpoints of one run (preregistration.md, "Endpoints")."""
+                  horizon: int, every: int | None = None) -> dict[str, Any]:
+    """The endpoints of one run (preregistration.md, "Endpoints"). ``every``: the evaluation interval, to name the
+    evaluations missing from the curve (consecutive means next in the curve, so a gap is said, not bridged)."""
     curve: Curve = [(0, step0)] + sorted((int(r["step"]), float(r["eval/mean@1"])) for r in evals)
     final = dict(curve).get(horizon, math.nan)
     best_step, best = max(curve, key=lambda sv: (sv[1], -sv[0]))
-    cls, fall_step, depth = fall(curve)
+    cls, fall_step, depth, dips = fall(curve)
     mei = [(int(r["step"]), float(r["mei/query"])) for r in metrics if "mei/query" in r]
     thr = mei_threshold(mei)
     cross = crossing(mei, thr)
     lead = fall_step - cross if cls == "harm" and cross is not None and fall_step is not None else None
+    expected = range(0, horizon + 1, every) if every else []
+    calibrated = [s for s, v in mei if CALIBRATION_STEPS[0] <= s <= CALIBRATION_STEPS[1] and v == v]
     return {"acc0": step0, "final": final, "gain": final - step0, "best": best, "best_step": best_step,
-            "fall": cls, "fall_step": fall_step, "depth": depth, "mei_threshold": thr, "mei_cross": cross,
-            "lead": lead, "in_time": lead is not None and lead >= IN_TIME, "curve": curve}
+            "fall": cls, "fall_step": fall_step, "depth": depth, "dips": dips, "mei_threshold": thr,
+            "mei_calibration_n": len(calibrated), "mei_cross": cross, "lead": lead,
+            "in_time": lead is not None and lead >= IN_TIME, "curve": curve,
+            "missing_evals": [s for s in expected if s not in dict(curve)]}
 
 
-def verdict(gains: list[float]) -> str:
+def verdict(gains: list[float], planned: int = PLANNED_SEEDS) -> str:
     """Q1 per arm: improves (gain > 0 in every seed, 3 or more, and mean >= 0.05), does not improve (gain <= 0 in
-    2 or more seeds), else inconclusive."""
-    if len(gains) >= 3 and all(g > 0 for g in gains) and statistics.fmean(gains) >= 0.05:
+    2 or more seeds), else inconclusive once the ``planned`` seeds are in, incomplete before (a NaN gain, a run
+    without its last evaluation, counts as no seed)."""
+    done = [g for g in gains if g == g]
+    if len(done) >= 3 and all(g > 0 for g in done) and statistics.fmean(done) >= 0.05:
         return "improves"
-    if sum(g <= 0 for g in gains) >= 2:
+    if sum(g <= 0 for g in done) >= 2:
         return "does not improve"
+    if len(done) < planned:
+        return f"incomplete ({len(done)} of {planned} seeds)"
     return "inconclusive"
 
 
 def analyse(pack: dict[str, Any]) -> dict[str, Any]:
-    horizon = int(pack["settings"]["steps"])
+    horizon, every = int(pack["settings"]["steps"]), int(pack["settings"]["eval_every"])
     runs = {}
     for key, run in sorted(pack["runs"].items()):
         arm, seed = key.split("/")
         step0 = float(pack["step0"][seed][f"mean@{pack['settings']['eval_n']}"])
         runs[key] = {"arm": arm, "seed": int(seed.split("_")[1]),
-                     **run_endpoints(step0, run["evals"], run["metrics"], horizon), "seconds": run["seconds"],
-                     "cpu": cpu_label(run.get("machine"))}
-    arms = sorted({r["arm"] for r in runs.values()})
+                     **run_endpoints(step0, run["evals"], run["metrics"], horizon, every), "seconds": run["seconds"],
+                     "cpu": cpu_label(run.get("machine")), "aborted": run.get("aborted")}
     per_arm = {}
-    for arm in arms:
+    for arm in ARMS:  # every pre-registered arm, run or not
         mine = [r for r in runs.values() if r["arm"] == arm]
-        per_arm[arm] = {"seeds": len(mine), "verdict": verdict([r["gain"] for r in mine]),
-                        "mean_gain": statistics.fmean(r["gain"] for r in mine),
+        gains = [r["gain"] for r in mine if r["gain"] == r["gain"]]
+        per_arm[arm] = {"seeds": len(mine), "verdict": verdict([r["gain"] for r in mine]) if mine else "not run",
+                        "mean_gain": statistics.fmean(gains) if gains else math.nan,
                         "harm": sum(r["fall"] == "harm" for r in mine),
+                        "aborted": sum(r["aborted"] is not None for r in mine),
                         "warned_in_time": sum(r["in_time"] for r in mine),
                         "false_alarms": sum(r["fall"] != "harm" and r["mei_cross"] is not None for r in mine)}
-    return {"runs": runs, "arms": per_arm, "pilot": pack["pilot"]}
+    return {"runs": runs, "arms": per_arm, "pilot": pack["pilot"], "pairs": fork_minus_grpo(runs)}
+
+
+def fork_minus_grpo(runs: dict[str, Any]) -> dict[int, float]:
+    """Per seed with both arms: fork's gain minus GRPO's (reported, not tested: 3 pairs cannot reach
+    significance)."""
+    gain = {(r["arm"], r["seed"]): r["gain"] for r in runs.values()}
+    return {seed: gain[("fork", seed)] - gain[("grpo", seed)]
+            for arm, seed in sorted(gain) if arm == "fork" and ("grpo", seed) in gain}
 
 
 def cpu_label(machine: dict[str, Any] | None) -> str:
@@ -125,30 +154,54 @@ def cpu_label(machine: dict[str, Any] | None) -> str:
     return f"{machine.get('capability', '?')}{', native bf16' if machine.get('bf16_native') else ''}"
 
 
-def _f(x: float | None, digits: int = 3) -> str:
-    return "-" if x is None or x != x else f"{x:.{digits}f}"
+def _f(x: float | None, digits: int = 3, sign: str = "") -> str:
+    return "-" if x is None or x != x else f"{x:{sign}.{digits}f}"
+
+
+def _fall_text(r: dict[str, Any]) -> str:
+    if r["aborted"] is not None:
+        text = f"aborted ({r['aborted']})"
+    else:
+        text = r["fall"] if r["fall"] == "none" else f"{r['fall']} at {r['fall_step']} (-{r['depth']:.3f})"
+    extra = [f"dip at {s} (-{d:.3f})" for s, d in r["dips"] if r["fall"] != "dip" or s != r["fall_step"]]
+    return "; ".join([text, *extra])
+
+
+def _threshold_text(r: dict[str, Any]) -> str:
+    n, want = r["mei_calibration_n"], CALIBRATION_STEPS[1] - CALIBRATION_STEPS[0] + 1
+    return _f(r["mei_threshold"], 4) + (f" ({n} of {want} steps)" if n < want else "")
 
 
 def table(result: dict[str, Any]) -> str:
     """The markdown table of :func:`analyse`'s result."""
     p = result["pilot"]
-    tried = ", ".join(f"A = {a}: {float(v):.3f}" for a, v in p["tried"].items())
+    tried = ", ".join(f"A = {a}: {float(v):.4f}" for a, v in p["tried"].items())
+    planned = len(ARMS) * PLANNED_SEEDS
     lines = ["# SmolLM2-135M-Instruct: GRPO and forking tokens (preregistration.md)", "",
              f"Pilot (base model, held-out accuracy at T = 1): {tried}; chosen A = {p['chosen']}.", "",
+             f"Runs in the pack: {len(result['runs'])} of the {planned} pre-registered ({len(ARMS)} arms x "
+             f"{PLANNED_SEEDS} seeds)" + ("." if len(result["runs"]) >= planned else
+                                          "; verdicts on a partial grid say so."), "",
              "| arm | seed | step 0 | final | gain | best (step) | fall | MEI threshold | MEI crossing | lead | CPU |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"].values():
-        fall_text = r["fall"] if r["fall"] == "none" else f"{r['fall']} at {r['fall_step']} (-{r['depth']:.3f})"
-        lines.append(f"| {r['arm']} | {r['seed']} | {_f(r['acc0'])} | {_f(r['final'])} | {r['gain']:+.3f} | "
-                     f"{_f(r['best'])} ({r['best_step']}) | {fall_text} | {_f(r['mei_threshold'], 4)} | "
+        lines.append(f"| {r['arm']} | {r['seed']} | {_f(r['acc0'])} | {_f(r['final'])} | {_f(r['gain'], 3, '+')} | "
+                     f"{_f(r['best'])} ({r['best_step']}) | {_fall_text(r)} | {_threshold_text(r)} | "
                      f"{r['mei_cross'] if r['mei_cross'] is not None else '-'} | "
                      f"{r['lead'] if r['lead'] is not None else '-'} | {r['cpu']} |")
     lines += ["", "| arm | seeds | verdict (Q1) | mean gain | runs with harm (Q2) | warned in time (Q3) | "
                   "crossings without harm |", "|---|---|---|---|---|---|---|"]
     for arm, a in result["arms"].items():
-        lines.append(f"| {arm} | {a['seeds']} | {a['verdict']} | {a['mean_gain']:+.3f} | {a['harm']} | "
-                     f"{a['warned_in_time']} | {a['false_alarms']} |")
+        harm = f"{a['harm']}" + (f" (+{a['aborted']} aborted)" if a["aborted"] else "")
+        warned = f"{a['warned_in_time']} of {a['harm']}" if a["harm"] else "not testable (no harm)"
+        lines.append(f"| {arm} | {a['seeds']} of {PLANNED_SEEDS} | {a['verdict']} | {_f(a['mean_gain'], 3, '+')} | "
+                     f"{harm} | {warned if a['seeds'] else '-'} | {a['false_alarms'] if a['seeds'] else '-'} |")
+    pairs = result["pairs"]
+    lines += ["", "Forking tokens minus GRPO, gain per seed (no test: 3 pairs cannot reach significance): "
+              + (", ".join(f"seed {s}: {d:+.3f}" for s, d in pairs.items()) if pairs else "no seed has both arms yet")
+              + "."]
     lines += ["", "Curves (step: held-out accuracy):", ""]
     for key, r in result["runs"].items():
-        lines.append(f"- {key}: " + ", ".join(f"{s}: {v:.2f}" for s, v in r["curve"]))
+        gaps = f" (evaluations missing at {', '.join(map(str, r['missing_evals']))})" if r["missing_evals"] else ""
+        lines.append(f"- {key}: " + ", ".join(f"{s}: {v:.2f}" for s, v in r["curve"]) + gaps)
     return "\n".join(lines) + "\n"

@@ -24,6 +24,10 @@ log = logging.getLogger("meshrl")
 ARMS: dict[str, list[str]] = {"grpo": ["recipe=grpo"], "fork": ["recipe=grpo", "plugins.fork.enabled=true"]}
 PILOT_RANGES = (20, 9, 99)  # A = 20 first; below 0.10 -> 9, above 0.40 -> 99 (preregistration.md)
 PILOT_BAND = (0.10, 0.40)
+#: the pilot made once, before any run (preregistration.md): every machine's runs use it, none makes its own
+COMMITTED_PILOT = Path(__file__).resolve().parent / "data" / "pilot.json"
+#: the settings the pilot's figure depends on
+PILOT_SETTINGS = ("model", "problems", "eval_n", "max_new_tokens", "extra")
 #: the per-step metrics the pack keeps (besides ``step``): MEI, reward, accuracy, timing
 KEPT_METRICS = ("mei/query", "mei/directions", "reward/mean", "acc/mean", "time/step_s", "len/response_mean",
                 "eval/mean@1")
@@ -88,9 +92,16 @@ def held_out_accuracy(s: Settings, data: Path, seed: int, out: Path) -> float:
 
 def pilot(s: Settings, out: Path) -> dict[str, Any]:
     """Fix the operand range A (preregistration.md): the base model on A = 20, then 9 or 99 if outside the band.
-    Kept in ``out/pilot.json``; a second call reads it."""
+    Kept in ``out/pilot.json``; a second call reads it. With the pre-registered settings the committed pilot is
+    used (copied into ``out``): the choice was made once, and another machine's rounding must not remake it."""
     path = out / "pilot.json"
     if path.is_file():
+        return json.loads(path.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    preregistered = Settings()
+    if COMMITTED_PILOT.is_file() and all(getattr(s, k) == getattr(preregistered, k) for k in PILOT_SETTINGS):
+        path.write_text(COMMITTED_PILOT.read_text())
+        log.info("real model: the committed pilot (%s)", COMMITTED_PILOT)
         return json.loads(path.read_text())
     tried: dict[int, float] = {}
     high = PILOT_RANGES[0]
@@ -111,7 +122,7 @@ def run_all(s: Settings, out: Path) -> None:
 
     from meshrl.cpu import cpu_info
     from meshrl.runs.checkpoint import latest_checkpoint
-    from meshrl.trainer import load_config, train
+    from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun, load_config, train
 
     torch.set_num_threads(s.threads)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,11 +141,27 @@ def run_all(s: Settings, out: Path) -> None:
             cfg = load_config(overrides=run_overrides(s, arm, seed, data))
             ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
             log.info("real model: %s seed %d (%s)", arm, seed, "resuming" if ckpt else "starting")
-            for _ in train(cfg, run_dir, resume=ckpt is not None):
-                pass
+            record: dict[str, Any] = {}
+            try:
+                for _ in train(cfg, run_dir, resume=ckpt is not None):
+                    pass
+            except (NonFiniteAbort, StalledRun, HealthStop, RewardsFailed) as err:
+                # a run the trainer ended is a result (a blow-up is the likeliest collapse), not a hole in the grid
+                record["aborted"] = f"{type(err).__name__} at step {last_step(run_dir)}: {err}"
+                log.warning("real model: %s seed %d ended early: %s", arm, seed, record["aborted"])
             # the CPU that made it: float rounding follows its vector instructions (a seed repeats bit for bit only
             # on a like machine), and "seconds" is this call's, a resumed run's last stretch only
-            (run_dir / "done.json").write_text(json.dumps({"seconds": time.perf_counter() - t0, "machine": cpu_info()}))
+            record.update(seconds=time.perf_counter() - t0, machine=cpu_info())
+            (run_dir / "done.json").write_text(json.dumps(record))
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The last step in the run's metrics (None without any)."""
+    from meshrl.jsonl import read_jsonl
+
+    path = run_dir / "metrics.jsonl"
+    steps = [int(r["step"]) for r in read_jsonl(path) if "step" in r] if path.is_file() else []
+    return max(steps, default=None)
 
 
 #: settings that choose which runs a call makes, not what a run is: packs that differ only in these merge
@@ -154,9 +181,11 @@ def pack(out: Path, dest: Path) -> Path:
                    if "step" in r]
         record = json.loads(done.read_text())
         runs[f"{run_dir.parent.name}/{run_dir.name}"] = {
-            "evals": read_jsonl(run_dir / "evals.jsonl"), "metrics": metrics,
+            # a run the trainer ended before its first evaluation has none
+            "evals": read_jsonl(run_dir / "evals.jsonl") if (run_dir / "evals.jsonl").is_file() else [],
+            "metrics": metrics,
             "events": read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").is_file() else [],
-            "seconds": record["seconds"], "machine": record.get("machine")}
+            "seconds": record["seconds"], "machine": record.get("machine"), "aborted": record.get("aborted")}
     step0 = {p.parent.name: json.loads(p.read_text())["overall"] for p in sorted(out.glob("step0/seed_*/eval.json"))}
     data = {"settings": json.loads((out / "settings.json").read_text()),
             "pilot": json.loads((out / "pilot.json").read_text()), "step0": step0, "runs": runs}

@@ -16,8 +16,8 @@ from experiments.real_model.__main__ import main
 def test_fall_is_harm_only_when_it_lasts_two_evaluations():
     assert analysis.fall([(0, 0.2), (10, 0.3), (20, 0.35), (30, 0.36)])[:2] == ("none", None)
     assert analysis.fall([(0, 0.2), (10, 0.4), (20, 0.25), (30, 0.4)])[:2] == ("dip", 20)  # one evaluation below
-    cls, step, depth = analysis.fall([(0, 0.2), (10, 0.4), (20, 0.3), (30, 0.25), (40, 0.4)])
-    assert (cls, step) == ("harm", 20) and depth == pytest.approx(0.15)
+    cls, step, depth, dips = analysis.fall([(0, 0.2), (10, 0.4), (20, 0.3), (30, 0.25), (40, 0.4)])
+    assert (cls, step, dips) == ("harm", 20, []) and depth == pytest.approx(0.15)
     assert analysis.fall([(0, 0.2), (10, 0.4), (20, 0.35)])[0] == "none"  # 0.05 below: no fall
     assert analysis.fall([(0, 0.3), (10, 0.5), (20, 0.3)])[:2] == ("dip", 20)  # ends one below: a dip
 
@@ -35,7 +35,9 @@ def test_verdict_rules():
     assert analysis.verdict([0.1, 0.05, 0.02]) == "improves"
     assert analysis.verdict([0.01, 0.01, 0.01]) == "inconclusive"  # all positive, mean below 0.05
     assert analysis.verdict([0.2, -0.01, 0.0]) == "does not improve"
-    assert analysis.verdict([0.2, 0.1]) == "inconclusive"  # fewer than 3 seeds cannot "improve"
+    assert analysis.verdict([0.2, 0.1]) == "incomplete (2 of 3 seeds)"  # fewer than 3 seeds cannot "improve"
+    assert analysis.verdict([0.2, 0.1, math.nan]) == "incomplete (2 of 3 seeds)"  # a run without its last evaluation
+    assert analysis.verdict([-0.1, 0.0]) == "does not improve"  # decided before the third seed
 
 
 def test_run_endpoints_lead_and_final():
@@ -126,3 +128,103 @@ def test_the_table_names_the_cpu_of_each_run():
     assert analysis.cpu_label({"capability": "AVX2", "bf16_native": False}) == "AVX2"
     assert analysis.cpu_label({"capability": "AVX512", "bf16_native": True}) == "AVX512, native bf16"
     assert analysis.cpu_label(None) == "-"  # a run made before runs recorded their machine
+
+
+def test_fall_edges_exact_drop_step_zero_dips_and_the_depth_of_the_fall_itself():
+    assert analysis.fall([(0, 0.2), (10, 0.35), (20, 0.25), (30, 0.25)])[:2] == ("harm", 20)  # exactly 0.1 counts
+    assert analysis.fall([(0, 0.4), (10, 0.3), (20, 0.3)])[:2] == ("harm", 10)  # step 0 is in the running maximum
+    curve = [(0, 0.2), (10, 0.5), (20, 0.3), (30, 0.5), (40, 0.38), (50, 0.5), (60, 0.35), (70, 0.3), (80, 0.45)]
+    cls, step, depth, dips = analysis.fall(curve)
+    assert (cls, step) == ("harm", 60) and depth == pytest.approx(0.2)  # the fall's own depth, not the first dip's
+    assert [s for s, _ in dips] == [20, 40] and dips[0][1] == pytest.approx(0.2)  # every dip, reported apart
+
+
+def test_crossing_needs_strictly_above_and_a_lead_of_ten_is_in_time():
+    calib = [{"step": s, "mei/query": 1.0 + 0.01 * (s % 2)} for s in range(1, 11)]
+    thr = analysis.mei_threshold([(r["step"], r["mei/query"]) for r in calib])
+    at = [(s, thr) for s in range(11, 20)]
+    assert analysis.crossing(at, thr) is None  # equal is not above
+    broken = [(11, 9.0), (12, math.nan), (13, 9.0), (14, 9.0), (15, 9.0)]
+    assert analysis.crossing(broken, thr) == 13  # a NaN step breaks the streak
+    evals = [{"step": 10, "eval/mean@1": 0.5}, {"step": 20, "eval/mean@1": 0.5},
+             {"step": 30, "eval/mean@1": 0.3}, {"step": 40, "eval/mean@1": 0.3}]
+    metrics = calib + [{"step": s, "mei/query": 9.0} for s in range(20, 41)]
+    r = analysis.run_endpoints(0.2, evals, metrics, horizon=40, every=10)
+    assert (r["fall_step"], r["mei_cross"], r["lead"], r["in_time"]) == (30, 20, 10, True)
+    assert r["mei_calibration_n"] == 10 and r["missing_evals"] == []
+
+
+def test_a_missing_evaluation_is_named_and_a_missing_last_one_leaves_no_gain():
+    evals = [{"step": 10, "eval/mean@1": 0.5}, {"step": 30, "eval/mean@1": 0.3}]
+    r = analysis.run_endpoints(0.2, evals, [{"step": 1, "mei/query": 1.0}], horizon=40, every=10)
+    assert r["missing_evals"] == [20, 40] and math.isnan(r["final"]) and math.isnan(r["gain"])
+    assert r["mei_calibration_n"] == 1 and math.isnan(r["mei_threshold"])
+
+
+def _pack(runs: dict, seeds=(0,)) -> dict:
+    settings = dataclasses.asdict(experiment.Settings(steps=20, seeds=seeds))
+    step0 = {f"seed_{s}": {"mean@4": 0.2} for s in seeds}
+    return {"settings": settings, "pilot": {"tried": {"20": 0.1275}, "chosen": 20}, "step0": step0, "runs": runs}
+
+
+def _run(accs: list[float], aborted: str | None = None) -> dict:
+    evals = [{"step": 10 * (i + 1), "eval/mean@1": a} for i, a in enumerate(accs)]
+    metrics = [{"step": s, "mei/query": 1.0 + 0.01 * (s % 2)} for s in range(1, 21)]
+    return {"evals": evals, "metrics": metrics, "seconds": 1.0, "machine": None, "aborted": aborted}
+
+
+def test_a_partial_grid_says_it_is_partial():
+    text = analysis.table(analysis.analyse(_pack({"grpo/seed_0": _run([0.3, 0.4])})))
+    assert "Runs in the pack: 1 of the 6 pre-registered" in text and "partial grid" in text
+    assert "| grpo | 1 of 3 | incomplete (1 of 3 seeds) | +0.200 | 0 | not testable (no harm) | 0 |" in text
+    assert "| fork | 0 of 3 | not run | - | 0 | - | - |" in text
+    assert "no seed has both arms yet" in text and "A = 20: 0.1275" in text
+
+
+def test_fork_minus_grpo_per_seed_and_an_aborted_run():
+    runs = {"grpo/seed_0": _run([0.3, 0.4]), "fork/seed_0": _run([0.5, 0.45]),
+            "fork/seed_1": _run([0.3], aborted="NonFiniteAbort at step 13: loss is nan")}
+    result = analysis.analyse(_pack(runs, seeds=(0, 1)))
+    assert result["pairs"] == {0: pytest.approx(0.05)}
+    text = analysis.table(result)
+    assert "seed 0: +0.050" in text and "aborted (NonFiniteAbort at step 13: loss is nan)" in text
+    assert "| fork | 2 of 3 | incomplete (1 of 3 seeds) | +0.250 | 0 (+1 aborted) |" in text
+    assert "(evaluations missing at 20)" in text
+
+
+def test_the_committed_pilot_is_used_with_the_preregistered_settings(tmp_path, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the pilot was made again")
+
+    monkeypatch.setattr(experiment, "held_out_accuracy", must_not_run)
+    assert experiment.pilot(experiment.Settings(threads=2, seeds=(1,)), tmp_path / "a") == json.loads(
+        experiment.COMMITTED_PILOT.read_text())
+    monkeypatch.setattr(experiment, "held_out_accuracy", lambda *a, **k: 0.2)
+    assert experiment.pilot(experiment.Settings(model="tiny"), tmp_path / "b") == {"tried": {"20": 0.2},
+                                                                                    "chosen": 20}
+
+
+def test_a_run_the_trainer_ends_is_recorded_and_the_grid_goes_on(tmp_path, monkeypatch):
+    import meshrl.trainer
+    from meshrl.trainer import NonFiniteAbort
+
+    calls = []
+
+    def aborting(cfg, run_dir, resume=False):
+        calls.append(run_dir.parent.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 7}) + "\n")
+        raise NonFiniteAbort("3 consecutive non-finite steps")
+        yield
+
+    monkeypatch.setattr(meshrl.trainer, "train", aborting)
+    monkeypatch.setattr(experiment, "held_out_accuracy", lambda *a, **k: 0.2)
+    s = experiment.Settings(model="tiny", problems=20, seeds=(0,), extra=("health.every=0",))
+    experiment.run_all(s, tmp_path / "out")
+    assert calls == ["grpo", "fork"]
+    done = json.loads((tmp_path / "out" / "runs" / "grpo" / "seed_0" / "done.json").read_text())
+    assert done["aborted"] == "NonFiniteAbort at step 7: 3 consecutive non-finite steps"
+    (tmp_path / "out" / "step0" / "seed_0").mkdir(parents=True)
+    (tmp_path / "out" / "step0" / "seed_0" / "eval.json").write_text(json.dumps({"overall": {"mean@4": 0.2}}))
+    packed = experiment.read_pack(experiment.pack(tmp_path / "out", tmp_path / "p.json.gz"))
+    assert packed["runs"]["fork/seed_0"]["aborted"].startswith("NonFiniteAbort at step 7")
