@@ -38,6 +38,8 @@ KEPT_METRICS = ("reward/mean", "acc/mean", "len/response_mean", "time/step_s", "
                 "lag/staleness_max", "rollout_corr/ess", "rollout_corr/frac_truncated", "rollout_corr/weight_max")
 #: settings a rerun into the same directory may change: more steps continue the runs (constant lr after warm-up)
 CHANGEABLE = ("steps",)
+#: settings that choose which runs a directory holds, not what a run is: packs that differ only in these merge
+RUN_SELECTION = ("seeds", "arms")
 
 
 @dataclass(frozen=True)
@@ -92,20 +94,34 @@ def finished_steps(d: Path) -> int:
 
 
 def run_one(s: Settings, arm: str, seed: int, data: Path, d: Path) -> dict[str, Any]:
-    """Train one (arm, seed) into ``d``, from its last checkpoint when it has one; ``done.json`` last."""
+    """Train one (arm, seed) into ``d``, from its last checkpoint when it has one; ``done.json`` last, with the CPU
+    that made the run and, for a run the trainer ended (non-finite, stalled, a health stop, failed rewards), the
+    step and reason: such a run is a result, recorded and not resumed (preregistration.md, "Amendments")."""
+    from meshrl.cpu import cpu_info
     from meshrl.runs.checkpoint import latest_checkpoint
-    from meshrl.trainer import load_config, train
+    from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun, load_config, train
 
     t0 = time.perf_counter()
     cfg = load_config(overrides=run_overrides(s, arm, seed, data))
     ckpt = latest_checkpoint(d) if d.exists() else None
     start = json.loads((ckpt / "state.json").read_text())["step"] if ckpt else 0
     log.info("lagged accuracy: %s seed %d (%s)", arm, seed, f"resuming at step {start}" if ckpt else "starting")
+    aborted = None
     if start < s.steps:
-        train(cfg, d, resume=ckpt is not None)
-    record = {"arm": arm, "seed": seed, "steps": s.steps, "from_step": start, "seconds": time.perf_counter() - t0}
+        try:
+            train(cfg, d, resume=ckpt is not None)
+        except (NonFiniteAbort, StalledRun, HealthStop, RewardsFailed) as err:
+            aborted = f"{type(err).__name__} at step {last_step(d)}: {err}"
+            log.warning("lagged accuracy: %s seed %d ended early: %s", arm, seed, aborted)
+    record = {"arm": arm, "seed": seed, "steps": s.steps, "from_step": start, "seconds": time.perf_counter() - t0,
+              "machine": cpu_info(), "aborted": aborted}
     (d / "done.json").write_text(json.dumps(record))
     return record
+
+
+def last_step(d: Path) -> int | None:
+    """The last step in the run's metrics (None without any)."""
+    return max((int(r["step"]) for r in _jsonl(d / "metrics.jsonl") if "step" in r), default=None)
 
 
 def write_settings(out: Path, s: Settings) -> None:
@@ -165,14 +181,32 @@ def collect(out: Path) -> dict[str, Any]:
 
 
 def pack(out: Path, dest: Path) -> Path:
-    """:func:`collect` as gzipped JSON at ``dest``; refused when no run has finished."""
+    """:func:`collect` as gzipped JSON at ``dest``, added to the runs ``dest`` already holds (made on another machine:
+    a session's machine may not outlive the grid) when the settings agree but for the run selection and the steps
+    (the endpoint is step 100 whatever they say); a run in both is taken from ``out``. Refused when no run has
+    finished, or ``dest`` holds another experiment's runs (by name)."""
     data = collect(out)
     if not data["runs"]:
         raise ValueError(f"{out}: no finished run to pack")
+    if dest.is_file():
+        data = merged(read_pack(dest), data, dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(dest, "wt") as fh:
         json.dump(data, fh, sort_keys=True)
     return dest
+
+
+def merged(old: dict[str, Any], new: dict[str, Any], where: Path) -> dict[str, Any]:
+    """``new``'s runs added to ``old``'s; the run selection becomes the union, the steps the larger."""
+    free = (*RUN_SELECTION, *CHANGEABLE)
+    differ = sorted(k for k in set(old["settings"]) | set(new["settings"])
+                    if k not in free and old["settings"].get(k) != new["settings"].get(k))
+    if differ:
+        raise ValueError(f"{where}: holds runs made with other settings ({', '.join(differ)}); pack into another file")
+    settings = {**new["settings"], "seeds": sorted({*old["settings"]["seeds"], *new["settings"]["seeds"]}),
+                "arms": [a for a in ARMS if a in {*old["settings"]["arms"], *new["settings"]["arms"]}],
+                "steps": max(old["settings"]["steps"], new["settings"]["steps"])}
+    return {"settings": settings, "runs": {**old["runs"], **new["runs"]}}
 
 
 def read_pack(path: Path) -> dict[str, Any]:

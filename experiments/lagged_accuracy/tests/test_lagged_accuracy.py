@@ -62,7 +62,10 @@ def test_improvement_rules():
     assert analysis.improvement([0.05, 0.02, 0.02]) == "improves"  # mean exactly 0.03
     assert analysis.improvement([0.01, 0.01, 0.01]) == "inconclusive"  # all positive, mean below 0.03
     assert analysis.improvement([0.2, 0.0, -0.01]) == "does not improve"
-    assert analysis.improvement([0.2, 0.1]) == "inconclusive"  # fewer than 3 seeds cannot "improve"
+    assert analysis.improvement([0.2, 0.1]) == "incomplete (2 of 3 seeds)"  # fewer than 3 seeds cannot "improve"
+    assert analysis.improvement([0.2, 0.1, math.nan]) == "incomplete (2 of 3 seeds)"  # no endpoint: no seed
+    assert analysis.improvement([0.0, -0.1]) == "does not improve"  # decided before the third seed
+    assert analysis.improvement([]) == "incomplete (0 of 3 seeds)"
 
 
 @pytest.mark.parametrize(("k0", "k2", "diffs", "verdict"), [
@@ -74,7 +77,10 @@ def test_improvement_rules():
     ([0.0, -0.01, 0.1], [0.1, 0.1, 0.1], {0: 0.1, 1: 0.1, 2: 0.0}, "uninformative (k0 flat, k2 improves)"),
     ([0.01, 0.01, 0.01], [0.01, 0.01, 0.01], {0: 0.0, 1: 0.0, 2: 0.0},
      "within 2 points; k0's improvement inconclusive"),
-    ([0.1, 0.1], [0.1], {0: 0.0}, "within 2 points; k0's improvement inconclusive (partial: 1 of 3 pairs)"),
+    ([0.1, 0.1], [0.1], {0: 0.0},
+     "partial (1 of 3 pairs), so far: within 2 points; k0's improvement incomplete (2 of 3 seeds)"),
+    ([0.0, -0.1], [0.1], {0: 0.0}, "partial (1 of 3 pairs), so far: uninformative (k0 flat, k2 incomplete "
+                                   "(1 of 3 seeds))"),
 ])
 def test_decision_branches(k0, k2, diffs, verdict):
     d = analysis.decision(k0, k2, diffs, planned=3)
@@ -105,8 +111,9 @@ def test_analyse_and_table_on_a_hand_made_pack():
     assert k2["lag/staleness_mean"] == pytest.approx(1.0) and k2["rollout_corr/ess"] == 0.9
     assert k2["median_step_s"] == 22.0 and k2["mean_gain"] == pytest.approx(0.74 / 3 - 0.1)
     text = analysis.table(result)
-    assert "**Verdict: within 2 points.**" in text and "| k2 | 1 | 0.100 | 0.200 | 0.280 | +0.180 |" in text
-    assert "| 1 | 0.300 | 0.280 | -0.020 |" in text and "| k0 | 3 | improves |" in text
+    assert "**Verdict: within 2 points.**" in text and "| k2 | 1 | 0.100 | 0.200 | 0.280 | +0.180 | - | - |" in text
+    assert "| 1 | 0.300 | 0.280 | -0.020 | - |" in text and "| k0 | 3 of 3 | improves |" in text
+    assert "Runs in the pack: 6 of the 6 pre-registered." in text and "not the pre-registered" not in text
 
 
 def test_settings_of_another_experiment_are_refused(tmp_path):
@@ -154,5 +161,82 @@ def test_the_pipeline_on_the_tiny_model(tmp_path):
     table = tmp_path / "t.md"
     assert main(["table", "--pack-file", str(pack), "--table-file", str(table)]) == 0
     assert table.read_text() == analysis.table(result) == analysis.table(analysis.analyse(analysis.load(out)))
-    assert "(partial: 1 of 1 pairs)" not in table.read_text() and "| k2 | 0 |" in table.read_text()
+    assert "partial (1 of 3 pairs)" in table.read_text() and "| k2 | 0 |" in table.read_text()
+    assert "not the pre-registered 100: these runs were made shorter" in table.read_text()
+    assert stored["runs"]["k2/seed_0"]["done"]["machine"]["capability"]  # the CPU that made it
     assert json.loads((out / "settings.json").read_text())["steps"] == 2
+
+
+def test_a_partial_grid_leads_with_partial_and_lists_the_arm_not_run():
+    result = analysis.analyse(_pack({"k0/seed_0": 0.3}))
+    text = analysis.table(result)
+    assert "**Verdict: partial (0 of 3 pairs), so far: no complete pair.**" in text
+    assert "| k2 | 0 of 3 | not run |" in text and "Runs in the pack: 1 of the 6 pre-registered." in text
+
+
+def test_the_endpoint_stays_at_step_100_when_runs_are_continued():
+    pack = _pack({"k0/seed_0": 0.3, "k2/seed_0": 0.3}, steps=100)
+    for run in pack["runs"].values():
+        run["evals"].append({"step": 150, "eval/mean@1": 0.9})
+    pack["settings"]["steps"] = 150
+    result = analysis.analyse(pack)
+    assert result["horizon"] == 100 and result["runs"]["k0/seed_0"]["final"] == 0.3
+
+
+def test_aborted_runs_missing_evaluations_mixed_cpus_and_a_weak_correction_are_said():
+    pack = _pack({"k0/seed_0": 0.3, "k2/seed_0": 0.25, "k2/seed_1": 0.2})
+    pack["settings"]["eval_every"] = 25
+    pack["runs"]["k0/seed_0"]["done"] = {"machine": {"capability": "AVX2"}}
+    pack["runs"]["k2/seed_0"]["done"] = {"machine": {"capability": "AVX512"}}
+    pack["runs"]["k2/seed_1"]["done"] = {"aborted": "NonFiniteAbort at step 3: loss is nan"}
+    pack["runs"]["k2/seed_1"]["metrics"][1].update({"rollout_corr/ess": "nan", "time/step_s": "nan"})
+    pack["runs"]["k2/seed_0"]["metrics"][2]["rollout_corr/ess"] = 0.4
+    pack["runs"]["k2/seed_0"]["metrics"][1]["rollout_corr/frac_truncated"] = 0.3
+    text = analysis.table(analysis.analyse(pack))
+    assert "aborted (NonFiniteAbort at step 3: loss is nan); evaluations missing at 25, 75" in text
+    assert "| 0 | 0.300 | 0.250 | -0.050 | made on two CPUs |" in text
+    assert "| 22.0 | 2 | 1 |" in text  # 2 steps past the doctor's limits, 1 run aborted
+
+
+def test_packs_from_two_machines_merge_and_another_experiment_is_refused(tmp_path):
+    def out(root, seed, arm, lr=1e-5):
+        s = experiment.Settings(seeds=(seed,), arms=(arm,), lr=lr)
+        d = experiment.run_dir(root, arm, seed)
+        d.mkdir(parents=True)
+        experiment.write_settings(root, s)
+        (d / "config.yaml").write_text("x: 1\n")
+        (d / "evals.jsonl").write_text(json.dumps({"step": 100, "eval/mean@1": 0.3}) + "\n")
+        (d / "done.json").write_text(json.dumps({"steps": 100, "machine": {"capability": "AVX2"}}))
+        return root
+
+    dest = tmp_path / "p.json.gz"
+    experiment.pack(out(tmp_path / "a", 0, "k0"), dest)
+    experiment.pack(out(tmp_path / "b", 0, "k2"), dest)
+    data = experiment.read_pack(dest)
+    assert set(data["runs"]) == {"k0/seed_0", "k2/seed_0"} and data["settings"]["arms"] == ["k0", "k2"]
+    before = dest.read_bytes()
+    with pytest.raises(ValueError, match=r"other settings \(lr\)"):
+        experiment.pack(out(tmp_path / "c", 1, "k0", lr=2e-5), dest)
+    assert dest.read_bytes() == before
+
+
+def test_a_run_the_trainer_ends_is_recorded_not_resumed(tmp_path, monkeypatch, data):
+    import meshrl.trainer
+    from meshrl.trainer import StalledRun
+
+    def stalling(cfg, d, resume=False):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 4}) + "\n")
+        raise StalledRun("5 steps with a zero gradient")
+
+    monkeypatch.setattr(meshrl.trainer, "train", stalling)
+    d = tmp_path / "run"
+    record = experiment.run_one(TINY, "k2", 0, data, d)
+    assert record["aborted"] == "StalledRun at step 4: 5 steps with a zero gradient"
+    assert experiment.finished_steps(d) == TINY.steps  # a result: the next call skips it
+
+
+def test_the_task_is_the_real_model_pilots_choice():
+    from experiments.real_model.experiment import COMMITTED_PILOT
+
+    assert experiment.Settings().high == json.loads(COMMITTED_PILOT.read_text())["chosen"]
