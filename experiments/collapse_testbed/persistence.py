@@ -231,7 +231,8 @@ def compare(ps: list[Pair], endpoint: str) -> dict[str, Any]:
     diffs = [getattr(p.arm, endpoint) - getattr(p.base, endpoint) for p in ps]
     diffs = [d for d in diffs if d == d]  # AUC needs the step-0 evaluation
     mean = sum(diffs) / len(diffs) if diffs else math.nan
-    return {"n": len(diffs), "test": "sign-flip exact", "mean_diff": mean, "p": sign_flip_p(diffs)}
+    return {"n": len(diffs), "test": "sign-flip exact", "mean_diff": mean, "p": sign_flip_p(diffs),
+            "min_diff": min(diffs, default=math.nan), "max_diff": max(diffs, default=math.nan)}
 
 
 def comparisons(runs: list[RunEndpoints], warms: Sequence[str]) -> list[dict[str, Any]]:

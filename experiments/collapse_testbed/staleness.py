@@ -33,6 +33,9 @@ from meshrl.jsonl import read_jsonl
 WARM = "W2"
 K_PRIMARY = 8
 K_SECONDARY = (1, 2, 4)
+PLANNED_PAIRS = {K_PRIMARY: 8, **{k: 5 for k in K_SECONDARY}}  # seeds per lag (preregistration_staleness.md)
+DIVERGENCE_FINDINGS = ("stale_rollouts", "ratio_tail")  # the doctor's findings that say a lagged run diverges
+NONFINITE_KEYS = ("loss/total", "grad/norm")
 LAG_METRICS = ("lag/staleness_mean", "rollout_corr/ess", "rollout_corr/frac_truncated", "rollout_corr/weight_max",
                "m2po/masked_frac")
 
@@ -94,15 +97,52 @@ def overall_at_horizon(out: Path, horizon: int = P.HORIZON) -> dict[tuple[str, i
     return found
 
 
-def run_machines(out: Path, arm: str = "grpo") -> dict[int, str]:
-    """PyTorch's capability of the CPU each finished run of ``arm`` was made on, where its ``done.json`` records it
-    (runs made before runs recorded their machine are left out)."""
-    found = {}
-    for done in sorted((out / "runs" / arm).glob("seed_*/done.json")):
+def run_machines(out: Path, arm: str | None = "grpo") -> dict[Any, str]:
+    """PyTorch's capability of the CPU each finished run was made on, where its ``done.json`` records it (runs made
+    before runs recorded their machine are left out): by seed for one ``arm``, by ``(arm, seed)`` for ``None``."""
+    found: dict[Any, str] = {}
+    for done in sorted((out / "runs").glob(f"{arm or '*'}/seed_*/done.json")):
         machine = json.loads(done.read_text()).get("machine")
         if machine:
-            found[int(done.parent.name[5:])] = str(machine.get("capability", "?"))
+            seed = int(done.parent.name[5:])
+            found[seed if arm else (done.parent.parent.name, seed)] = str(machine.get("capability", "?"))
     return found
+
+
+def divergent(out: Path, complete: set[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    """The lagged runs that diverge as preregistration_staleness.md defines it ("What would change the
+    conclusion"): a non-finite step (:data:`NONFINITE_KEYS`), or one of :data:`DIVERGENCE_FINDINGS` active at most
+    (more than half) of the run's health checks; the reason per ``(arm, seed)``."""
+    found = {}
+    for arm, seed in sorted(complete):
+        if arm == "grpo":
+            continue
+        d = out / "runs" / arm / f"seed_{seed}"
+        reasons = []
+        metrics = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+        bad = [r["step"] for r in metrics if any(k in r and not math.isfinite(float(r[k])) for k in NONFINITE_KEYS)]
+        if bad:
+            reasons.append(f"non-finite at {len(bad)} step(s), first {bad[0]}")
+        share = finding_share(d)
+        reasons += [f"{name} at {share[name][0]} of {share[name][1]} health checks" for name in DIVERGENCE_FINDINGS
+                    if at_most_checks(share, name)]
+        if reasons:
+            found[arm, seed] = "; ".join(reasons)
+    return found
+
+
+def at_most_checks(share: dict[str, tuple[int, int]], name: str) -> bool:
+    """Whether finding ``name`` was active at more than half of the health checks (:func:`finding_share`)."""
+    n, total = share.get(name, (0, 0))
+    return n * 2 > total
+
+
+def finding_share(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """Per health finding: at how many of the run's health checks it was active, and how many checks there were."""
+    path = run_dir / "events.jsonl"
+    checks = [e for e in (read_jsonl(path) if path.is_file() else []) if e.get("event") == "health_check"]
+    names = {f for e in checks for f in e.get("findings", [])}
+    return {f: (sum(f in e.get("findings", []) for e in checks), len(checks)) for f in sorted(names)}
 
 
 def reproduces(runs: list[P.RunEndpoints], reference: list[P.RunEndpoints],
@@ -125,28 +165,83 @@ def reproduces(runs: list[P.RunEndpoints], reference: list[P.RunEndpoints],
     return out
 
 
+def partial_status(rows: list[dict[str, Any]]) -> str:
+    """What of the grid is in, said first: the pairs per pre-registered lag against their number."""
+    parts = []
+    for k, want in PLANNED_PAIRS.items():
+        n = max((r["n"] for r in rows if r["arm"] == lagged(k, "none") and r["reference"] == "grpo"), default=0)
+        parts.append(f"k = {k}: {n} of {want} pairs" if n else f"k = {k}: not run")
+    done = all(max((r["n"] for r in rows if r["arm"] == lagged(k, "none") and r["reference"] == "grpo"), default=0)
+               >= want for k, want in PLANNED_PAIRS.items())
+    return ("Complete: " if done else "**Partial grid** (a comparison is decided only with all its pre-registered "
+                                      "pairs): ") + "; ".join(parts) + "."
+
+
 def decision(rows: list[dict[str, Any]]) -> str:
-    """The pre-registered decision rules in one paragraph."""
+    """The grid's state, then the pre-registered decision rules in one paragraph; before the 8 pairs of S1 its
+    figures are reported as they stand, not as the verdict."""
+    return partial_status(rows) + " " + _s1(rows)
+
+
+def _s1(rows: list[dict[str, Any]]) -> str:
     prim = {r["arm"]: r for r in rows if r["family"] == "primary"}
     s1 = prim.get(lagged(K_PRIMARY, "none"))
     if s1 is None or s1["n"] == 0:
         return "S1 not testable yet: no complete seed pair of grpo_k8_none and grpo."
-    holm = s1.get("p_holm", math.nan)
+    holm, n, want = s1.get("p_holm", math.nan), s1["n"], PLANNED_PAIRS[K_PRIMARY]
+    spread = f", differences {P._f(s1['min_diff'])} to {P._f(s1['max_diff'])}" if "min_diff" in s1 else ""
+    if n < want:
+        tested = sum(r["n"] > 0 for r in prim.values())  # Holm multiplies by the primary tests that have pairs
+        floor = min(1.0, tested * 2 / 2 ** n)  # the smallest two-sided sign-flip p at n pairs, Holm-corrected
+        return (f"S1 so far at {n} of {want} pairs: mean difference in T {P._f(s1['mean_diff'])} steps{spread}, "
+                f"Holm p = {P._f(holm)} (at {n} pairs the smallest reachable Holm p is {P._f(floor)}).")
     if holm <= 0.05:
         way = "later" if s1["mean_diff"] > 0 else "sooner"
-        text = (f"S1 passes (Holm p = {holm:.3g}, {s1['n']} pairs): an 8-step lag re-learns the niche {way} "
-                f"(mean difference in T {s1['mean_diff']:+.1f} steps).")
+        text = (f"S1 passes (Holm p = {holm:.3g}, {n} pairs): an 8-step lag re-learns the niche {way} "
+                f"(mean difference in T {s1['mean_diff']:+.1f} steps{spread}).")
         undo = [arm for arm in (lagged(K_PRIMARY, "tis"), lagged(K_PRIMARY, "m2po"))
                 if prim.get(arm, {}).get("p_holm", math.nan) <= 0.05
                 and math.copysign(1, prim[arm]["mean_diff"]) != math.copysign(1, s1["mean_diff"])]
         return text + (f" Correction undoes it: {', '.join(undo)}." if undo else " No correction undoes it.")
-    return (f"No effect of an 8-step lag detected at {s1['n']} pairs (Holm p = {P._f(holm)}; mean difference in T "
-            f"{P._f(s1['mean_diff'])} steps); the S2 rows report what the correction changed, not an undoing.")
+    return (f"No effect of an 8-step lag detected at {n} pairs (Holm p = {P._f(holm)}; mean difference in T "
+            f"{P._f(s1['mean_diff'])} steps{spread}); the S2 rows report what the correction changed, not an undoing.")
+
+
+def without_divergent(runs: list[P.RunEndpoints], gone: dict[tuple[str, int], str]) -> str:
+    """The post hoc repeat of S1 without the diverging runs (preregistration_staleness.md), one paragraph."""
+    if not gone:
+        return "No lagged run diverges (non-finite steps, or the doctor's stale_rollouts or ratio_tail at most checks)."
+    named = "; ".join(f"{a} seed {s} ({why})" for (a, s), why in sorted(gone.items()))
+    kept = [r for r in runs if (r.arm, r.seed) not in gone]
+    ps = P.pairs(kept, lagged(K_PRIMARY, "none"), "grpo", [WARM])
+    res = P.compare(ps, "relearn")
+    repeat = ("no pair is left: S1 cannot be repeated without them, so at k = 8 the comparison measures instability, "
+              "not strategy retention" if not ps else
+              f"S1 without them: {res['n']} pairs, mean difference in T {P._f(res['mean_diff'])} steps, p = "
+              f"{P._f(res['p'])}")
+    return f"Diverging lagged runs (named as pre-registered): {named}. *Post hoc*, {repeat}."
+
+
+def machine_note(machines: dict[tuple[str, int], str], runs: list[P.RunEndpoints]) -> str:
+    """Whether each seed's runs (its pairs) were made on one CPU, as far as the runs recorded it."""
+    seeds = sorted({r.seed for r in runs})
+    mixed = [s for s in seeds if len({m for (a, t), m in machines.items() if t == s}) > 1]
+    unknown = [s for s in seeds if not any(t == s for (_, t) in machines)]
+    text = ("Pairs made on two CPUs: " + ", ".join(f"seed {s}" for s in mixed) + "." if mixed else
+            "Each seed's recorded runs were made on one CPU, so every pair compares runs of one machine.")
+    return text + (f" Seeds {', '.join(map(str, unknown))} record no CPU (made before runs recorded it)."
+                   if unknown else "")
 
 
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],
-             check: list[dict[str, Any]] | None, overall: dict[tuple[str, int], float] | None = None) -> str:
-    out = ["# Staleness and strategy collapse (preregistration_staleness.md)", "", decision(rows), ""]
+             check: list[dict[str, Any]] | None, overall: dict[tuple[str, int], float] | None = None,
+             gone: dict[tuple[str, int], str] | None = None, machines: dict[tuple[str, int], str] | None = None,
+             k0_tails: list[int] | None = None) -> str:
+    machines = machines or {}
+    out = ["# Staleness and strategy collapse (preregistration_staleness.md)", "", decision(rows), "",
+           without_divergent(runs, gone or {})
+           + (f" (ratio_tail is also active at most checks of k = 0 runs, seeds {', '.join(map(str, k0_tails))}: "
+              "the criterion is not specific to the lag.)" if k0_tails else ""), "", machine_note(machines, runs), ""]
     if check is not None:
         same = sum(c["identical"] for c in check)
         differ = [c for c in check if not c["identical"]]
@@ -157,7 +252,10 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
                     for c in differ) + ")") + "."
                 + (" A run repeats bit for bit only on a like CPU (float rounding follows its vector "
                    "instructions); the reference runs' CPU is not recorded in their pack."
-                   if any("machine" in c for c in differ) else ""), ""]
+                   if any("machine" in c for c in differ) else "")
+                + (" The pre-registered rule stops the experiment here until the difference is found; it was put "
+                   "down to the CPU (*post hoc*: the seeds that differ are the ones made on another CPU) and the "
+                   "experiment went on, each seed's runs on one machine." if differ else ""), ""]
     overall = overall or {}
     out += ["| arm | runs (complete) | kept / borderline / lost | persistent loss | re-learned (steps; - = censored) "
             "| decade at 160 | area | all types at 160 | " + " | ".join(LAG_METRICS) + " |",
@@ -175,16 +273,17 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
             "| family | arm | reference | endpoint | pairs | test | difference or discordant | p | Holm p |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        what = f"{r['arm_only']} / {r['base_only']}" if r["endpoint"] == "kept" else P._f(r.get("mean_diff"))
+        what = ("not run" if not r["n"] else f"{r['arm_only']} / {r['base_only']}" if r["endpoint"] == "kept"
+                else P._f(r.get("mean_diff")))
         out.append(f"| {r['family']} | {r['arm']} | {r['reference']} | {r['endpoint']} | {r['n']} | {r['test']} | "
                    f"{what} | {P._f(r['p'])} | {P._f(r.get('p_holm'))} |")
     out += ["", "Per run:", "", "| arm | seed | complete | decade at 160 | outcome | re-learned at | area | "
-            "all types at 160 | curve |", "|---|---|---|---|---|---|---|---|---|"]
+            "all types at 160 | CPU | curve |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         curve = " ".join(f"{s}:{v:.2f}" for s, v in zip(r.steps, r.niche, strict=True))
         out.append(f"| {r.arm} | {r.seed} | {'yes' if r.complete else 'no'} | {P._f(r.final)} | {r.at_horizon} | "
                    f"{'>' if r.censored else ''}{r.relearn} | {P._f(r.auc)} | {P._f(overall.get((r.arm, r.seed)))} | "
-                   f"{curve} |")
+                   f"{machines.get((r.arm, r.seed), '-')} | {curve} |")
     return "\n".join(out) + "\n"
 
 
@@ -192,7 +291,10 @@ def analyse(out: Path, reference: Path | None = None) -> str:
     runs = P.read_runs(WARM, out)
     check = reproduces(runs, P.read_runs(WARM, reference), run_machines(out)) if reference is not None else None
     complete = {(r.arm, r.seed) for r in runs if r.complete}
-    return markdown(runs, comparisons(runs), lag_figures(out, complete), check, overall_at_horizon(out))
+    k0_tails = [seed for arm, seed in sorted(complete)
+                if arm == "grpo" and at_most_checks(finding_share(out / "runs" / arm / f"seed_{seed}"), "ratio_tail")]
+    return markdown(runs, comparisons(runs), lag_figures(out, complete), check, overall_at_horizon(out),
+                    divergent(out, complete), run_machines(out, None), k0_tails)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,17 +44,22 @@ def test_staleness_that_slows_relearning_and_a_correction_that_undoes_it():
     assert prim["grpo_k8_m2po"]["p"] == 1.0
     assert prim["grpo_k8_none"]["p_holm"] == pytest.approx(3 * 2 / 256)
     text = S.decision(rows)
-    assert text.startswith("S1 passes") and "later" in text and "undoes it: grpo_k8_tis." in text
+    assert text.startswith("**Partial grid**") and "k = 8: 8 of 8 pairs; k = 1: not run" in text
+    assert "S1 passes" in text and "later" in text and "undoes it: grpo_k8_tis." in text
     # arms never run (k = 1, 2, 4) are listed with no pairs and left out of the correction
     k2 = [r for r in rows if r["arm"] == "grpo_k2_none"]
     assert k2 and all(r["n"] == 0 and "p_holm" not in r for r in k2)
 
 
-def test_no_effect_detected_reads_as_such():
-    runs = _runs({"grpo": FAST, "grpo_k8_none": FAST, "grpo_k8_tis": NEVER, "grpo_k8_m2po": FAST}, seeds=5)
+def test_no_effect_detected_reads_as_such_and_only_at_eight_pairs():
+    runs = _runs({"grpo": FAST, "grpo_k8_none": FAST, "grpo_k8_tis": NEVER, "grpo_k8_m2po": FAST})
+    assert "No effect of an 8-step lag detected at 8 pairs" in S.decision(S.comparisons(runs))
+    assert "S1 not testable yet" in S.decision([])
+    runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW}, seeds=4)
     text = S.decision(S.comparisons(runs))
-    assert text.startswith("No effect of an 8-step lag detected at 5 pairs")
-    assert S.decision([]).startswith("S1 not testable yet")
+    assert "k = 8: 4 of 8 pairs" in text and "No effect" not in text and "S1 passes" not in text
+    assert ("S1 so far at 4 of 8 pairs: mean difference in T 80 steps, differences 80 to 80, Holm p = 0.125 (at 4 "
+            "pairs the smallest reachable Holm p is 0.125)") in text  # one primary test has pairs: Holm over 1
 
 
 def test_lag_figures_average_each_run_once(tmp_path):
@@ -92,6 +97,10 @@ def test_run_machines_reads_the_cpu_each_run_recorded(tmp_path):
         d.mkdir(parents=True)
         (d / "done.json").write_text(json.dumps(record))
     assert S.run_machines(tmp_path) == {1: "AVX512"}
+    d = tmp_path / "runs" / "grpo_k8_tis" / "seed_1"
+    d.mkdir(parents=True)
+    (d / "done.json").write_text(json.dumps({"machine": {"capability": "AVX2"}}))
+    assert S.run_machines(tmp_path, None) == {("grpo", 1): "AVX512", ("grpo_k8_tis", 1): "AVX2"}
 
 
 def test_lag_figures_leave_out_runs_still_training_and_overall_accuracy_is_read_per_run(tmp_path):
@@ -106,4 +115,38 @@ def test_lag_figures_leave_out_runs_still_training_and_overall_accuracy_is_read_
     assert S.overall_at_horizon(tmp_path) == {("grpo_k8_none", 0): 0.06}
     runs = [P.endpoints("W2", "grpo_k8_none", 0, NEVER)]
     md = S.markdown(runs, S.comparisons(runs), {}, None, S.overall_at_horizon(tmp_path))
-    assert "| grpo_k8_none | 0 | yes | 0.02 | lost | >160 | " in md and " | 0.06 | 0:0.30" in md
+    assert "| grpo_k8_none | 0 | yes | 0.02 | lost | >160 | " in md and " | 0.06 | - | 0:0.30" in md
+    assert "| secondary | grpo_k1_none | grpo | kept | 0 | McNemar exact | not run |" in md
+
+
+def _events(d, findings_per_check):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "events.jsonl").write_text("".join(json.dumps({"step": 4 * i, "event": "health_check", "findings": f}) + "\n"
+                                            for i, f in enumerate(findings_per_check)))
+
+
+def test_diverging_lagged_runs_are_named_and_s1_is_repeated_without_them(tmp_path):
+    runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW}, seeds=3)
+    _events(tmp_path / "runs" / "grpo_k8_none" / "seed_0", [["stale_rollouts"]] * 3 + [[]])  # 3 of 4: most
+    _events(tmp_path / "runs" / "grpo_k8_none" / "seed_1", [["ratio_tail"]] * 2 + [[]] * 2)  # 2 of 4: not most
+    d = tmp_path / "runs" / "grpo_k8_none" / "seed_2"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss/total": 0.1}) + "\n"
+                                     + json.dumps({"step": 2, "loss/total": "nan"}) + "\n")
+    _events(tmp_path / "runs" / "grpo" / "seed_0", [["ratio_tail"]] * 4)  # k = 0 is never named
+    complete = {(r.arm, r.seed) for r in runs}
+    gone = S.divergent(tmp_path, complete)
+    assert gone == {("grpo_k8_none", 0): "stale_rollouts at 3 of 4 health checks",
+                    ("grpo_k8_none", 2): "non-finite at 1 step(s), first 2"}
+    text = S.without_divergent(runs, gone)
+    assert "grpo_k8_none seed 0 (stale_rollouts at 3 of 4 health checks)" in text
+    assert "*Post hoc*, S1 without them: 1 pairs, mean difference in T 80 steps, p = 1." in text
+    assert "no pair is left" in S.without_divergent(runs, {("grpo_k8_none", s): "x" for s in range(3)})
+    assert S.without_divergent(runs, {}).startswith("No lagged run diverges")
+
+
+def test_pairs_made_on_two_cpus_are_said():
+    runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW}, seeds=3)
+    note = S.machine_note({("grpo", 0): "AVX2", ("grpo_k8_none", 0): "AVX512", ("grpo", 1): "AVX2",
+                           ("grpo_k8_none", 1): "AVX2"}, runs)
+    assert note == "Pairs made on two CPUs: seed 0. Seeds 2 record no CPU (made before runs recorded it)."

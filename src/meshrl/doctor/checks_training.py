@@ -340,7 +340,7 @@ def check_stale(rec: RunRecords, th: Thresholds) -> Result:
             if rec.first_of("lag/staleness_mean") else None, "stale_steps": len(stale)}
     ages = sorted({key.removeprefix("lag/staleness/") for r in rec.steps for key in r
                    if key.startswith("lag/staleness/")}, key=lambda d: (len(d), d))
-    if ages:  # the mean share of the rows d optimiser steps stale, over the steps that logged the lag
+    if ages:  # the mean share of the rows d trainer steps stale, over the steps that logged the lag
         base["row_share_by_staleness"] = {d: fmt(sum(r.get(f"lag/staleness/{d}", 0.0) for r in rec.steps
                                                      if int(r["step"]) in lag) / len(lag)) for d in ages}
     if not corr and not m2po and rec.config.get("staleness_correction"):
@@ -385,7 +385,7 @@ def check_stale(rec: RunRecords, th: Thresholds) -> Result:
         evidence["weight_max_on_those_steps"] = fmt(max(wmax))
     steps = sorted(bad)
     return [Finding("stale_rollouts", "The correction does not hold the rollout lag", "warning", steps[:10],
-                    f"on {len(steps)} of {len(stale)} stale step(s) (staleness up to k = {k:g} optimiser steps, "
+                    f"on {len(steps)} of {len(stale)} stale step(s) (staleness up to k = {k:g} trainer steps, "
                     "lag/staleness_max) the importance weights pi_update / pi_sampler degenerate: "
                     + "; ".join(parts), evidence, STALE_KNOB,
                     confidence(margin, len(stale), th, persistent=True))]

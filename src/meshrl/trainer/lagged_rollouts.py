@@ -554,8 +554,9 @@ class LaggedRollouts:
 
 
 def staleness_metrics(data: StepData, step: int) -> dict[str, float]:
-    """``lag/policy_version`` (mean over rows), ``lag/staleness_mean`` / ``_max`` (optimiser steps between the
-    sampling weights and the update's) and ``lag/staleness/<d>``: the share of rows ``d`` steps stale."""
+    """``lag/policy_version`` (mean over rows), ``lag/staleness_mean`` / ``_max`` (trainer steps between the
+    sampling weights and the update's: optimiser steps only with one mini-batch and one epoch) and
+    ``lag/staleness/<d>``: the share of rows ``d`` steps stale."""
     versions = data.policy_versions
     if not versions:
         return {}
