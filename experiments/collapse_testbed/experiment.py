@@ -176,7 +176,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     from meshrl.evaluation import run_eval
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.tasks import load_task
-    from meshrl.trainer import load_config, train
+    from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun, load_config, train
 
     if (run_dir / "done.json").is_file():
         # Finished: trained, evaluated, probed and pruned. Its checkpoints may be gone (pruned, or the run came
@@ -191,7 +191,16 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     ckpt = latest_checkpoint(run_dir) if run_dir.exists() else None
     done = json.loads((ckpt / "state.json").read_text())["step"] if ckpt else 0
     if done < cfg.steps:
-        train(cfg, run_dir, resume=ckpt is not None)
+        try:
+            train(cfg, run_dir, resume=ckpt is not None)
+        except (NonFiniteAbort, StalledRun, HealthStop, RewardsFailed) as err:
+            # the trainer ended the run: a result (a divergence), recorded and never resumed (a resume would reset
+            # the failure counters and could finish it looking normal); not evaluated, so out of the tables, which
+            # name it (results.incomplete_parts)
+            record = {"arm": arm, "seed": seed, "aborted": f"{type(err).__name__} at step {_last_step(run_dir)}: {err}",
+                      "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}
+            (run_dir / "done.json").write_text(json.dumps(record))
+            return {"arm": arm, "seed": seed, "seconds": record["wall_s"], "aborted": record["aborted"]}
     if not (run_dir / "eval" / "eval.json").is_file():
         run_eval(eval_config(str(run_dir), s, seed, task.max_new_tokens), run_dir / "eval", progress=False)
     eval_checkpoints(run_dir, s, seed, task.max_new_tokens)
@@ -205,6 +214,19 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
                                                    "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
+
+
+def _last_step(run_dir: Path) -> int | None:
+    from meshrl.jsonl import read_jsonl
+
+    path = run_dir / "metrics.jsonl"
+    return max((int(r["step"]) for r in read_jsonl(path) if "step" in r), default=None) if path.is_file() else None
+
+
+def aborted(run_dir: Path) -> str | None:
+    """Why the trainer ended this run early (its ``done.json``), None for a run that was not."""
+    done = run_dir / "done.json"
+    return json.loads(done.read_text()).get("aborted") if done.is_file() else None
 
 
 #: In an arm's keys, the path of the expert traces of the run's training problems (:func:`expert_traces`).

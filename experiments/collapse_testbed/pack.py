@@ -43,6 +43,7 @@ def pack_experiment(out: Path, path: Path, *, finished_only: bool = False) -> di
     """Write ``path`` (gzipped JSON) from experiment directory ``out``; return ``{"runs": n, "files": m}``.
     Symlinked run directories (an experiment assembled from several) are followed. ``finished_only``: only the runs
     whose ``done.json`` exists (written last), so that a partial pack can be taken while the experiment runs."""
+    from experiments.collapse_testbed.experiment import aborted
     from experiments.collapse_testbed.results import DERIVED, _training_truth, coach_following_run, experiment_task
 
     task = experiment_task(out)
@@ -54,7 +55,8 @@ def pack_experiment(out: Path, path: Path, *, finished_only: bool = False) -> di
         files[str(ev.relative_to(out))] = ev.read_text()
     if (out / "baseline_per_problem.jsonl").is_file():
         files["baseline_per_problem.jsonl"] = _trimmed(out / "baseline_per_problem.jsonl", _keep_probe_field)
-    runs = sorted(d for d in (out / "runs").glob("*/seed_*") if (d / "eval" / "eval.json").is_file()
+    # a run the trainer aborted has no evaluation but is a result: packed, so its pack names it too
+    runs = sorted(d for d in (out / "runs").glob("*/seed_*") if ((d / "eval" / "eval.json").is_file() or aborted(d))
                   and (not finished_only or (d / "done.json").is_file()))
     for d in runs:
         rel = f"runs/{d.parent.name}/{d.name}"

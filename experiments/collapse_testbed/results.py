@@ -454,9 +454,14 @@ def incomplete_parts(out: Path) -> list[str]:
     """What of ``out`` is not finished: each run directory without ``done.json`` (killed, or still running:
     its evaluation may be missing, so it is left out of the tables, or its checkpoint evaluations and probes
     may be partial), and warm-start probes short of ``BASELINE_PROBES`` (the thresholds would rest on fewer)."""
+    from experiments.collapse_testbed.experiment import aborted
+
     parts = []
     for d in sorted((out / "runs").glob("*/seed_*")):
-        if d.is_dir() and not (d / "done.json").is_file():
+        if d.is_dir() and (why := aborted(d)):
+            parts.append(f"runs/{d.parent.name}/{d.name} (aborted by the trainer, {why}: not evaluated, left out of "
+                         "the tables)")
+        elif d.is_dir() and not (d / "done.json").is_file():
             state = ("evaluated; checkpoint evaluations or probes may be partial"
                      if (d / "eval" / "eval.json").is_file() else "not evaluated: left out of the tables")
             parts.append(f"runs/{d.parent.name}/{d.name} (no done.json, {state})")

@@ -111,9 +111,15 @@ def run_machines(out: Path, arm: str | None = "grpo") -> dict[Any, str]:
 
 def divergent(out: Path, complete: set[tuple[str, int]]) -> dict[tuple[str, int], str]:
     """The lagged runs that diverge as preregistration_staleness.md defines it ("What would change the
-    conclusion"): a non-finite step (:data:`NONFINITE_KEYS`), or one of :data:`DIVERGENCE_FINDINGS` active at most
-    (more than half) of the run's health checks; the reason per ``(arm, seed)``."""
+    conclusion"): a run the trainer aborted, a non-finite step (:data:`NONFINITE_KEYS`), or one of
+    :data:`DIVERGENCE_FINDINGS` active at most (more than half) of the run's health checks; the reason per
+    ``(arm, seed)``."""
+    from experiments.collapse_testbed.experiment import aborted
+
     found = {}
+    for d in sorted((out / "runs").glob("*/seed_*")):
+        if d.parent.name != "grpo" and aborted(d):
+            found[d.parent.name, int(d.name[5:])] = f"aborted by the trainer: {aborted(d)}"
     for arm, seed in sorted(complete):
         if arm == "grpo":
             continue

@@ -204,3 +204,34 @@ def test_an_experiment_killed_mid_way_leaves_no_worker_and_reruns_exactly(tmp_pa
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     run_experiment(killed, ExperimentSettings(**TOY), progress=False)
     assert _comparable(killed) == _comparable(whole)
+
+
+def test_a_run_the_trainer_aborts_is_recorded_named_packed_and_never_resumed(tmp_path, monkeypatch):
+    """NonFiniteAbort (or a stall, a health stop, failed rewards) ends one run: its done.json says why, the worker
+    returns normally (the grid goes on), the tables' list of what is missing names it, the pack keeps it, and a
+    second call leaves it alone (a resume would reset the failure counters)."""
+    import meshrl.trainer
+    from experiments.collapse_testbed import experiment as E
+    from experiments.collapse_testbed.pack import pack_experiment
+    from experiments.collapse_testbed.results import incomplete_parts
+    from meshrl.trainer import NonFiniteAbort
+
+    calls = []
+
+    def aborting(cfg, run_dir, resume=False):
+        calls.append(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss/total": "nan"}) + "\n")
+        raise NonFiniteAbort("3 consecutive steps with a non-finite loss")
+
+    monkeypatch.setattr(meshrl.trainer, "train", aborting)
+    out = tmp_path / "exp"
+    run_dir = out / "runs" / "grpo" / "seed_0"
+    s = E.ExperimentSettings(**{k: v for k, v in TOY.items() if k != "workers"})
+    result = E._job("grpo", 0, run_dir, s, tmp_path / "warm")
+    assert result["aborted"] == "NonFiniteAbort at step 3: 3 consecutive steps with a non-finite loss"
+    assert E.aborted(run_dir) == result["aborted"] and not (run_dir / "eval").exists()
+    assert E._job("grpo", 0, run_dir, s, tmp_path / "warm")["skipped"] == "done" and len(calls) == 1
+    assert incomplete_parts(out) == [f"runs/grpo/seed_0 (aborted by the trainer, {result['aborted']}: not "
+                                     "evaluated, left out of the tables)"]
+    assert pack_experiment(out, tmp_path / "p.json.gz")["runs"] == 1

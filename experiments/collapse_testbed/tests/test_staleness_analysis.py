@@ -150,3 +150,11 @@ def test_pairs_made_on_two_cpus_are_said():
     note = S.machine_note({("grpo", 0): "AVX2", ("grpo_k8_none", 0): "AVX512", ("grpo", 1): "AVX2",
                            ("grpo_k8_none", 1): "AVX2"}, runs)
     assert note == "Pairs made on two CPUs: seed 0. Seeds 2 record no CPU (made before runs recorded it)."
+
+
+def test_a_lagged_run_the_trainer_aborted_is_named_diverging(tmp_path):
+    d = tmp_path / "runs" / "grpo_k8_none" / "seed_4"
+    d.mkdir(parents=True)
+    (d / "done.json").write_text(json.dumps({"aborted": "NonFiniteAbort at step 9: loss is nan"}))
+    assert S.divergent(tmp_path, set()) == {
+        ("grpo_k8_none", 4): "aborted by the trainer: NonFiniteAbort at step 9: loss is nan"}
