@@ -187,7 +187,11 @@ def pack(out: Path, dest: Path) -> Path:
             "events": read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").is_file() else [],
             "seconds": record["seconds"], "machine": record.get("machine"), "aborted": record.get("aborted")}
     step0 = {p.parent.name: json.loads(p.read_text())["overall"] for p in sorted(out.glob("step0/seed_*/eval.json"))}
-    data = {"settings": json.loads((out / "settings.json").read_text()),
+    # the run selection is what was packed (settings.json holds the last call's, which may be running other seeds)
+    settings = {**json.loads((out / "settings.json").read_text()),
+                "seeds": sorted({int(k.split("_")[-1]) for k in runs}),
+                "arms": [a for a in ARMS if any(k.startswith(f"{a}/") for k in runs)]}
+    data = {"settings": settings,
             "pilot": json.loads((out / "pilot.json").read_text()), "step0": step0, "runs": runs}
     if dest.is_file():
         data = merged(read_pack(dest), data, dest)

@@ -108,6 +108,9 @@ def test_packs_made_on_different_machines_merge_into_one(tmp_path):
     data = experiment.read_pack(dest)
     assert set(data["runs"]) == {"grpo/seed_0", "fork/seed_1"} and set(data["step0"]) == {"seed_0", "seed_1"}
     assert data["settings"]["seeds"] == [0, 1] and data["settings"]["arms"] == ["grpo", "fork"]
+    # the run selection is what was packed, whatever the directory's last call asked for
+    (tmp_path / "b" / "settings.json").write_text(json.dumps(dataclasses.asdict(experiment.Settings(seeds=(7,)))))
+    assert experiment.read_pack(experiment.pack(tmp_path / "b", tmp_path / "b.json.gz"))["settings"]["seeds"] == [1]
     assert data["runs"]["grpo/seed_0"]["machine"] == {"capability": "AVX2"}
     assert data["runs"]["grpo/seed_0"]["metrics"] == [{"step": 1, "mei/query": 0.9}]  # only the kept metrics
     # the same run packed again is taken from the newer directory
