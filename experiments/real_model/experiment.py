@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshrl.jsonl import atomic_write_text
+
 log = logging.getLogger("meshrl")
 
 ARMS: dict[str, list[str]] = {"grpo": ["recipe=grpo"], "fork": ["recipe=grpo", "plugins.fork.enabled=true"]}
@@ -61,7 +63,9 @@ def write_data(path: Path, high: int, n: int = 1000) -> Path:
         a, b = rng.randint(1, high), rng.randint(1, high)
         rows.append(json.dumps({"problem": f"What is {a} + {b}?", "answer": a + b}))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(rows) + "\n")
+    text = "\n".join(rows) + "\n"
+    if not path.is_file() or path.read_text() != text:  # atomic: another call's run may be reading it
+        atomic_write_text(path, text)
     return path
 
 
