@@ -231,3 +231,9 @@ def test_a_run_the_trainer_ends_is_recorded_and_the_grid_goes_on(tmp_path, monke
     (tmp_path / "out" / "step0" / "seed_0" / "eval.json").write_text(json.dumps({"overall": {"mean@4": 0.2}}))
     packed = experiment.read_pack(experiment.pack(tmp_path / "out", tmp_path / "p.json.gz"))
     assert packed["runs"]["fork/seed_0"]["aborted"].startswith("NonFiniteAbort at step 7")
+
+
+def test_the_committed_table_is_the_committed_packs():
+    from experiments.real_model.__main__ import PACK, TABLE
+
+    assert analysis.table(analysis.analyse(experiment.read_pack(PACK))) == TABLE.read_text()
