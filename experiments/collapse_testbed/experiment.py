@@ -174,6 +174,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
     from meshrl.cpu import cpu_info
     from meshrl.evaluation import run_eval
+    from meshrl.jsonl import atomic_write_text
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.tasks import load_task
     from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun, load_config, train
@@ -199,7 +200,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
             # name it (results.incomplete_parts)
             record = {"arm": arm, "seed": seed, "aborted": f"{type(err).__name__} at step {_last_step(run_dir)}: {err}",
                       "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}
-            (run_dir / "done.json").write_text(json.dumps(record))
+            atomic_write_text(run_dir / "done.json", json.dumps(record))
             return {"arm": arm, "seed": seed, "seconds": record["wall_s"], "aborted": record["aborted"]}
     if not (run_dir / "eval" / "eval.json").is_file():
         run_eval(eval_config(str(run_dir), s, seed, task.max_new_tokens), run_dir / "eval", progress=False)
@@ -211,8 +212,8 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     # written last, after the pruning: done.json marks a run that is never touched again. Compute of this call
     # (a resumed run adds its calls' figures; training time is in metrics.jsonl), and the CPU that made it: float
     # rounding follows the CPU's vector instructions, so a seed reproduces bit for bit only on a like machine
-    (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
-                                                   "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}))
+    atomic_write_text(run_dir / "done.json", json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
+                                                         "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
 
 
@@ -226,7 +227,10 @@ def _last_step(run_dir: Path) -> int | None:
 def aborted(run_dir: Path) -> str | None:
     """Why the trainer ended this run early (its ``done.json``), None for a run that was not."""
     done = run_dir / "done.json"
-    return json.loads(done.read_text()).get("aborted") if done.is_file() else None
+    try:
+        return json.loads(done.read_text()).get("aborted") if done.is_file() else None
+    except json.JSONDecodeError:  # a done.json written before it was written atomically, cut by a kill
+        return None
 
 
 #: In an arm's keys, the path of the expert traces of the run's training problems (:func:`expert_traces`).

@@ -233,10 +233,15 @@ def machine_note(machines: dict[tuple[str, int], str], runs: list[P.RunEndpoints
     seeds = sorted({r.seed for r in runs})
     mixed = [s for s in seeds if len({m for (a, t), m in machines.items() if t == s}) > 1]
     unknown = [s for s in seeds if not any(t == s for (_, t) in machines)]
+    partly = [s for s in seeds if s not in unknown
+              and any((r.arm, r.seed) not in machines for r in runs if r.seed == s)]
+    # every lagged arm is compared with k = 0 or with its k's uncorrected arm: two CPUs among a seed's runs means
+    # at least one of its pairs spans them
     text = ("Pairs made on two CPUs: " + ", ".join(f"seed {s}" for s in mixed) + "." if mixed else
-            "Each seed's recorded runs were made on one CPU, so every pair compares runs of one machine.")
-    return text + (f" Seeds {', '.join(map(str, unknown))} record no CPU (made before runs recorded it)."
-                   if unknown else "")
+            "Each seed's recorded runs were made on one CPU.")
+    return (text + (f" Seeds {', '.join(map(str, unknown))} record no CPU (made before runs recorded it)."
+                    if unknown else "")
+            + (f" Seeds {', '.join(map(str, partly))} record it for some runs only." if partly else ""))
 
 
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],

@@ -382,7 +382,7 @@ def build_run(spec: RunSpec, out: Path, model: Path | str) -> tuple[Path, float 
         check_label(json.loads(label_path.read_text()), str(label_path))
         return path, None
     if path.exists():  # an unfinished run: only a directory meshrl made is deleted
-        if not is_ours(path):
+        if not is_ours(path, legacy=False):  # the whole directory is deleted: only an empty or marked one
             raise ValueError(f"{path} exists, has no label.json and is not a meshrl run: not deleting it")
         shutil.rmtree(path)
     t0 = time.perf_counter()

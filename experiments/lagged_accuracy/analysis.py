@@ -48,16 +48,17 @@ def run_endpoints(evals: list[dict[str, Any]], horizon: int, every: int | None =
 
 def improvement(gains: list[float], planned: int = PLANNED_SEEDS) -> str:
     """GRPO "improves" when gain > 0 in every seed (3 or more) and the mean gain is >= 0.03; "does not improve"
-    when gain <= 0 in 2 or more seeds; else "inconclusive" once the ``planned`` seeds are in, "incomplete" before
-    (NaN gains, runs without the endpoint's evaluation, count as no seed)."""
+    when gain <= 0 in 2 or more seeds; else "inconclusive" once the ``planned`` seeds have runs, "incomplete" before
+    (a NaN gain, a run without the endpoint's evaluation, decides nothing but counts as made)."""
     done = [g for g in gains if g == g]
     if len(done) >= 3 and all(g > 0 for g in done) and statistics.fmean(done) >= IMPROVE_MEAN - TOL:
         return "improves"
     if sum(g <= 0 for g in done) >= 2:
         return "does not improve"
-    if len(done) < planned:
+    if len(gains) < planned:
         return f"incomplete ({len(done)} of {planned} seeds)"
-    return "inconclusive"
+    missing = len(gains) - len(done)  # runs in, but without the endpoint's evaluation (aborted): as made
+    return "inconclusive" + (f" ({missing} run(s) without acc100)" if missing else "")
 
 
 def differences(runs: dict[str, dict[str, Any]]) -> dict[int, float]:

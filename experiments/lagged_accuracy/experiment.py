@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import sys
 import time
 from concurrent.futures import as_completed
 from dataclasses import asdict, dataclass
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.real_model.experiment import task_spec, write_data
+from meshrl.jsonl import atomic_write_text
 
 log = logging.getLogger("meshrl")
 
@@ -88,9 +90,13 @@ def run_overrides(s: Settings, arm: str, seed: int, data: Path) -> list[str]:
 
 
 def finished_steps(d: Path) -> int:
-    """The steps a finished run reached (``done.json``), 0 for one never finished."""
+    """The steps a finished run reached (``done.json``), 0 for one never finished; a run the trainer ended counts as
+    finished at any number of steps (it is a result, never resumed: a resume would reset the failure counters)."""
     done = d / "done.json"
-    return int(json.loads(done.read_text())["steps"]) if done.is_file() else 0
+    if not done.is_file():
+        return 0
+    record = json.loads(done.read_text())
+    return sys.maxsize if record.get("aborted") else int(record["steps"])
 
 
 def run_one(s: Settings, arm: str, seed: int, data: Path, d: Path) -> dict[str, Any]:
@@ -115,7 +121,7 @@ def run_one(s: Settings, arm: str, seed: int, data: Path, d: Path) -> dict[str, 
             log.warning("lagged accuracy: %s seed %d ended early: %s", arm, seed, aborted)
     record = {"arm": arm, "seed": seed, "steps": s.steps, "from_step": start, "seconds": time.perf_counter() - t0,
               "machine": cpu_info(), "aborted": aborted}
-    (d / "done.json").write_text(json.dumps(record))
+    atomic_write_text(d / "done.json", json.dumps(record))
     return record
 
 

@@ -104,16 +104,17 @@ def run_endpoints(step0: float, evals: list[dict[str, Any]], metrics: list[dict[
 
 def verdict(gains: list[float], planned: int = PLANNED_SEEDS) -> str:
     """Q1 per arm: improves (gain > 0 in every seed, 3 or more, and mean >= 0.05), does not improve (gain <= 0 in
-    2 or more seeds), else inconclusive once the ``planned`` seeds are in, incomplete before (a NaN gain, a run
-    without its last evaluation, counts as no seed)."""
+    2 or more seeds), else inconclusive once the ``planned`` seeds have runs, incomplete before (a NaN gain, a run
+    without its last evaluation, decides nothing but counts as made)."""
     done = [g for g in gains if g == g]
     if len(done) >= 3 and all(g > 0 for g in done) and statistics.fmean(done) >= 0.05:
         return "improves"
     if sum(g <= 0 for g in done) >= 2:
         return "does not improve"
-    if len(done) < planned:
+    if len(gains) < planned:
         return f"incomplete ({len(done)} of {planned} seeds)"
-    return "inconclusive"
+    missing = len(gains) - len(done)  # runs in, but without a step-150 accuracy (aborted): the grid is as made
+    return "inconclusive" + (f" ({missing} run(s) without a final accuracy)" if missing else "")
 
 
 def analyse(pack: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +122,8 @@ def analyse(pack: dict[str, Any]) -> dict[str, Any]:
     runs = {}
     for key, run in sorted(pack["runs"].items()):
         arm, seed = key.split("/")
-        step0 = float(pack["step0"][seed][f"mean@{pack['settings']['eval_n']}"])
+        own = run.get("step0") or pack["step0"][seed]  # packs from before runs kept their own step 0
+        step0 = float(own[f"mean@{pack['settings']['eval_n']}"])
         runs[key] = {"arm": arm, "seed": int(seed.split("_")[1]),
                      **run_endpoints(step0, run["evals"], run["metrics"], horizon, every), "seconds": run["seconds"],
                      "cpu": cpu_label(run.get("machine")), "aborted": run.get("aborted")}
@@ -142,8 +144,9 @@ def fork_minus_grpo(runs: dict[str, Any]) -> dict[int, float]:
     """Per seed with both arms: fork's gain minus GRPO's (reported, not tested: 3 pairs cannot reach
     significance)."""
     gain = {(r["arm"], r["seed"]): r["gain"] for r in runs.values()}
-    return {seed: gain[("fork", seed)] - gain[("grpo", seed)]
-            for arm, seed in sorted(gain) if arm == "fork" and ("grpo", seed) in gain}
+    pairs = {seed: gain[("fork", seed)] - gain[("grpo", seed)]
+             for arm, seed in sorted(gain) if arm == "fork" and ("grpo", seed) in gain}
+    return {seed: d for seed, d in pairs.items() if d == d}  # an aborted run has no gain to compare
 
 
 def cpu_label(machine: dict[str, Any] | None) -> str:

@@ -104,7 +104,7 @@ def pilot(s: Settings, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     preregistered = Settings()
     if COMMITTED_PILOT.is_file() and all(getattr(s, k) == getattr(preregistered, k) for k in PILOT_SETTINGS):
-        path.write_text(COMMITTED_PILOT.read_text())
+        atomic_write_text(path, COMMITTED_PILOT.read_text())
         log.info("real model: the committed pilot (%s)", COMMITTED_PILOT)
         return json.loads(path.read_text())
     tried: dict[int, float] = {}
@@ -116,7 +116,7 @@ def pilot(s: Settings, out: Path) -> dict[str, Any]:
         data = write_data(out / f"add_{high}.jsonl", high, s.problems)
         tried[high] = held_out_accuracy(s, data, 0, out / "pilot" / str(high))
     result = {"tried": {str(k): v for k, v in tried.items()}, "chosen": high}
-    path.write_text(json.dumps(result, indent=1))
+    atomic_write_text(path, json.dumps(result, indent=1))
     return result
 
 
@@ -156,7 +156,7 @@ def run_all(s: Settings, out: Path) -> None:
             # the CPU that made it: float rounding follows its vector instructions (a seed repeats bit for bit only
             # on a like machine), and "seconds" is this call's, a resumed run's last stretch only
             record.update(seconds=time.perf_counter() - t0, machine=cpu_info())
-            (run_dir / "done.json").write_text(json.dumps(record))
+            atomic_write_text(run_dir / "done.json", json.dumps(record))
 
 
 def last_step(run_dir: Path) -> int | None:
@@ -184,7 +184,11 @@ def pack(out: Path, dest: Path) -> Path:
         metrics = [{k: r[k] for k in ("step", *KEPT_METRICS) if k in r} for r in read_jsonl(run_dir / "metrics.jsonl")
                    if "step" in r]
         record = json.loads(done.read_text())
+        step0_file = out / "step0" / run_dir.name / "eval.json"
         runs[f"{run_dir.parent.name}/{run_dir.name}"] = {
+            # the run's own step 0 (its machine's): a later pack's step 0 of the seed, made elsewhere, must not
+            # change this run's gain
+            "step0": json.loads(step0_file.read_text())["overall"] if step0_file.is_file() else None,
             # a run the trainer ended before its first evaluation has none
             "evals": read_jsonl(run_dir / "evals.jsonl") if (run_dir / "evals.jsonl").is_file() else [],
             "metrics": metrics,

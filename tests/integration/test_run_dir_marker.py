@@ -66,3 +66,7 @@ def test_a_kill_while_the_marker_was_written_leaves_a_directory_meshrl_reuses(tm
     with pytest.raises(ValueError, match="not a meshrl run"):
         train(tiny_config(steps=1), mine)
     assert (mine / "config.yaml").read_text() == USER_FILES["config.yaml"]
+    named = tmp_path / "named"  # only files can be the marker's temporaries: a folder named like one is the user's
+    (named / f"{TEMP_PREFIX}{MARKER}.d").mkdir(parents=True)
+    with pytest.raises(ValueError, match="not a meshrl run"):
+        train(tiny_config(steps=1), named)

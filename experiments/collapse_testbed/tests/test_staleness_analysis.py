@@ -150,6 +150,8 @@ def test_pairs_made_on_two_cpus_are_said():
     note = S.machine_note({("grpo", 0): "AVX2", ("grpo_k8_none", 0): "AVX512", ("grpo", 1): "AVX2",
                            ("grpo_k8_none", 1): "AVX2"}, runs)
     assert note == "Pairs made on two CPUs: seed 0. Seeds 2 record no CPU (made before runs recorded it)."
+    note = S.machine_note({("grpo", 0): "AVX2", ("grpo", 1): "AVX2", ("grpo_k8_none", 1): "AVX2"}, runs[:2] + runs[3:5])
+    assert note == ("Each seed's recorded runs were made on one CPU. Seeds 0 record it for some runs only.")
 
 
 def test_a_lagged_run_the_trainer_aborted_is_named_diverging(tmp_path):
@@ -158,3 +160,10 @@ def test_a_lagged_run_the_trainer_aborted_is_named_diverging(tmp_path):
     (d / "done.json").write_text(json.dumps({"aborted": "NonFiniteAbort at step 9: loss is nan"}))
     assert S.divergent(tmp_path, set()) == {
         ("grpo_k8_none", 4): "aborted by the trainer: NonFiniteAbort at step 9: loss is nan"}
+
+
+def test_a_cut_done_json_is_not_an_abort(tmp_path):
+    from experiments.collapse_testbed.experiment import aborted
+
+    (tmp_path / "done.json").write_text('{"arm": "grpo", "se')
+    assert aborted(tmp_path) is None and aborted(tmp_path / "missing") is None

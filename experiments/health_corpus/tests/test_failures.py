@@ -113,6 +113,10 @@ def test_an_unfinished_run_is_trained_again(tmp_path):
     (path / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a meshrl run"):
         fl.build_run(spec, tmp_path, "tiny")
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')  # an unmarked run's records beside the user's file: the
+    with pytest.raises(ValueError, match="not a meshrl run"):  # whole directory would go, so it is refused
+        fl.build_run(spec, tmp_path, "tiny")
+    (path / "metrics.jsonl").unlink()
     (path / "notes.txt").unlink()
     (path / "..meshrl-run.x1y2").write_text("")  # a kill while the marker was written: ours, trained again
     path, _ = fl.build_run(spec, tmp_path, "tiny")

@@ -36,7 +36,7 @@ def test_verdict_rules():
     assert analysis.verdict([0.01, 0.01, 0.01]) == "inconclusive"  # all positive, mean below 0.05
     assert analysis.verdict([0.2, -0.01, 0.0]) == "does not improve"
     assert analysis.verdict([0.2, 0.1]) == "incomplete (2 of 3 seeds)"  # fewer than 3 seeds cannot "improve"
-    assert analysis.verdict([0.2, 0.1, math.nan]) == "incomplete (2 of 3 seeds)"  # a run without its last evaluation
+    assert analysis.verdict([0.2, 0.1, math.nan]) == "inconclusive (1 run(s) without a final accuracy)"  # aborted
     assert analysis.verdict([-0.1, 0.0]) == "does not improve"  # decided before the third seed
 
 
@@ -237,3 +237,18 @@ def test_the_committed_table_is_the_committed_packs():
     from experiments.real_model.__main__ import PACK, TABLE
 
     assert analysis.table(analysis.analyse(experiment.read_pack(PACK))) == TABLE.read_text()
+
+
+def test_a_runs_gain_keeps_its_own_step0_when_another_machine_packs_the_seed(tmp_path):
+    dest = tmp_path / "pack.json.gz"
+    experiment.pack(_fake_out(tmp_path / "a", 0, "grpo"), dest)
+    b = _fake_out(tmp_path / "b", 0, "fork", acc=0.5)
+    (b / "step0" / "seed_0" / "eval.json").write_text(json.dumps({"overall": {"mean@4": 0.2}}))  # another CPU
+    result = analysis.analyse(experiment.read_pack(experiment.pack(b, dest)))
+    assert result["runs"]["grpo/seed_0"]["acc0"] == 0.1 and result["runs"]["fork/seed_0"]["acc0"] == 0.2
+
+
+def test_an_aborted_run_leaves_the_verdict_inconclusive_once_every_seed_has_run():
+    assert analysis.verdict([0.3, 0.2, math.nan]) == "inconclusive (1 run(s) without a final accuracy)"
+    runs = {"grpo/seed_0": _run([0.3, 0.4]), "fork/seed_0": _run([0.3], aborted="StalledRun at step 12: x")}
+    assert analysis.analyse(_pack(runs))["pairs"] == {}  # no gain to compare

@@ -68,19 +68,20 @@ MARKER = ".meshrl-run"  # written first into every run directory: what meshrl ma
 def _marker_temporaries(run_dir: Path) -> list[Path]:
     """The temporary siblings of the marker: a kill while the marker was being written leaves one in a directory
     that held nothing else, and that directory is ours to use (it must not be refused as the user's)."""
-    return sorted(run_dir.glob(f"{TEMP_PREFIX}{MARKER}.*"))
+    return sorted(p for p in run_dir.glob(f"{TEMP_PREFIX}{MARKER}.*") if p.is_file() and not p.is_symlink())
 
 
-def is_ours(run_dir: Path) -> bool:
+def is_ours(run_dir: Path, legacy: bool = True) -> bool:
     """Whether meshrl may clean, rewrite and delete in ``run_dir``: it is missing, empty (but for a marker
-    temporary), marked, or a run of a meshrl from before the marker (it holds ``checkpoints/`` or
-    ``metrics.jsonl``)."""
+    temporary), marked, or (``legacy``) a run of a meshrl from before the marker (it holds ``checkpoints/`` or
+    ``metrics.jsonl``). A caller that deletes the whole directory passes ``legacy=False``: that guess was made for
+    runs, which rewrite only their own records."""
     if not run_dir.is_dir() or (run_dir / MARKER).is_file():
         return True
     leftovers = set(_marker_temporaries(run_dir))
     if not any(p not in leftovers for p in run_dir.iterdir()):
         return True
-    return (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file()
+    return legacy and ((run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file())
 
 
 def check_is_ours(run_dir: Path, option: str = "--out") -> None:
