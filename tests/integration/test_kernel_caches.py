@@ -93,8 +93,9 @@ def test_the_bound_keeps_memory_flat_over_many_shapes():
     if torch_sizes < 60:
         pytest.skip(f"bf16 matmuls here do not cache oneDNN kernels (+{torch_sizes:.0f} MB over 400 shapes)")
     bounded = float(_run(GROWTH, _env(), "bound"))
-    # measured: +276 MB with PyTorch's sizes, +117 MB with meshrl's 128 entries, +19 MB with 16
-    assert bounded < 0.6 * torch_sizes, (bounded, torch_sizes)
+    # measured: +276 MB with PyTorch's sizes, +117 MB with meshrl's 128 entries, +19 MB with 16 (AMD EPYC, AVX-512);
+    # +285 MB against +205 MB on an Intel Xeon with AMX, where oneDNN keeps more per shape than its primitive cache
+    assert bounded < 0.8 * torch_sizes, (bounded, torch_sizes)
 
 
 def test_a_rebuilt_kernel_computes_the_same_values():

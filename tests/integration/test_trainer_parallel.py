@@ -371,13 +371,17 @@ def test_zero_advantage_rows_skip_their_backward_and_change_nothing(tmp_path, ex
         assert set(m_plain) == set(m_skip)
         for key, value in m_plain.items():
             assert m_skip[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
-        _assert_same_weights(plain, skip)
+        # AdamW divides each element's step by its own gradient scale, so over several optimiser steps a
+        # rounding-level difference in a near-zero gradient element moves that weight by far more than the
+        # rounding: measured 1.8e-6 on 1 of 4096 elements (GSPO, 2 epochs x 2 mini-batches) on an Intel Xeon with
+        # AMX, where the other CPUs met 1e-6
+        _assert_same_weights(plain, skip, atol=1e-5)
         # a step where every advantage is 0: zero gradients, and AdamW's momentum still moves the weights
         data.advantages = torch.zeros(len(data))
         before = [p.detach().clone() for p in skip.model.parameters()]
         m_plain, m_skip = plain.update(data), skip.update(data)
         assert m_skip["grad/norm"] == m_plain["grad/norm"] == 0.0
-        _assert_same_weights(plain, skip)
+        _assert_same_weights(plain, skip, atol=1e-5)  # carries the first update's difference
         assert any(not torch.equal(b, p) for b, p in zip(before, skip.model.parameters(), strict=True))
     finally:
         plain.close()
