@@ -172,12 +172,13 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     import torch
 
     import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
+    from experiments._runs import abort_reason, trainer_stops
     from meshrl.cpu import cpu_info
     from meshrl.evaluation import run_eval
     from meshrl.jsonl import atomic_write_text
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.tasks import load_task
-    from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun, load_config, train
+    from meshrl.trainer import load_config, train
 
     if (run_dir / "done.json").is_file():
         # Finished: trained, evaluated, probed and pruned. Its checkpoints may be gone (pruned, or the run came
@@ -194,11 +195,11 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     if done < cfg.steps:
         try:
             train(cfg, run_dir, resume=ckpt is not None)
-        except (NonFiniteAbort, StalledRun, HealthStop, RewardsFailed) as err:
+        except trainer_stops() as err:
             # the trainer ended the run: a result (a divergence), recorded and never resumed (a resume would reset
             # the failure counters and could finish it looking normal); not evaluated, so out of the tables, which
             # name it (results.incomplete_parts)
-            record = {"arm": arm, "seed": seed, "aborted": f"{type(err).__name__} at step {_last_step(run_dir)}: {err}",
+            record = {"arm": arm, "seed": seed, "aborted": abort_reason(err, run_dir),
                       "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}
             atomic_write_text(run_dir / "done.json", json.dumps(record))
             return {"arm": arm, "seed": seed, "seconds": record["wall_s"], "aborted": record["aborted"]}
@@ -215,13 +216,6 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     atomic_write_text(run_dir / "done.json", json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
                                                          "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
-
-
-def _last_step(run_dir: Path) -> int | None:
-    from meshrl.jsonl import read_jsonl
-
-    path = run_dir / "metrics.jsonl"
-    return max((int(r["step"]) for r in read_jsonl(path) if "step" in r), default=None) if path.is_file() else None
 
 
 def aborted(run_dir: Path) -> str | None:

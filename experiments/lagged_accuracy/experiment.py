@@ -103,9 +103,10 @@ def run_one(s: Settings, arm: str, seed: int, data: Path, d: Path) -> dict[str, 
     """Train one (arm, seed) into ``d``, from its last checkpoint when it has one; ``done.json`` last, with the CPU
     that made the run and, for a run the trainer ended (non-finite, stalled, a health stop, failed rewards), the
     step and reason: such a run is a result, recorded and not resumed (preregistration.md, "Amendments")."""
+    from experiments._runs import abort_reason, trainer_stops
     from meshrl.cpu import cpu_info
     from meshrl.runs.checkpoint import latest_checkpoint
-    from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun, load_config, train
+    from meshrl.trainer import load_config, train
 
     t0 = time.perf_counter()
     cfg = load_config(overrides=run_overrides(s, arm, seed, data))
@@ -116,18 +117,13 @@ def run_one(s: Settings, arm: str, seed: int, data: Path, d: Path) -> dict[str, 
     if start < s.steps:
         try:
             train(cfg, d, resume=ckpt is not None)
-        except (NonFiniteAbort, StalledRun, HealthStop, RewardsFailed) as err:
-            aborted = f"{type(err).__name__} at step {last_step(d)}: {err}"
+        except trainer_stops() as err:
+            aborted = abort_reason(err, d)
             log.warning("lagged accuracy: %s seed %d ended early: %s", arm, seed, aborted)
     record = {"arm": arm, "seed": seed, "steps": s.steps, "from_step": start, "seconds": time.perf_counter() - t0,
               "machine": cpu_info(), "aborted": aborted}
     atomic_write_text(d / "done.json", json.dumps(record))
     return record
-
-
-def last_step(d: Path) -> int | None:
-    """The last step in the run's metrics (None without any)."""
-    return max((int(r["step"]) for r in _jsonl(d / "metrics.jsonl") if "step" in r), default=None)
 
 
 def write_settings(out: Path, s: Settings) -> None:

@@ -124,9 +124,10 @@ def run_all(s: Settings, out: Path) -> None:
     """The pilot, then every (seed, arm) run and its step-0 evaluation, skipping what is done."""
     import torch
 
+    from experiments._runs import abort_reason, trainer_stops
     from meshrl.cpu import cpu_info
     from meshrl.runs.checkpoint import latest_checkpoint
-    from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun, load_config, train
+    from meshrl.trainer import load_config, train
 
     torch.set_num_threads(s.threads)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,23 +150,14 @@ def run_all(s: Settings, out: Path) -> None:
             try:
                 for _ in train(cfg, run_dir, resume=ckpt is not None):
                     pass
-            except (NonFiniteAbort, StalledRun, HealthStop, RewardsFailed) as err:
+            except trainer_stops() as err:
                 # a run the trainer ended is a result (a blow-up is the likeliest collapse), not a hole in the grid
-                record["aborted"] = f"{type(err).__name__} at step {last_step(run_dir)}: {err}"
+                record["aborted"] = abort_reason(err, run_dir)
                 log.warning("real model: %s seed %d ended early: %s", arm, seed, record["aborted"])
             # the CPU that made it: float rounding follows its vector instructions (a seed repeats bit for bit only
             # on a like machine), and "seconds" is this call's, a resumed run's last stretch only
             record.update(seconds=time.perf_counter() - t0, machine=cpu_info())
             atomic_write_text(run_dir / "done.json", json.dumps(record))
-
-
-def last_step(run_dir: Path) -> int | None:
-    """The last step in the run's metrics (None without any)."""
-    from meshrl.jsonl import read_jsonl
-
-    path = run_dir / "metrics.jsonl"
-    steps = [int(r["step"]) for r in read_jsonl(path) if "step" in r] if path.is_file() else []
-    return max(steps, default=None)
 
 
 #: settings that choose which runs a call makes, not what a run is: packs that differ only in these merge

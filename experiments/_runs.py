@@ -1,0 +1,26 @@
+"""What the experiments share about a run the trainer ends early: such a run is a result (a divergence), recorded
+with its step and reason and never resumed (a resume would reset the trainer's failure counters)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def trainer_stops() -> tuple[type[BaseException], ...]:
+    """The errors with which the trainer ends a run (imported when called: the experiments' CLIs start fast)."""
+    from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun
+
+    return NonFiniteAbort, StalledRun, HealthStop, RewardsFailed
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The last step in the run's metrics (None without any)."""
+    from meshrl.jsonl import read_jsonl
+
+    path = run_dir / "metrics.jsonl"
+    return max((int(r["step"]) for r in read_jsonl(path) if "step" in r), default=None) if path.is_file() else None
+
+
+def abort_reason(err: BaseException, run_dir: Path) -> str:
+    """``"NonFiniteAbort at step 13: ..."``: what done.json records of a run the trainer ended."""
+    return f"{type(err).__name__} at step {last_step(run_dir)}: {err}"
