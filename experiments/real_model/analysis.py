@@ -126,7 +126,8 @@ def analyse(pack: dict[str, Any]) -> dict[str, Any]:
         step0 = float(own[f"mean@{pack['settings']['eval_n']}"])
         runs[key] = {"arm": arm, "seed": int(seed.split("_")[1]),
                      **run_endpoints(step0, run["evals"], run["metrics"], horizon, every), "seconds": run["seconds"],
-                     "cpu": cpu_label(run.get("machine")), "aborted": run.get("aborted")}
+                     "cpu": cpu_label(run.get("machine")), "aborted": run.get("aborted"),
+                     "doctor": doctor_findings(run.get("events", []))}
     per_arm = {}
     for arm in ARMS:  # every pre-registered arm, run or not
         mine = [r for r in runs.values() if r["arm"] == arm]
@@ -138,6 +139,17 @@ def analyse(pack: dict[str, Any]) -> dict[str, Any]:
                         "warned_in_time": sum(r["in_time"] for r in mine),
                         "false_alarms": sum(r["fall"] != "harm" and r["mei_cross"] is not None for r in mine)}
     return {"runs": runs, "arms": per_arm, "pilot": pack["pilot"], "pairs": fork_minus_grpo(runs)}
+
+
+def doctor_findings(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The live doctor's findings in one run (reported post hoc: the pre-registration ran the doctor every 5 steps
+    with no endpoint on it): per finding, the first check that raised it and at how many checks it was active."""
+    checks = [e for e in events if e.get("event") == "health_check"]
+    found: dict[str, list[int]] = {}
+    for e in checks:
+        for name in e.get("findings", []):
+            found.setdefault(name, []).append(int(e["step"]))
+    return {"checks": len(checks), "found": {name: (steps[0], len(steps)) for name, steps in found.items()}}
 
 
 def fork_minus_grpo(runs: dict[str, Any]) -> dict[int, float]:
@@ -159,6 +171,11 @@ def cpu_label(machine: dict[str, Any] | None) -> str:
 
 def _f(x: float | None, digits: int = 3, sign: str = "") -> str:
     return "-" if x is None or x != x else f"{x:{sign}.{digits}f}"
+
+
+def _accuracy_at(curve: Curve, step: int) -> float:
+    """The held-out accuracy of the last evaluation at or before ``step``."""
+    return max((sv for sv in curve if sv[0] <= step), default=(0, math.nan))[1]
 
 
 def _fall_text(r: dict[str, Any]) -> str:
@@ -203,6 +220,15 @@ def table(result: dict[str, Any]) -> str:
     lines += ["", "Forking tokens minus GRPO, gain per seed (no test: 3 pairs cannot reach significance): "
               + (", ".join(f"seed {s}: {d:+.3f}" for s, d in pairs.items()) if pairs else "no seed has both arms yet")
               + "."]
+    lines += ["", "The live doctor (every 5 steps; reported post hoc, no pre-registered endpoint), per run: each "
+              "finding with the step it was first raised, the held-out accuracy of the last evaluation at or before "
+              "it, and the checks at which it was active:", ""]
+    for key, r in result["runs"].items():
+        d = r["doctor"]
+        found = [f"{name} from step {first} (accuracy {_f(_accuracy_at(r['curve'], first), 2)}; {n} of "
+                 f"{d['checks']} checks)" for name, (first, n) in sorted(d["found"].items(), key=lambda kv: kv[1])]
+        quiet = f"none in {d['checks']} check" + ("" if d["checks"] == 1 else "s")
+        lines.append(f"- {key}: " + ("; ".join(found) if found else quiet))
     lines += ["", "Curves (step: held-out accuracy):", ""]
     for key, r in result["runs"].items():
         gaps = f" (evaluations missing at {', '.join(map(str, r['missing_evals']))})" if r["missing_evals"] else ""

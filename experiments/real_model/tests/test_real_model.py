@@ -252,3 +252,22 @@ def test_an_aborted_run_leaves_the_verdict_inconclusive_once_every_seed_has_run(
     assert analysis.verdict([0.3, 0.2, math.nan]) == "inconclusive (1 run(s) without a final accuracy)"
     runs = {"grpo/seed_0": _run([0.3, 0.4]), "fork/seed_0": _run([0.3], aborted="StalledRun at step 12: x")}
     assert analysis.analyse(_pack(runs))["pairs"] == {}  # no gain to compare
+
+
+def test_the_live_doctors_findings_are_listed_with_their_first_step_and_accuracy():
+    run = _run([0.3, 0.5])
+    run["events"] = [{"event": "health_check", "step": 5, "findings": []},
+                     {"event": "health_finding", "step": 10, "finding": "entropy_collapse"},
+                     {"event": "health_check", "step": 10, "findings": ["entropy_collapse"]},
+                     {"event": "health_check", "step": 15, "findings": ["entropy_collapse", "reward_collapse"]},
+                     {"event": "health_check", "step": 20, "findings": ["reward_collapse"]}]
+    quiet = _run([0.3, 0.4])
+    quiet["events"] = [{"event": "health_check", "step": 5, "findings": []}]
+    result = analysis.analyse(_pack({"grpo/seed_0": run, "grpo/seed_1": quiet, "fork/seed_0": _run([0.3])},
+                                    seeds=(0, 1)))
+    assert result["runs"]["grpo/seed_0"]["doctor"] == {
+        "checks": 4, "found": {"entropy_collapse": (10, 2), "reward_collapse": (15, 2)}}
+    text = analysis.table(result)
+    assert ("- grpo/seed_0: entropy_collapse from step 10 (accuracy 0.30; 2 of 4 checks); reward_collapse from "
+            "step 15 (accuracy 0.30; 2 of 4 checks)") in text
+    assert "- grpo/seed_1: none in 1 check\n" in text and "- fork/seed_0: none in 0 checks" in text
