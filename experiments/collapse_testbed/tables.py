@@ -74,8 +74,8 @@ def niche_outcomes(arms: dict[str, Any], headline: str, kept_at: float = 0.5, *,
 
 
 def _meets_bar(arms: dict[str, Any], arm: str, row: dict[str, Any], baseline: str, k: int) -> bool | None:
-    """Round two's bar: niche kept in >= 80% of >= 5 seeds, accuracy and pass@k >= the baseline's means
-    (None without a baseline)."""
+    """The second experiment's bar (preset ``round2``): niche kept in >= 80% of >= 5 seeds, accuracy and pass@k >=
+    the baseline's means (None without a baseline)."""
     if baseline not in arms:
         return None
     b, a = arms[baseline], arms[arm]

@@ -143,13 +143,20 @@ def analyse(pack: dict[str, Any]) -> dict[str, Any]:
 
 def doctor_findings(events: list[dict[str, Any]]) -> dict[str, Any]:
     """The live doctor's findings in one run (reported post hoc: the pre-registration ran the doctor every 5 steps
-    with no endpoint on it): per finding, the first check that raised it and at how many checks it was active."""
+    with no endpoint on it): per finding, the first check that raised it, at how many checks it was active, and the
+    severities it was raised with (a check lists ``info`` findings too: a reader must see which were warnings)."""
     checks = [e for e in events if e.get("event") == "health_check"]
     found: dict[str, list[int]] = {}
     for e in checks:
         for name in e.get("findings", []):
             found.setdefault(name, []).append(int(e["step"]))
-    return {"checks": len(checks), "found": {name: (steps[0], len(steps)) for name, steps in found.items()}}
+    severity: dict[str, set[str]] = {}
+    for e in events:
+        if e.get("event") == "health_finding":
+            severity.setdefault(e["finding"], set()).add(str(e.get("severity", "?")))
+    return {"checks": len(checks),
+            "found": {name: (steps[0], len(steps)) for name, steps in found.items()},
+            "severity": {name: sorted(severity.get(name, ())) for name in found}}
 
 
 def fork_minus_grpo(runs: dict[str, Any]) -> dict[int, float]:
@@ -221,13 +228,15 @@ def table(result: dict[str, Any]) -> str:
               + (", ".join(f"seed {s}: {d:+.3f}" for s, d in pairs.items()) if pairs else "no seed has both arms yet")
               + "."]
     lines += ["", "The live doctor (every 5 steps; reported post hoc, no pre-registered endpoint), per run: each "
-              "finding with the step it was first raised, the held-out accuracy of the last evaluation at or before "
-              "it, and the checks at which it was active:", ""]
+              "finding with its severity, the step it was first raised, the held-out accuracy of the last "
+              "evaluation at or before it, and the checks at which it was active:", ""]
     for key, r in result["runs"].items():
         d = r["doctor"]
-        found = [f"{name} from step {first} (accuracy {_f(_accuracy_at(r['curve'], first), 2)}; {n} of "
-                 f"{d['checks']} checks)" for name, (first, n) in sorted(d["found"].items(), key=lambda kv: kv[1])]
-        quiet = f"none in {d['checks']} check" + ("" if d["checks"] == 1 else "s")
+        found = [f"{name} ({', '.join(d['severity'][name]) or 'severity not recorded'}) from step {first} "
+                 f"(accuracy {_f(_accuracy_at(r['curve'], first), 2)}; {n} of {d['checks']} checks)"
+                 for name, (first, n) in sorted(d["found"].items(), key=lambda kv: kv[1])]
+        quiet = (f"none in {d['checks']} check" + ("" if d["checks"] == 1 else "s") if d["checks"]
+                 else "no health checks recorded")
         lines.append(f"- {key}: " + ("; ".join(found) if found else quiet))
     lines += ["", "Curves (step: held-out accuracy):", ""]
     for key, r in result["runs"].items():

@@ -1,5 +1,5 @@
 """Failed runs end with one clear line, their records and a checkpoint: disk full, NaN log-probs, non-finite
-aborts, a dead policy (``optim.lr=1e6``), a failing scorer under ``--strict-rewards`` (issue 17, 8/10/11)."""
+aborts, a dead policy (``optim.lr=1e6``), a failing scorer under ``--strict-rewards``."""
 
 from __future__ import annotations
 

@@ -422,7 +422,7 @@ def test_budget_groups():
         budget_groups(16, 0)
 
 
-# ---------------------------------------------------------------- set-up errors and credentials (issue 17)
+# ---------------------------------------------------------------- set-up errors and credentials
 
 
 def test_missing_key_ends_the_run_at_once_instead_of_failing_every_attempt(server, tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """Resume, checkpoints and run records under faults: signals mid-step, kills mid-write, damaged files.
 
-Each test injects the fault that issue 17 reported (a signal from inside the update, an exception standing in
+Each test injects a fault a user can meet (a signal from inside the update, an exception standing in
 for a kill inside a write, a damaged file) and checks what a user relies on: a checkpoint holds a step
 boundary, a resume reproduces the uninterrupted run exactly (CPU), ``latest`` names an intact checkpoint.
 """

@@ -1,4 +1,4 @@
-"""Random-moment kill trials of ``meshrl train`` (issue 17): SIGTERM or SIGKILL to the whole process group at
+"""Random-moment kill trials of ``meshrl train``: SIGTERM or SIGKILL to the whole process group at
 a uniformly random moment of training, then ``--resume`` until the run is done; the records and the final
 weights must equal those of the uninterrupted run, bit for bit (CPU).
 

@@ -1,4 +1,4 @@
-"""A training run survives a scorer that exits: each exit is a counted reward error (issue 17, item 9)."""
+"""A training run survives a scorer that exits: each exit is a counted reward error."""
 
 from __future__ import annotations
 

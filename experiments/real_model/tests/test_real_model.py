@@ -256,18 +256,23 @@ def test_an_aborted_run_leaves_the_verdict_inconclusive_once_every_seed_has_run(
 
 def test_the_live_doctors_findings_are_listed_with_their_first_step_and_accuracy():
     run = _run([0.3, 0.5])
-    run["events"] = [{"event": "health_check", "step": 5, "findings": []},
-                     {"event": "health_finding", "step": 10, "finding": "entropy_collapse"},
+    run["events"] = [{"event": "health_check", "step": 5, "findings": ["truncation"]},
+                     {"event": "health_finding", "step": 5, "finding": "truncation", "severity": "info"},
+                     {"event": "health_finding", "step": 10, "finding": "entropy_collapse", "severity": "warning"},
                      {"event": "health_check", "step": 10, "findings": ["entropy_collapse"]},
                      {"event": "health_check", "step": 15, "findings": ["entropy_collapse", "reward_collapse"]},
+                     {"event": "health_finding", "step": 15, "finding": "reward_collapse", "severity": "alarm"},
                      {"event": "health_check", "step": 20, "findings": ["reward_collapse"]}]
     quiet = _run([0.3, 0.4])
     quiet["events"] = [{"event": "health_check", "step": 5, "findings": []}]
     result = analysis.analyse(_pack({"grpo/seed_0": run, "grpo/seed_1": quiet, "fork/seed_0": _run([0.3])},
                                     seeds=(0, 1)))
     assert result["runs"]["grpo/seed_0"]["doctor"] == {
-        "checks": 4, "found": {"entropy_collapse": (10, 2), "reward_collapse": (15, 2)}}
+        "checks": 4, "found": {"truncation": (5, 1), "entropy_collapse": (10, 2), "reward_collapse": (15, 2)},
+        "severity": {"truncation": ["info"], "entropy_collapse": ["warning"], "reward_collapse": ["alarm"]}}
     text = analysis.table(result)
-    assert ("- grpo/seed_0: entropy_collapse from step 10 (accuracy 0.30; 2 of 4 checks); reward_collapse from "
-            "step 15 (accuracy 0.30; 2 of 4 checks)") in text
-    assert "- grpo/seed_1: none in 1 check\n" in text and "- fork/seed_0: none in 0 checks" in text
+    # a finding before the first evaluation is read against step 0's accuracy (0.2 in _pack)
+    assert ("- grpo/seed_0: truncation (info) from step 5 (accuracy 0.20; 1 of 4 checks); entropy_collapse "
+            "(warning) from step 10 (accuracy 0.30; 2 of 4 checks); reward_collapse (alarm) from step 15 (accuracy "
+            "0.30; 2 of 4 checks)") in text
+    assert "- grpo/seed_1: none in 1 check\n" in text and "- fork/seed_0: no health checks recorded" in text
