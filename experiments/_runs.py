@@ -24,3 +24,14 @@ def last_step(run_dir: Path) -> int | None:
 def abort_reason(err: BaseException, run_dir: Path) -> str:
     """``"NonFiniteAbort at step 13: ..."``: what done.json records of a run the trainer ended."""
     return f"{type(err).__name__} at step {last_step(run_dir)}: {err}"
+
+
+def stopped(err: KeyboardInterrupt) -> int:
+    """A run stopped by a signal (SIGTERM, Ctrl-C): one line saying that a rerun resumes it, and the shell's exit
+    status for that signal (128 + its number; 130 for a plain Ctrl-C)."""
+    import sys
+
+    signum = getattr(err, "signum", 2)
+    print(f"stopped ({err or 'interrupted'}): finished runs and the others' last checkpoints are kept; the same "
+          "command resumes them", file=sys.stderr)
+    return 128 + signum

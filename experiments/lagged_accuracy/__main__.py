@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # bad input: one clear line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # SIGTERM (the trainer's RunInterrupted) or Ctrl-C: no traceback
+        from experiments._runs import stopped
+
+        return stopped(err)
     return 0
 
 

@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         changes = {"threads": args.threads, **({"seeds": tuple(args.seeds)} if args.seeds else {}),
                    **({"arms": tuple(args.arms)} if args.arms else {})}
-        experiment.run_all(experiment.Settings(**changes), args.out)
+        try:
+            experiment.run_all(experiment.Settings(**changes), args.out)
+        except KeyboardInterrupt as err:  # SIGTERM (the trainer's RunInterrupted) or Ctrl-C: no traceback
+            from experiments._runs import stopped
+
+            return stopped(err)
     elif args.command == "pack":
         print(experiment.pack(args.out, args.pack_file))
     else:

@@ -242,3 +242,17 @@ def test_the_task_is_the_real_model_pilots_choice():
     from experiments.real_model.experiment import COMMITTED_PILOT
 
     assert experiment.Settings().high == json.loads(COMMITTED_PILOT.read_text())["chosen"]
+
+
+def test_a_run_stopped_by_a_signal_ends_with_one_line_and_the_signals_status(monkeypatch, capsys, tmp_path):
+    import signal
+
+    from meshrl.trainer import RunInterrupted
+
+    def stop(*_args, **_kwargs):
+        raise RunInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(experiment, "run_all", stop)
+    assert main(["run", "--out", str(tmp_path)]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "stopped (stopped by SIGTERM)" in err and "resumes them" in err and "Traceback" not in err

@@ -276,3 +276,17 @@ def test_the_live_doctors_findings_are_listed_with_their_first_step_and_accuracy
             "(warning) from step 10 (accuracy 0.30; 2 of 4 checks); reward_collapse (alarm) from step 15 (accuracy "
             "0.30; 2 of 4 checks)") in text
     assert "- grpo/seed_1: none in 1 check\n" in text and "- fork/seed_0: no health checks recorded" in text
+
+
+def test_a_run_stopped_by_a_signal_ends_with_one_line_and_the_signals_status(monkeypatch, capsys):
+    import signal
+
+    from meshrl.trainer import RunInterrupted
+
+    def stop(*_args, **_kwargs):
+        raise RunInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(experiment, "run_all", stop)
+    assert main(["run", "--seeds", "0"]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "stopped (stopped by SIGTERM)" in err and "resumes them" in err and "Traceback" not in err
