@@ -256,3 +256,11 @@ def test_a_run_stopped_by_a_signal_ends_with_one_line_and_the_signals_status(mon
     assert main(["run", "--out", str(tmp_path)]) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert "stopped (stopped by SIGTERM)" in err and "resumes them" in err and "Traceback" not in err
+
+
+def test_the_committed_table_is_the_committed_pack():
+    from experiments.lagged_accuracy.__main__ import PACK, TABLE
+
+    if not PACK.is_file():
+        pytest.skip("no runs packed yet")
+    assert analysis.table(analysis.analyse(analysis.load(PACK))) == TABLE.read_text()
