@@ -52,7 +52,23 @@ def test_reward_collapse_after_a_rise_and_whether_held_out_fell():
     assert "reward_collapse" not in ids(records(reward__mean=[0.1] * 4 + [0.6] * 8 + [0.4] * 8))
     assert "reward_collapse" not in ids(records(reward__mean=[0.1] * 4 + [0.19] * 8 + [0.1] * 8))
     no_eval = diagnose_records(records(reward__mean=curve)).findings[0]
-    assert no_eval.evidence["eval_fell"].startswith("unknown")
+    assert no_eval.evidence["eval_fell"].startswith("unknown") and no_eval.severity == "alarm"
+
+
+def test_reward_collapse_is_a_warning_when_an_evaluation_after_the_fall_shows_no_fall():
+    curve = [0.1] * 4 + [0.6] * 8 + [0.15] * 8  # falls (half way down) from step 13
+
+    def severity(*accuracy_at: tuple[int, float]) -> str:
+        evals = [{"step": float(step), "eval/mean@1": acc} for step, acc in accuracy_at]
+        rec = records(reward__mean=curve, evals=evals)
+        return next(f for f in diagnose_records(rec).findings if f.id == "reward_collapse").severity
+
+    # Held out after the fall and still at its best: the training reward's fall is not the model's.
+    assert severity((4, 0.2), (12, 0.6), (20, 0.62)) == "warning"
+    # Held out after the fall and fallen too: the run is broken.
+    assert severity((4, 0.2), (12, 0.6), (20, 0.3)) == "alarm"
+    # The last evaluation predates the fall: it has not seen it, so it cannot lift the alarm.
+    assert severity((4, 0.2), (10, 0.62)) == "alarm"
 
 
 def test_entropy_collapse_explosion_and_the_solved_exception():

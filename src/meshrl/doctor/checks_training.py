@@ -69,10 +69,15 @@ def check_reward_collapse(rec: RunRecords, th: Thresholds) -> Result:
     held = _eval_fall(rec, th)
     evidence.update(held or {"eval_fell": "unknown (no held-out evaluations)"})
     fell = held is not None and held["eval_fell"] == "yes"
+    # An alarm says the run is broken; a held-out evaluation made after the fall that shows no fall says otherwise (a
+    # step reward over a few problems is noisy: a 2-step window can give back a third by chance), so the finding is
+    # then a warning. An evaluation from before the fall has not seen it, and leaves the alarm.
+    unconfirmed = held is not None and not fell and int(held["eval_last_step"]) >= xs[fall_i]
+    severity = "warning" if unconfirmed else "alarm"
     what = (f"{key} rose by {rise:.3g} to {sm[peak_i]:.3g} at step {xs[peak_i]}, then fell back to {last:.3g} "
             f"(from step {xs[fall_i]}); held-out accuracy " + ("fell too" if fell else
                                                                "did not fall" if held else "was not evaluated"))
-    return [Finding("reward_collapse", "Reward collapse after a rise", "alarm", [xs[peak_i], xs[fall_i]], what,
+    return [Finding("reward_collapse", "Reward collapse after a rise", severity, [xs[peak_i], xs[fall_i]], what,
                     evidence, "lower optim.lr or raise optim.warmup_steps; regularise (algo.kl_coef, "
                     "algo.clip_high); keep the best checkpoint (summary.json 'best'); check the parser findings "
                     "below before blaming the policy",
