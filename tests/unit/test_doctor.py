@@ -67,8 +67,24 @@ def test_reward_collapse_is_a_warning_when_an_evaluation_after_the_fall_shows_no
     assert severity((4, 0.2), (12, 0.6), (20, 0.62)) == "warning"
     # Held out after the fall and fallen too: the run is broken.
     assert severity((4, 0.2), (12, 0.6), (20, 0.3)) == "alarm"
-    # The last evaluation predates the fall: it has not seen it, so it cannot lift the alarm.
+    # The last evaluation predates the fall: it has not seen it, so it cannot lift the alarm, and says so.
     assert severity((4, 0.2), (10, 0.62)) == "alarm"
+    early = records(reward__mean=curve, evals=[{"step": 4.0, "eval/mean@1": 0.2}, {"step": 10.0, "eval/mean@1": 0.62}])
+    what = next(f for f in diagnose_records(early).findings if f.id == "reward_collapse").what
+    assert what.endswith("held-out accuracy was last evaluated at step 10, before the fall")
+    # Evaluations are read by step, not file order, and a resumed run's repeated step keeps its later record.
+    assert severity((4, 0.2), (20, 0.3), (16, 0.62)) == "alarm"
+    assert severity((4, 0.2), (12, 0.6), (20, 0.3), (20, 0.62)) == "warning"
+    # One evaluation is no evidence either way.
+    assert severity((20, 0.62)) == "alarm"
+
+
+def test_held_out_bookkeeping_is_not_read_as_a_score():
+    curve = [0.1] * 4 + [0.6] * 8 + [0.15] * 8
+    evals = [{"step": float(s), "eval/reward_errors": 0.0, "eval/skipped_long_prompts": 0.0} for s in (4, 12, 20)]
+    f = next(f for f in diagnose_records(records(reward__mean=curve, evals=evals)).findings
+             if f.id == "reward_collapse")
+    assert f.severity == "alarm" and f.evidence["eval_fell"].startswith("unknown")
 
 
 def test_entropy_collapse_explosion_and_the_solved_exception():

@@ -53,9 +53,9 @@ def _collapse(rec: RunRecords, th: Thresholds) -> Finding | None:
     held = _eval_fall(rec, th)
     fell = held is not None and held["eval_fell"] == "yes"
     evidence = {"calls_first_window": fmt(first), "calls_last_window": fmt(last), **_tool_shares(rec, th),
-                **(held or {"eval_fell": "unknown (no held-out evaluations)"})}
+                **(held or {"eval_fell": "unknown (fewer than two held-out evaluations)"})}
     what = (f"tool calls per episode fell from {first:.2f} to {last:.2f} (half-way by step {fall}); held-out "
-            f"accuracy " + ("fell too" if fell else "did not fall" if held else "was not evaluated"))
+            f"accuracy " + ("fell too" if fell else "did not fall" if held else "was not evaluated twice"))
     return Finding("tool_use_collapse", "The policy stopped calling tools", "alarm" if fell else "warning",
                    [fall, xs[-1]], what, evidence,
                    "keep the tool in play: coach-guided exploration toward it (plugins.coach_guide, shape=log), "

@@ -24,8 +24,14 @@ def reward_key(rec: RunRecords) -> str | None:
     return rec.first_of("reward/sampled_mean", "reward/mean")
 
 
+# Held-out bookkeeping, not a score: counts of failed or skipped items (``eval/reward_errors`` would otherwise match
+# "reward" below and read as a held-out curve that never falls).
+_EVAL_BOOKKEEPING = ("error", "timeout", "skipped")
+
+
 def eval_accuracy_key(rec: RunRecords) -> str | None:
-    keys = sorted({k for r in rec.evals for k, v in r.items() if k.startswith("eval/") and isinstance(v, float)})
+    keys = sorted({k for r in rec.evals for k, v in r.items() if k.startswith("eval/") and isinstance(v, float)
+                   and not any(word in k for word in _EVAL_BOOKKEEPING)})
     for pattern in ("eval/mean@1", "mean@", "acc", "reward", "score"):
         hit = next((k for k in keys if pattern in k), None)
         if hit:
@@ -34,11 +40,14 @@ def eval_accuracy_key(rec: RunRecords) -> str | None:
 
 
 def _eval_fall(rec: RunRecords, th: Thresholds) -> dict[str, float | str] | None:
-    """Best held-out value vs the last one, when two or more evaluations exist."""
+    """Best held-out value vs the latest one (by step; a resumed run's repeated step keeps its later record), when
+    two or more evaluations exist."""
     key = eval_accuracy_key(rec)
     if key is None:
         return None
-    pts = [(int(r["step"]), r[key]) for r in rec.evals if math.isfinite(r.get(key, math.nan))]
+    at_step = {int(r["step"]): r[key] for r in rec.evals
+               if isinstance(r.get("step"), int | float) and math.isfinite(r.get(key, math.nan))}
+    pts = sorted(at_step.items())
     if len(pts) < 2:
         return None
     best_step, best = max(pts, key=lambda p: p[1])
@@ -67,16 +76,18 @@ def check_reward_collapse(rec: RunRecords, th: Thresholds) -> Result:
     evidence = {"metric": key, "first_window": fmt(first), "peak": fmt(sm[peak_i]), "peak_step": xs[peak_i],
                 "last_window": fmt(last), "rise": fmt(rise), "given_back": fmt(drop / rise)}
     held = _eval_fall(rec, th)
-    evidence.update(held or {"eval_fell": "unknown (no held-out evaluations)"})
+    evidence.update(held or {"eval_fell": "unknown (fewer than two held-out evaluations)"})
     fell = held is not None and held["eval_fell"] == "yes"
-    # An alarm says the run is broken; a held-out evaluation made after the fall that shows no fall says otherwise (a
-    # step reward over a few problems is noisy: a 2-step window can give back a third by chance), so the finding is
-    # then a warning. An evaluation from before the fall has not seen it, and leaves the alarm.
-    unconfirmed = held is not None and not fell and int(held["eval_last_step"]) >= xs[fall_i]
-    severity = "warning" if unconfirmed else "alarm"
+    # An alarm says the run is broken; a held-out evaluation made at or after the fall that shows no fall says
+    # otherwise (a step reward over a few problems is noisy: a 2-step window can give back a third by chance), so
+    # the finding is then a warning. An evaluation from before the fall has not seen it, and leaves the alarm.
+    seen = held is not None and int(held["eval_last_step"]) >= xs[fall_i]
+    severity = "warning" if seen and not fell else "alarm"
+    held_out = ("fell too" if fell else "did not fall" if seen else
+                f"was last evaluated at step {held['eval_last_step']}, before the fall" if held else
+                "was not evaluated twice")
     what = (f"{key} rose by {rise:.3g} to {sm[peak_i]:.3g} at step {xs[peak_i]}, then fell back to {last:.3g} "
-            f"(from step {xs[fall_i]}); held-out accuracy " + ("fell too" if fell else
-                                                               "did not fall" if held else "was not evaluated"))
+            f"(from step {xs[fall_i]}); held-out accuracy {held_out}")
     return [Finding("reward_collapse", "Reward collapse after a rise", severity, [xs[peak_i], xs[fall_i]], what,
                     evidence, "lower optim.lr or raise optim.warmup_steps; regularise (algo.kl_coef, "
                     "algo.clip_high); keep the best checkpoint (summary.json 'best'); check the parser findings "
