@@ -58,10 +58,13 @@ def test_reward_collapse_after_a_rise_and_whether_held_out_fell():
 def test_reward_collapse_is_a_warning_when_an_evaluation_after_the_fall_shows_no_fall():
     curve = [0.1] * 4 + [0.6] * 8 + [0.15] * 8  # falls (half way down) from step 13
 
-    def severity(*accuracy_at: tuple[int, float]) -> str:
+    def finding(*accuracy_at: tuple[int, float]):
         evals = [{"step": float(step), "eval/mean@1": acc} for step, acc in accuracy_at]
         rec = records(reward__mean=curve, evals=evals)
-        return next(f for f in diagnose_records(rec).findings if f.id == "reward_collapse").severity
+        return next(f for f in diagnose_records(rec).findings if f.id == "reward_collapse")
+
+    def severity(*accuracy_at: tuple[int, float]) -> str:
+        return finding(*accuracy_at).severity
 
     # Held out after the fall and still at its best: the training reward's fall is not the model's.
     assert severity((4, 0.2), (12, 0.6), (20, 0.62)) == "warning"
@@ -69,9 +72,8 @@ def test_reward_collapse_is_a_warning_when_an_evaluation_after_the_fall_shows_no
     assert severity((4, 0.2), (12, 0.6), (20, 0.3)) == "alarm"
     # The last evaluation predates the fall: it has not seen it, so it cannot lift the alarm, and says so.
     assert severity((4, 0.2), (10, 0.62)) == "alarm"
-    early = records(reward__mean=curve, evals=[{"step": 4.0, "eval/mean@1": 0.2}, {"step": 10.0, "eval/mean@1": 0.62}])
-    what = next(f for f in diagnose_records(early).findings if f.id == "reward_collapse").what
-    assert what.endswith("held-out accuracy was last evaluated at step 10, before the fall")
+    assert finding((4, 0.2), (10, 0.62)).what.endswith(
+        "held-out accuracy was last evaluated at step 10, before the fall")
     # Evaluations are read by step, not file order, and a resumed run's repeated step keeps its later record.
     assert severity((4, 0.2), (20, 0.3), (16, 0.62)) == "alarm"
     assert severity((4, 0.2), (12, 0.6), (20, 0.3), (20, 0.62)) == "warning"

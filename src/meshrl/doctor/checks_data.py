@@ -12,7 +12,7 @@ import math
 import statistics
 import unicodedata
 
-from meshrl.doctor.checks_training import Result, eval_accuracy_key
+from meshrl.doctor.checks_training import Result, eval_accuracy_key, eval_points
 from meshrl.doctor.findings import Finding, Unchecked, confidence, fmt, need, sample_texts, smooth, windows
 from meshrl.doctor.records import RunRecords
 from meshrl.doctor.thresholds import Thresholds
@@ -248,7 +248,7 @@ def _accuracy_fall(rec: RunRecords, th: Thresholds, after: int) -> tuple[int | N
     its best so far."""
     key = eval_accuracy_key(rec)
     if key:
-        pts = [(int(r["step"]), r[key]) for r in rec.evals if math.isfinite(r.get(key, math.nan))]
+        pts = eval_points(rec, key)
     else:
         key = "acc/mean"
         xs, ys = rec.series(key)

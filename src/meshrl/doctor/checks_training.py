@@ -39,15 +39,20 @@ def eval_accuracy_key(rec: RunRecords) -> str | None:
     return keys[0] if keys else None
 
 
+def eval_points(rec: RunRecords, key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of the held-out ``key``, in step order; a resumed run's repeated step keeps its later
+    record (file order must not decide which evaluation is the latest)."""
+    at_step = {int(r["step"]): r[key] for r in rec.evals
+               if isinstance(r.get("step"), int | float) and math.isfinite(r.get(key, math.nan))}
+    return sorted(at_step.items())
+
+
 def _eval_fall(rec: RunRecords, th: Thresholds) -> dict[str, float | str] | None:
-    """Best held-out value vs the latest one (by step; a resumed run's repeated step keeps its later record), when
-    two or more evaluations exist."""
+    """Best held-out value vs the latest one, when two or more evaluations exist."""
     key = eval_accuracy_key(rec)
     if key is None:
         return None
-    at_step = {int(r["step"]): r[key] for r in rec.evals
-               if isinstance(r.get("step"), int | float) and math.isfinite(r.get(key, math.nan))}
-    pts = sorted(at_step.items())
+    pts = eval_points(rec, key)
     if len(pts) < 2:
         return None
     best_step, best = max(pts, key=lambda p: p[1])
