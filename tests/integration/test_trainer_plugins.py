@@ -26,6 +26,7 @@ from meshrl.trainer import Trainer, load_config, train
 from meshrl.trainer.batch import token_entropy, token_logprobs
 from meshrl.trainer.loss import UpdateInputs
 from meshrl.trainer.plugins import PluginContext, PluginsConfig, TokenTerms, TrainPlugins
+from meshrl.trainer.plugins.fork import untrained_shares
 from meshrl.trainer.plugins.luffy import load_traces
 from meshrl.trainer.update import StepPlan
 
@@ -182,6 +183,28 @@ def test_fork_and_entropy_adv_micro_batch_loss_equals_the_formula(tmp_path):
     torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
     assert stats["fork/frac_tokens"] == pytest.approx(float(keep.sum() / mask.sum()))
     assert stats["entadv/bonus_mean"] > 0
+    rows = mask.sum(-1) > 0
+    unkept = rows & ((keep * mask).sum(-1) == 0)
+    pos = rows & ((shaped * mask).sum(-1) > 0)
+    n = int(rows.sum())
+    assert stats["fork/rows_unkept"] == pytest.approx(float(unkept.sum()) / n)
+    assert stats["fork/rows_adv_pos"] == pytest.approx(float(pos.sum()) / n)
+    assert stats["fork/rows_unkept_adv_pos"] == pytest.approx(float((unkept & pos).sum()) / n)
+    assert stats["fork/first_kept"] == pytest.approx(float(keep[rows, 0].sum()) / n)  # responses start at column 0
+
+
+def test_fork_untrained_shares_on_a_hand_made_case():
+    # Row 0: first token kept, A > 0. Row 1: nothing kept, A > 0. Row 2: nothing kept, A < 0, its valid tokens
+    # start late (left padding). Row 3: no response token at all (left out of every share).
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 1, 1], [0, 0, 0]], dtype=torch.float32)
+    keep = torch.tensor([[1, 0, 1], [0, 0, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.float32)  # outside the mask: ignored
+    adv = torch.tensor([0.5, 1.0, -2.0, 3.0])
+    got = untrained_shares(keep, mask, adv)
+    assert got == pytest.approx({"fork/rows_unkept": 2 / 3, "fork/rows_adv_pos": 2 / 3,
+                                 "fork/rows_unkept_adv_pos": 1 / 3, "fork/first_kept": 1 / 3})
+    # Row 1 sums to +3 over its valid tokens and to -6 over all: only the valid ones may decide its sign.
+    per_token = adv[:, None] * torch.tensor([[1.0, 1, 1], [1, 2, -9], [1, 1, 1], [1, 1, 1]])
+    assert untrained_shares(keep, mask, per_token) == pytest.approx(got)
 
 
 def test_clip_cov_draw_is_seeded_by_run_seed_and_step(tmp_path):
