@@ -3,12 +3,14 @@
 
 The quantile is taken per micro-batch, as in the paper's own code, so the selection (and, with ``norm=selected``,
 which rows count in the micro-batch's mean) depends on ``train.micro_batch_size``: a row with no kept token trains
-nothing, and the other rows of its micro-batch share its weight. Besides ``fork/frac_tokens`` the plug-in logs
-what it leaves untrained, each a share of the micro-batch's rows with a response token (row-weighted over the
-step): ``fork/rows_unkept`` (rows with no kept token), ``fork/rows_adv_pos`` and ``fork/rows_unkept_adv_pos``
-(rows with a positive advantage, and those of them with no kept token: their ratio is the share of the rewarded
-replies the step does not reinforce), and ``fork/first_kept`` (rows whose first response token is kept: the
-opening, which all rows of a group share a distribution for, is trained for the whole group or for none of it).
+nothing, and with ``norm=selected`` and a mean aggregation (``token-mean``, ``seq-mean-token-mean``,
+``seq-mean-token-sum``) the other rows of its micro-batch share its weight. Besides ``fork/frac_tokens`` the
+plug-in logs what it leaves untrained, each a share of the micro-batch's rows with a response token (row-weighted
+over the step): ``fork/rows_unkept`` (rows with no kept token), ``fork/rows_adv_pos`` and
+``fork/rows_unkept_adv_pos`` (rows with a positive advantage, and those of them with no kept token: their ratio is
+the share of the rewarded replies the step does not reinforce), and ``fork/first_kept`` (rows whose first response
+token is kept: the opening, which all rows of a group share a distribution for, is trained for the whole group or
+for none of it when the group lies in one micro-batch, ties aside).
 """
 
 from __future__ import annotations
