@@ -21,6 +21,9 @@ SIGMAS = 3.0
 PATIENCE = 3
 IN_TIME = 10
 PLANNED_SEEDS = len(Settings().seeds)
+#: described post hoc (no endpoint), as means over a run's first and last EDGE_STEPS steps
+DESCRIBED = ("reward/mean", "len/response_mean", "len/truncated_frac", "entropy/mean")
+EDGE_STEPS = 10
 Curve = list[tuple[int, float]]
 
 
@@ -127,7 +130,8 @@ def analyse(pack: dict[str, Any]) -> dict[str, Any]:
         runs[key] = {"arm": arm, "seed": int(seed.split("_")[1]),
                      **run_endpoints(step0, run["evals"], run["metrics"], horizon, every), "seconds": run["seconds"],
                      "cpu": cpu_label(run.get("machine")), "aborted": run.get("aborted"),
-                     "doctor": doctor_findings(run.get("events", []))}
+                     "doctor": doctor_findings(run.get("events", [])), "described": describe(run["metrics"]),
+                     "fork_selection": fork_selection(run["metrics"], horizon)}
     per_arm = {}
     for arm in ARMS:  # every pre-registered arm, run or not
         mine = [r for r in runs.values() if r["arm"] == arm]
@@ -139,6 +143,49 @@ def analyse(pack: dict[str, Any]) -> dict[str, Any]:
                         "warned_in_time": sum(r["in_time"] for r in mine),
                         "false_alarms": sum(r["fall"] != "harm" and r["mei_cross"] is not None for r in mine)}
     return {"runs": runs, "arms": per_arm, "pilot": pack["pilot"], "pairs": fork_minus_grpo(runs)}
+
+
+def by_step(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, in step order (a step recorded twice, as around a resume, by its later record)."""
+    return [r for _, r in sorted({int(r["step"]): r for r in metrics if "step" in r}.items())]
+
+
+def describe(metrics: list[dict[str, Any]], edge: int = EDGE_STEPS) -> dict[str, tuple[float, float]]:
+    """Post hoc, no endpoint: each of :data:`DESCRIBED`'s mean over the run's first and last ``edge`` steps (a key
+    the run did not log is left out)."""
+    rows = by_step(metrics)
+    out = {}
+    for key in DESCRIBED:
+        values = [float(r[key]) for r in rows if key in r]
+        if len(values) >= edge:
+            out[key] = (statistics.fmean(values[:edge]), statistics.fmean(values[-edge:]))
+    return out
+
+
+def fork_selection(metrics: list[dict[str, Any]], horizon: int, edge: int = EDGE_STEPS) -> dict[str, Any] | None:
+    """What the forking-token plug-in left untrained, post hoc (``None`` for a run that did not log it): the mean
+    share of a step's rows with no kept token; the share of positive-advantage rows with none, as the ratio of the
+    two shares summed over steps (every step has the same number of rows), overall and per third of ``horizon``;
+    the share of rows whose first response token was kept over the first ``edge`` steps and after them, and the
+    steps at which any was kept."""
+    rows = [r for r in by_step(metrics) if "fork/rows_unkept" in r]
+    if not rows:
+        return None
+
+    def unkept_pos(part: list[dict[str, Any]]) -> float:
+        pos = sum(float(r["fork/rows_adv_pos"]) for r in part)
+        return sum(float(r["fork/rows_unkept_adv_pos"]) for r in part) / pos if pos else math.nan
+
+    bounds = [round(horizon * i / 3) for i in range(4)]
+    thirds = [(lo + 1, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]  # under 3 steps: fewer parts
+    first = [float(r["fork/first_kept"]) for r in rows]
+    return {"steps": len(rows), "unkept": statistics.fmean(float(r["fork/rows_unkept"]) for r in rows),
+            "unkept_pos": unkept_pos(rows),
+            "unkept_pos_thirds": [(lo, hi, unkept_pos([r for r in rows if lo <= int(r["step"]) <= hi]))
+                                  for lo, hi in thirds],
+            "first_kept": (statistics.fmean(first[:edge]),
+                           statistics.fmean(first[edge:]) if first[edge:] else math.nan),
+            "first_kept_steps": sum(v > 0 for v in first)}
 
 
 def doctor_findings(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -238,8 +285,34 @@ def table(result: dict[str, Any]) -> str:
         quiet = (f"none in {d['checks']} check" + ("" if d["checks"] == 1 else "s") if d["checks"]
                  else "no health checks recorded")
         lines.append(f"- {key}: " + ("; ".join(found) if found else quiet))
+    lines += _post_hoc_lines(result)
     lines += ["", "Curves (step: held-out accuracy):", ""]
     for key, r in result["runs"].items():
         gaps = f" (evaluations missing at {', '.join(map(str, r['missing_evals']))})" if r["missing_evals"] else ""
         lines.append(f"- {key}: " + ", ".join(f"{s}: {v:.2f}" for s, v in r["curve"]) + gaps)
     return "\n".join(lines) + "\n"
+
+
+def _post_hoc_lines(result: dict[str, Any]) -> list[str]:
+    """The table's post hoc description: replies and entropy per run, and what the forking-token plug-in left
+    untrained in the runs that logged it."""
+    names = {"reward/mean": "training reward", "len/response_mean": "reply tokens",
+             "len/truncated_frac": "truncated", "entropy/mean": "entropy"}
+    lines = ["", f"Post hoc (no pre-registered endpoint): means over steps 1-{EDGE_STEPS} -> the last {EDGE_STEPS} "
+                 "steps:", ""]
+    for key, r in result["runs"].items():
+        digits = {k: 1 if k == "len/response_mean" else 2 for k in names}
+        parts = [f"{names[k]} {a:.{digits[k]}f} -> {b:.{digits[k]}f}" for k, (a, b) in r["described"].items()]
+        lines.append(f"- {key}: " + ("; ".join(parts) if parts else "not logged"))
+    logged = {k: r["fork_selection"] for k, r in result["runs"].items() if r["fork_selection"]}
+    if logged:
+        lines += ["", "What the forking-token plug-in left untrained (post hoc; the runs that logged `fork/*`): the "
+                      "mean share of a step's rows with no kept token; the share of positive-advantage rows with "
+                      "none (overall, then per third of the run); the share of rows whose first response token was "
+                      f"kept, over steps 1-{EDGE_STEPS} and after:", ""]
+        for key, s in logged.items():
+            thirds = ", ".join(f"{lo}-{hi}: {v:.3f}" for lo, hi, v in s["unkept_pos_thirds"])
+            lines.append(f"- {key}: rows with none {s['unkept']:.3f}; positive-advantage rows with none "
+                         f"{s['unkept_pos']:.3f} ({thirds}); first token kept {s['first_kept'][0]:.3f}, then "
+                         f"{s['first_kept'][1]:.3f} (above 0 at {s['first_kept_steps']} of {s['steps']} steps)")
+    return lines

@@ -30,9 +30,11 @@ PILOT_BAND = (0.10, 0.40)
 COMMITTED_PILOT = Path(__file__).resolve().parent / "data" / "pilot.json"
 #: the settings the pilot's figure depends on
 PILOT_SETTINGS = ("model", "problems", "eval_n", "max_new_tokens", "extra")
-#: the per-step metrics the pack keeps (besides ``step``): MEI, reward, accuracy, timing
+#: the per-step metrics the pack keeps (besides ``step``): MEI, reward, accuracy, timing, and what the table
+#: describes post hoc (replies, entropy, what the forking-token plug-in left untrained)
 KEPT_METRICS = ("mei/query", "mei/directions", "reward/mean", "acc/mean", "time/step_s", "len/response_mean",
-                "eval/mean@1")
+                "eval/mean@1", "len/truncated_frac", "entropy/mean", "fork/rows_unkept", "fork/rows_adv_pos",
+                "fork/rows_unkept_adv_pos", "fork/first_kept")
 
 
 @dataclass(frozen=True)

@@ -290,3 +290,30 @@ def test_a_run_stopped_by_a_signal_ends_with_one_line_and_the_signals_status(mon
     assert main(["run", "--seeds", "0"]) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert "stopped (stopped by SIGTERM)" in err and "resumes them" in err and "Traceback" not in err
+
+
+def test_the_post_hoc_description_by_hand():
+    """Replies and entropy over the first and last steps, and the forking-token shares by hand: a resumed step's
+    later record counts once, the positive-advantage share is a ratio of sums, and a run without `fork/*` has none."""
+    def step(s: int, **kw: float) -> dict:
+        return {"step": s, "reward/mean": s / 10, "len/response_mean": 20.0, "len/truncated_frac": 0.5,
+                "entropy/mean": 2.0, **kw}
+    metrics = [step(s) for s in range(1, 7)]
+    metrics[1]["reward/mean"] = 99.0  # step 2 recorded twice: only the later record counts
+    metrics.append(step(2))
+    assert analysis.describe(metrics, edge=2)["reward/mean"] == (pytest.approx(0.15), pytest.approx(0.55))
+    assert analysis.describe(metrics, edge=7) == {}  # fewer steps than the edge: nothing described
+    assert analysis.fork_selection(metrics, horizon=6) is None
+    fork = [step(s, **{"fork/rows_unkept": u, "fork/rows_adv_pos": p, "fork/rows_unkept_adv_pos": up,
+                       "fork/first_kept": f})
+            for s, (u, p, up, f) in enumerate([(0.5, 0.5, 0.25, 1.0), (0.25, 0.25, 0.25, 0.0), (0.0, 0.0, 0.0, 0.0),
+                                               (0.5, 0.5, 0.5, 0.0), (0.25, 0.5, 0.0, 0.5), (0.5, 0.25, 0.25, 0.0)],
+                                              start=1)]
+    s = analysis.fork_selection(fork, horizon=6, edge=2)
+    assert s["unkept"] == pytest.approx(2.0 / 6) and s["steps"] == 6
+    assert s["unkept_pos"] == pytest.approx(1.25 / 2.0)
+    assert s["unkept_pos_thirds"] == [(1, 2, pytest.approx(0.5 / 0.75)), (3, 4, pytest.approx(1.0)),
+                                      (5, 6, pytest.approx(0.25 / 0.75))]
+    assert s["first_kept"] == (pytest.approx(0.5), pytest.approx(0.125)) and s["first_kept_steps"] == 2
+    text = analysis.table(analysis.analyse(_pack({"fork/seed_0": _run([0.3, 0.4])})))
+    assert "Post hoc (no pre-registered endpoint)" in text and "What the forking-token plug-in left" not in text
