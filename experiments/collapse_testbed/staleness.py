@@ -60,14 +60,29 @@ def planned() -> list[tuple[str, str, str, tuple[str, ...]]]:
 
 
 def comparisons(runs: list[P.RunEndpoints]) -> list[dict[str, Any]]:
-    """Every planned comparison over the complete seed pairs found, Holm-corrected within each family (a
-    comparison without pairs is listed with n = 0 and left out of the correction)."""
+    """Every planned comparison over the complete seed pairs found, Holm-corrected within each family over all its
+    pre-registered comparisons (:func:`holm_over_planned`; one without pairs is listed with n = 0)."""
     rows = []
     for family, arm, ref, endpoints in planned():
         ps = P.pairs(runs, arm, ref, [WARM])
         rows += [{"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
                  for e in endpoints]
-    return P.holm_within_families(rows)
+    return holm_over_planned(rows)
+
+
+def holm_over_planned(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Set ``p_holm`` on every row with a p, Holm-corrected within its ``family`` over every row of the family: a
+    comparison not testable yet counts as p = 1, so a family is as large as pre-registered (Holm over 3 for the
+    primary one) however much of the grid is in, and a partial grid cannot pass a test the full one would not."""
+    from meshrl.stats import holm_correction
+
+    for family in dict.fromkeys(r["family"] for r in rows):
+        idx = [i for i, r in enumerate(rows) if r["family"] == family]
+        adjusted, _ = holm_correction([rows[i]["p"] if rows[i]["p"] == rows[i]["p"] else 1.0 for i in idx])
+        for i, p in zip(idx, adjusted, strict=True):
+            if rows[i]["p"] == rows[i]["p"]:
+                rows[i]["p_holm"] = float(p)
+    return rows
 
 
 def lag_figures(out: Path, complete: set[tuple[str, int]] | None = None) -> dict[str, dict[str, float]]:
@@ -176,7 +191,7 @@ def partial_status(rows: list[dict[str, Any]]) -> str:
     parts = []
     for k, want in PLANNED_PAIRS.items():
         n = max((r["n"] for r in rows if r["arm"] == lagged(k, "none") and r["reference"] == "grpo"), default=0)
-        parts.append(f"k = {k}: {n} of {want} pairs" if n else f"k = {k}: not run")
+        parts.append(f"k = {k}: {n} of {want} pairs" if n else f"k = {k}: no complete pair")
     done = all(max((r["n"] for r in rows if r["arm"] == lagged(k, "none") and r["reference"] == "grpo"), default=0)
                >= want for k, want in PLANNED_PAIRS.items())
     return ("Complete: " if done else "**Partial grid** (a comparison is decided only with all its pre-registered "
@@ -197,18 +212,23 @@ def _s1(rows: list[dict[str, Any]]) -> str:
     holm, n, want = s1.get("p_holm", math.nan), s1["n"], PLANNED_PAIRS[K_PRIMARY]
     spread = f", differences {P._f(s1['min_diff'])} to {P._f(s1['max_diff'])}" if "min_diff" in s1 else ""
     if n < want:
-        tested = sum(r["n"] > 0 for r in prim.values())  # Holm multiplies by the primary tests that have pairs
-        floor = min(1.0, tested * 2 / 2 ** n)  # the smallest two-sided sign-flip p at n pairs, Holm-corrected
+        floor = min(1.0, len(prim) * 2 / 2 ** n)  # the smallest two-sided sign-flip p at n pairs, Holm over 3
         return (f"S1 so far at {n} of {want} pairs: mean difference in T {P._f(s1['mean_diff'])} steps{spread}, "
                 f"Holm p = {P._f(holm)} (at {n} pairs the smallest reachable Holm p is {P._f(floor)}).")
     if holm <= 0.05:
         way = "later" if s1["mean_diff"] > 0 else "sooner"
         text = (f"S1 passes (Holm p = {holm:.3g}, {n} pairs): an 8-step lag re-learns the niche {way} "
                 f"(mean difference in T {s1['mean_diff']:+.1f} steps{spread}).")
-        undo = [arm for arm in (lagged(K_PRIMARY, "tis"), lagged(K_PRIMARY, "m2po"))
-                if prim.get(arm, {}).get("p_holm", math.nan) <= 0.05
+        corrections = (lagged(K_PRIMARY, "tis"), lagged(K_PRIMARY, "m2po"))
+        undo = [arm for arm in corrections
+                if prim.get(arm, {}).get("n", 0) >= want and prim[arm].get("p_holm", math.nan) <= 0.05
                 and math.copysign(1, prim[arm]["mean_diff"]) != math.copysign(1, s1["mean_diff"])]
-        return text + (f" Correction undoes it: {', '.join(undo)}." if undo else " No correction undoes it.")
+        open_ = [f"{arm} at {prim.get(arm, {}).get('n', 0)} of {want} pairs" for arm in corrections
+                 if prim.get(arm, {}).get("n", 0) < want]
+        if undo:
+            return text + f" Correction undoes it: {', '.join(undo)}."
+        return text + (f" Whether a correction undoes it is not decided yet ({'; '.join(open_)})." if open_
+                       else " No correction undoes it.")
     return (f"No effect of an 8-step lag detected at {n} pairs (Holm p = {P._f(holm)}; mean difference in T "
             f"{P._f(s1['mean_diff'])} steps{spread}); the S2 rows report what the correction changed, not an undoing.")
 
@@ -225,7 +245,11 @@ def without_divergent(runs: list[P.RunEndpoints], gone: dict[tuple[str, int], st
               "not strategy retention" if not ps else
               f"S1 without them: {res['n']} pairs, mean difference in T {P._f(res['mean_diff'])} steps, p = "
               f"{P._f(res['p'])}")
-    return f"Diverging lagged runs (named as pre-registered): {named}. *Post hoc*, {repeat}."
+    by_definition = any("stale_rollouts" in why for (a, _), why in gone.items() if a.endswith("_none"))
+    note = (" (stale_rollouts is raised on every uncorrected lagged run by its definition, as it says the batches "
+            "are trained uncorrected: under this rule no `none` run can be kept; ratio_tail and non-finite steps are "
+            "the criteria that speak to instability)" if by_definition else "")
+    return f"Diverging lagged runs (named as pre-registered): {named}. *Post hoc*, {repeat}{note}."
 
 
 def machine_note(machines: dict[tuple[str, int], str], runs: list[P.RunEndpoints]) -> str:
@@ -233,8 +257,8 @@ def machine_note(machines: dict[tuple[str, int], str], runs: list[P.RunEndpoints
     seeds = sorted({r.seed for r in runs})
     mixed = [s for s in seeds if len({m for (a, t), m in machines.items() if t == s}) > 1]
     unknown = [s for s in seeds if not any(t == s for (_, t) in machines)]
-    partly = [s for s in seeds if s not in unknown
-              and any((r.arm, r.seed) not in machines for r in runs if r.seed == s)]
+    partly = [s for s in seeds if s not in unknown  # a run still training has recorded nothing yet
+              and any((r.arm, r.seed) not in machines for r in runs if r.seed == s and r.complete)]
     # every lagged arm is compared with k = 0 or with its k's uncorrected arm: two CPUs among a seed's runs means
     # at least one of its pairs spans them
     text = ("Pairs made on two CPUs: " + ", ".join(f"seed {s}" for s in mixed) + "." if mixed else
@@ -242,6 +266,22 @@ def machine_note(machines: dict[tuple[str, int], str], runs: list[P.RunEndpoints
     return (text + (f" Seeds {', '.join(map(str, unknown))} record no CPU (made before runs recorded it)."
                     if unknown else "")
             + (f" Seeds {', '.join(map(str, partly))} record it for some runs only." if partly else ""))
+
+
+def k0_stop_text(check: list[dict[str, Any]]) -> str:
+    """What the pre-registered stop rule says when the k = 0 check fails, and what the recorded CPUs say for and
+    against putting the difference down to the CPU (the experiment went on: *post hoc*)."""
+    def cpus(cs: list[dict[str, Any]]) -> str:
+        known = sorted({c["machine"] for c in cs if "machine" in c})
+        unknown = sum("machine" not in c for c in cs)
+        return (", ".join(known) if known else "") + (("; " if known else "") + f"{unknown} without a record"
+                                                       if unknown else "")
+    differ = [c for c in check if not c["identical"]]
+    same = [c for c in check if c["identical"]]
+    return ("The pre-registered rule stops the experiment here until the difference is found; it went on "
+            "(*post hoc*), the difference put down to the CPU, each seed's runs made on one machine. Recorded CPUs: "
+            f"the seeds that differ, {cpus(differ)}; the identical ones, {cpus(same) if same else 'none'}; the "
+            "reference runs, none. The CPU is a likely cause, not a shown one.")
 
 
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],
@@ -264,9 +304,7 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
                 + (" A run repeats bit for bit only on a like CPU (float rounding follows its vector "
                    "instructions); the reference runs' CPU is not recorded in their pack."
                    if any("machine" in c for c in differ) else "")
-                + (" The pre-registered rule stops the experiment here until the difference is found; it was put "
-                   "down to the CPU (*post hoc*: the seeds that differ are the ones made on another CPU) and the "
-                   "experiment went on, each seed's runs on one machine." if differ else ""), ""]
+                + (" " + k0_stop_text(check) if differ else ""), ""]
     overall = overall or {}
     out += ["| arm | runs (complete) | kept / borderline / lost | persistent loss | re-learned (steps; - = censored) "
             "| decade at 160 | area | all types at 160 | " + " | ".join(LAG_METRICS) + " |",

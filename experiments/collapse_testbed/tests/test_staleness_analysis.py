@@ -44,9 +44,9 @@ def test_staleness_that_slows_relearning_and_a_correction_that_undoes_it():
     assert prim["grpo_k8_m2po"]["p"] == 1.0
     assert prim["grpo_k8_none"]["p_holm"] == pytest.approx(3 * 2 / 256)
     text = S.decision(rows)
-    assert text.startswith("**Partial grid**") and "k = 8: 8 of 8 pairs; k = 1: not run" in text
+    assert text.startswith("**Partial grid**") and "k = 8: 8 of 8 pairs; k = 1: no complete pair" in text
     assert "S1 passes" in text and "later" in text and "undoes it: grpo_k8_tis." in text
-    # arms never run (k = 1, 2, 4) are listed with no pairs and left out of the correction
+    # arms never run (k = 1, 2, 4) are listed with no pairs and no Holm p of their own
     k2 = [r for r in rows if r["arm"] == "grpo_k2_none"]
     assert k2 and all(r["n"] == 0 and "p_holm" not in r for r in k2)
 
@@ -58,8 +58,30 @@ def test_no_effect_detected_reads_as_such_and_only_at_eight_pairs():
     runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW}, seeds=4)
     text = S.decision(S.comparisons(runs))
     assert "k = 8: 4 of 8 pairs" in text and "No effect" not in text and "S1 passes" not in text
-    assert ("S1 so far at 4 of 8 pairs: mean difference in T 80 steps, differences 80 to 80, Holm p = 0.125 (at 4 "
-            "pairs the smallest reachable Holm p is 0.125)") in text  # one primary test has pairs: Holm over 1
+    assert ("S1 so far at 4 of 8 pairs: mean difference in T 80 steps, differences 80 to 80, Holm p = 0.375 (at 4 "
+            "pairs the smallest reachable Holm p is 0.375)") in text  # Holm over the 3 pre-registered, 1 testable
+
+
+def test_the_primary_family_is_holm_over_three_however_much_of_the_grid_is_in():
+    """S1 at 8 pairs with neither correction arm run: Holm over 3 (not over the 1 test with pairs), and the
+    correction comparisons are undecided, not "no correction undoes it"."""
+    rows = S.comparisons(_runs({"grpo": FAST, "grpo_k8_none": SLOW}))
+    prim = {r["arm"]: r for r in rows if r["family"] == "primary"}
+    assert prim["grpo_k8_none"]["p"] == pytest.approx(2 / 256)
+    assert prim["grpo_k8_none"]["p_holm"] == pytest.approx(3 * 2 / 256)
+    assert "p_holm" not in prim["grpo_k8_tis"] and prim["grpo_k8_tis"]["n"] == 0
+    text = S.decision(rows)
+    assert "S1 passes" in text and "No correction undoes it" not in text
+    assert ("Whether a correction undoes it is not decided yet (grpo_k8_tis at 0 of 8 pairs; grpo_k8_m2po at 0 of 8 "
+            "pairs).") in text
+    # a correction arm at 4 pairs that would undo it is not decided either
+    runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW}) + _runs({"grpo_k8_tis": FAST}, seeds=4)
+    assert "grpo_k8_tis at 4 of 8 pairs; grpo_k8_m2po at 0 of 8 pairs" in S.decision(S.comparisons(runs))
+    # the secondary family also counts its comparisons not run yet (p = 1): its Holm p is the family's size x p
+    rows = S.comparisons(_runs({"grpo": FAST, "grpo_k8_none": SLOW, "grpo_k2_none": SLOW}, seeds=5))
+    k2 = next(r for r in rows if r["arm"] == "grpo_k2_none" and r["endpoint"] == "relearn")
+    secondary = [r for r in rows if r["family"] == "secondary"]
+    assert k2["p"] == pytest.approx(2 / 32) and k2["p_holm"] == pytest.approx(min(1.0, len(secondary) * 2 / 32))
 
 
 def test_lag_figures_average_each_run_once(tmp_path):
@@ -89,6 +111,9 @@ def test_the_k0_check_names_the_first_difference():
     md = S.markdown(mine, S.comparisons(mine), {}, check)
     assert ("(first differences: seed 1 at step 24, made on a CPU with PyTorch capability AVX2). A run repeats bit "
             "for bit only on a like CPU") in md
+    # the stop rule's post hoc reading names the recorded CPUs, whatever they are, and claims no more
+    assert ("Recorded CPUs: the seeds that differ, AVX2; the identical ones, 1 without a record; the reference runs, "
+            "none. The CPU is a likely cause, not a shown one.") in md
 
 
 def test_run_machines_reads_the_cpu_each_run_recorded(tmp_path):
@@ -140,8 +165,10 @@ def test_diverging_lagged_runs_are_named_and_s1_is_repeated_without_them(tmp_pat
                     ("grpo_k8_none", 2): "non-finite at 1 step(s), first 2"}
     text = S.without_divergent(runs, gone)
     assert "grpo_k8_none seed 0 (stale_rollouts at 3 of 4 health checks)" in text
-    assert "*Post hoc*, S1 without them: 1 pairs, mean difference in T 80 steps, p = 1." in text
+    assert "*Post hoc*, S1 without them: 1 pairs, mean difference in T 80 steps, p = 1 (" in text
     assert "no pair is left" in S.without_divergent(runs, {("grpo_k8_none", s): "x" for s in range(3)})
+    assert "stale_rollouts is raised on every uncorrected lagged run by its definition" in text
+    assert "by its definition" not in S.without_divergent(runs, {("grpo_k8_tis", 0): "ratio_tail at 3 of 4"})
     assert S.without_divergent(runs, {}).startswith("No lagged run diverges")
 
 
@@ -152,6 +179,11 @@ def test_pairs_made_on_two_cpus_are_said():
     assert note == "Pairs made on two CPUs: seed 0. Seeds 2 record no CPU (made before runs recorded it)."
     note = S.machine_note({("grpo", 0): "AVX2", ("grpo", 1): "AVX2", ("grpo_k8_none", 1): "AVX2"}, runs[:2] + runs[3:5])
     assert note == ("Each seed's recorded runs were made on one CPU. Seeds 0 record it for some runs only.")
+    # a run still training (incomplete) has recorded no CPU yet: it does not make its seed "some runs only"
+    training = P.endpoints("W2", "grpo_k8_none", 0, FAST[:5])
+    assert not training.complete
+    note = S.machine_note({("grpo", 0): "AVX2"}, [runs[0], training])
+    assert note == "Each seed's recorded runs were made on one CPU."
 
 
 def test_a_lagged_run_the_trainer_aborted_is_named_diverging(tmp_path):
