@@ -247,8 +247,8 @@ def without_divergent(runs: list[P.RunEndpoints], gone: dict[tuple[str, int], st
               f"{P._f(res['p'])}")
     by_definition = any("stale_rollouts" in why for (a, _), why in gone.items() if a.endswith("_none"))
     note = (" (stale_rollouts is raised on every uncorrected lagged run by its definition, as it says the batches "
-            "are trained uncorrected: under this rule no `none` run can be kept; ratio_tail and non-finite steps are "
-            "the criteria that speak to instability)" if by_definition else "")
+            "are trained uncorrected: under this rule no `none` run can be kept; on a TIS run it judges the weights, "
+            "and ratio_tail and non-finite steps speak to instability on any run)" if by_definition else "")
     return f"Diverging lagged runs (named as pre-registered): {named}. *Post hoc*, {repeat}{note}."
 
 
