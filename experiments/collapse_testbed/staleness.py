@@ -65,8 +65,11 @@ def comparisons(runs: list[P.RunEndpoints]) -> list[dict[str, Any]]:
     rows = []
     for family, arm, ref, endpoints in planned():
         ps = P.pairs(runs, arm, ref, [WARM])
-        rows += [{"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
-                 for e in endpoints]
+        for e in endpoints:
+            row = {"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
+            if e != "kept":  # a difference of 0 is one no sign flip can move: it bounds the reachable p
+                row["zeros"] = sum(getattr(q.arm, e) - getattr(q.base, e) == 0 for q in ps)
+            rows.append(row)
     return holm_over_planned(rows)
 
 
@@ -212,9 +215,15 @@ def _s1(rows: list[dict[str, Any]]) -> str:
     holm, n, want = s1.get("p_holm", math.nan), s1["n"], PLANNED_PAIRS[K_PRIMARY]
     spread = f", differences {P._f(s1['min_diff'])} to {P._f(s1['max_diff'])}" if "min_diff" in s1 else ""
     if n < want:
-        floor = min(1.0, len(prim) * 2 / 2 ** n)  # the smallest two-sided sign-flip p at n pairs, Holm over 3
+        zeros = s1.get("zeros", 0)
+        # the smallest two-sided sign-flip p over m non-zero differences is 2 / 2^m; Holm over the 3 primary tests
+        floor = min(1.0, len(prim) * 2 / 2 ** (n - zeros))
+        at_full = min(1.0, len(prim) * 2 / 2 ** (want - zeros))
+        bound = (f"; with {zeros} difference(s) of 0, which no sign flip moves, the smallest Holm p reachable at "
+                 f"{want} pairs is {P._f(at_full)}" + (", so S1 cannot pass" if at_full > 0.05 else "")
+                 if zeros else "")
         return (f"S1 so far at {n} of {want} pairs: mean difference in T {P._f(s1['mean_diff'])} steps{spread}, "
-                f"Holm p = {P._f(holm)} (at {n} pairs the smallest reachable Holm p is {P._f(floor)}).")
+                f"Holm p = {P._f(holm)} (at {n} pairs the smallest reachable Holm p is {P._f(floor)}{bound}).")
     if holm <= 0.05:
         way = "later" if s1["mean_diff"] > 0 else "sooner"
         text = (f"S1 passes (Holm p = {holm:.3g}, {n} pairs): an 8-step lag re-learns the niche {way} "

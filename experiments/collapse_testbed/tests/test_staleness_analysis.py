@@ -60,6 +60,13 @@ def test_no_effect_detected_reads_as_such_and_only_at_eight_pairs():
     assert "k = 8: 4 of 8 pairs" in text and "No effect" not in text and "S1 passes" not in text
     assert ("S1 so far at 4 of 8 pairs: mean difference in T 80 steps, differences 80 to 80, Holm p = 0.375 (at 4 "
             "pairs the smallest reachable Holm p is 0.375)") in text  # Holm over the 3 pre-registered, 1 testable
+    # pairs in which both arms never re-learn differ by 0: they bound what the full 8 pairs can reach
+    runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW}, seeds=2) + [
+        P.endpoints("W2", arm, s, NEVER) for arm in ("grpo", "grpo_k8_none") for s in (2, 3, 4)]
+    text = S.decision(S.comparisons(runs))
+    assert ("S1 so far at 5 of 8 pairs: mean difference in T 32 steps, differences 0 to 80, Holm p = 1 (at 5 pairs "
+            "the smallest reachable Holm p is 1; with 3 difference(s) of 0, which no sign flip moves, the smallest "
+            "Holm p reachable at 8 pairs is 0.188, so S1 cannot pass).") in text
 
 
 def test_the_primary_family_is_holm_over_three_however_much_of_the_grid_is_in():
