@@ -232,7 +232,8 @@ def compare(ps: list[Pair], endpoint: str) -> dict[str, Any]:
     diffs = [d for d in diffs if d == d]  # AUC needs the step-0 evaluation
     mean = sum(diffs) / len(diffs) if diffs else math.nan
     return {"n": len(diffs), "test": "sign-flip exact", "mean_diff": mean, "p": sign_flip_p(diffs),
-            "min_diff": min(diffs, default=math.nan), "max_diff": max(diffs, default=math.nan)}
+            "min_diff": min(diffs, default=math.nan), "max_diff": max(diffs, default=math.nan),
+            "zeros": sum(d == 0 for d in diffs)}  # no sign flip moves a 0: it bounds the reachable p
 
 
 def comparisons(runs: list[RunEndpoints], warms: Sequence[str]) -> list[dict[str, Any]]:
@@ -251,17 +252,19 @@ def comparisons(runs: list[RunEndpoints], warms: Sequence[str]) -> list[dict[str
     return holm_within_families(rows)
 
 
-def holm_within_families(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Set ``p_holm`` on every row with a p, Holm-corrected within its ``family`` (rows without a p, e.g. no
-    pairs yet, stay out of the correction)."""
+def holm_within_families(rows: list[dict[str, Any]], *, planned_size: bool = False) -> list[dict[str, Any]]:
+    """Set ``p_holm`` on every row with a p, Holm-corrected within its ``family``. A row without a p (no pairs yet)
+    stays out of the correction, or with ``planned_size`` counts as p = 1, so that a family is as large as
+    pre-registered however much of the grid is in, and a partial grid cannot pass a test the full one would not."""
     from meshrl.stats import holm_correction
 
     for family in dict.fromkeys(r["family"] for r in rows):
-        idx = [i for i, r in enumerate(rows) if r["family"] == family and r["p"] == r["p"]]
+        idx = [i for i, r in enumerate(rows) if r["family"] == family and (planned_size or r["p"] == r["p"])]
         if idx:
-            adjusted, _ = holm_correction([rows[i]["p"] for i in idx])
+            adjusted, _ = holm_correction([rows[i]["p"] if rows[i]["p"] == rows[i]["p"] else 1.0 for i in idx])
             for i, p in zip(idx, adjusted, strict=True):
-                rows[i]["p_holm"] = float(p)
+                if rows[i]["p"] == rows[i]["p"]:
+                    rows[i]["p_holm"] = float(p)
     return rows
 
 

@@ -61,31 +61,13 @@ def planned() -> list[tuple[str, str, str, tuple[str, ...]]]:
 
 def comparisons(runs: list[P.RunEndpoints]) -> list[dict[str, Any]]:
     """Every planned comparison over the complete seed pairs found, Holm-corrected within each family over all its
-    pre-registered comparisons (:func:`holm_over_planned`; one without pairs is listed with n = 0)."""
+    pre-registered comparisons (one not testable yet counts as p = 1, and is listed with n = 0)."""
     rows = []
     for family, arm, ref, endpoints in planned():
         ps = P.pairs(runs, arm, ref, [WARM])
-        for e in endpoints:
-            row = {"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
-            if e != "kept":  # a difference of 0 is one no sign flip can move: it bounds the reachable p
-                row["zeros"] = sum(getattr(q.arm, e) - getattr(q.base, e) == 0 for q in ps)
-            rows.append(row)
-    return holm_over_planned(rows)
-
-
-def holm_over_planned(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Set ``p_holm`` on every row with a p, Holm-corrected within its ``family`` over every row of the family: a
-    comparison not testable yet counts as p = 1, so a family is as large as pre-registered (Holm over 3 for the
-    primary one) however much of the grid is in, and a partial grid cannot pass a test the full one would not."""
-    from meshrl.stats import holm_correction
-
-    for family in dict.fromkeys(r["family"] for r in rows):
-        idx = [i for i, r in enumerate(rows) if r["family"] == family]
-        adjusted, _ = holm_correction([rows[i]["p"] if rows[i]["p"] == rows[i]["p"] else 1.0 for i in idx])
-        for i, p in zip(idx, adjusted, strict=True):
-            if rows[i]["p"] == rows[i]["p"]:
-                rows[i]["p_holm"] = float(p)
-    return rows
+        rows += [{"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
+                 for e in endpoints]
+    return P.holm_within_families(rows, planned_size=True)
 
 
 def lag_figures(out: Path, complete: set[tuple[str, int]] | None = None) -> dict[str, dict[str, float]]:

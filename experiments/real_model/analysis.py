@@ -13,6 +13,7 @@ import statistics
 from typing import Any
 
 from experiments.real_model.experiment import ARMS, Settings
+from meshrl.doctor.records import by_step
 
 FALL = 0.1
 FALL_RUN = 2
@@ -143,11 +144,6 @@ def analyse(pack: dict[str, Any]) -> dict[str, Any]:
                         "warned_in_time": sum(r["in_time"] for r in mine),
                         "false_alarms": sum(r["fall"] != "harm" and r["mei_cross"] is not None for r in mine)}
     return {"runs": runs, "arms": per_arm, "pilot": pack["pilot"], "pairs": fork_minus_grpo(runs)}
-
-
-def by_step(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per step, in step order (a step recorded twice, as around a resume, by its later record)."""
-    return [r for _, r in sorted({int(r["step"]): r for r in metrics if "step" in r}.items())]
 
 
 def describe(metrics: list[dict[str, Any]], edge: int = EDGE_STEPS) -> dict[str, tuple[float, float]]:
@@ -298,10 +294,10 @@ def _post_hoc_lines(result: dict[str, Any]) -> list[str]:
     untrained in the runs that logged it."""
     names = {"reward/mean": "training reward", "len/response_mean": "reply tokens",
              "len/truncated_frac": "truncated", "entropy/mean": "entropy"}
+    digits = {k: 1 if k == "len/response_mean" else 2 for k in names}
     lines = ["", f"Post hoc (no pre-registered endpoint): means over steps 1-{EDGE_STEPS} -> the last {EDGE_STEPS} "
                  "steps:", ""]
     for key, r in result["runs"].items():
-        digits = {k: 1 if k == "len/response_mean" else 2 for k in names}
         parts = [f"{names[k]} {a:.{digits[k]}f} -> {b:.{digits[k]}f}" for k, (a, b) in r["described"].items()]
         lines.append(f"- {key}: " + ("; ".join(parts) if parts else "not logged"))
     logged = {k: r["fork_selection"] for k, r in result["runs"].items() if r["fork_selection"]}
