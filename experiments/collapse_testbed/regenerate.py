@@ -46,10 +46,11 @@ PERSISTENCE: dict[str, tuple[str, dict[str, str], str]] = {
 }
 
 
-#: the staleness experiment's table (preregistration_staleness.md) -> (committed table, its pack); the k = 0 check
-#: reads the persistence experiment's W2 pack
-STALENESS: dict[str, tuple[str, str]] = {
-    "staleness": ("testbed_staleness_results.md", "data/testbed_staleness.json.gz")}
+#: the staleness experiment's table (preregistration_staleness.md) -> (committed table, its pack, the pack of the k = 0
+#: runs remade on the CPU of a seed's k = 1, 2, 4 arms); the k = 0 check reads the persistence experiment's W2 pack
+STALENESS: dict[str, tuple[str, str, str]] = {
+    "staleness": ("testbed_staleness_results.md", "data/testbed_staleness.json.gz",
+                  "data/testbed_staleness_k0_remade.json.gz")}
 
 
 def regenerate_staleness(name: str, work: Path) -> tuple[str, str]:
@@ -57,12 +58,13 @@ def regenerate_staleness(name: str, work: Path) -> tuple[str, str]:
     from experiments.collapse_testbed import staleness
     from experiments.collapse_testbed.pack import unpack_experiment
 
-    table, pack = STALENESS[name]
+    table, pack, remade = STALENESS[name]
     unpack_experiment(HERE / pack, work / name / "runs")
     unpack_experiment(HERE / PERSISTENCE_PACKS["W2"], work / name / "W2")
+    unpack_experiment(HERE / remade, work / name / "k0_remade")
     with contextlib.redirect_stdout(io.StringIO()):
         rc = staleness.main([str(work / name / "runs"), "--reference", str(work / name / "W2"),
-                             "--out", str(work / name / "staleness.md")])
+                             "--remade", str(work / name / "k0_remade"), "--out", str(work / name / "staleness.md")])
     if rc != 0:
         raise RuntimeError(f"regenerating {name} failed (exit status {rc})")
     return (work / name / "staleness.md").read_text(), (DATA / table).read_text()

@@ -15,7 +15,13 @@ Comparisons (seeds paired by number, all from warm start W2; difference = arm âˆ
 The k = 0 check: the ``grpo`` arm must reproduce the persistence experiment's W2 GRPO curves seed for seed (the lag
 code is not used at k = 0); :func:`reproduces` compares them when that experiment's directory is given.
 
-``python -m experiments.collapse_testbed.staleness runs/staleness [--reference runs/persist_W2] --out staleness.md``
+One CPU per pair (*post hoc*, results.md): a run repeats bit for bit only on a like CPU, so a seed whose packed
+k = 0 run was made on another (or an unrecorded) CPU gets a k = 0 run remade on the CPU of its k = 1, 2, 4 runs, in a
+directory of its own (``--remade``); those arms are paired with it (:data:`REMADE` in the tables), the k = 8 arms
+with the packed one they were made beside.
+
+``python -m experiments.collapse_testbed.staleness runs/staleness [--reference runs/persist_W2] [--remade DIR]
+--out staleness.md``
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,7 @@ DIVERGENCE_FINDINGS = ("stale_rollouts", "ratio_tail")  # the doctor's findings 
 NONFINITE_KEYS = ("loss/total", "grad/norm")
 LAG_METRICS = ("lag/staleness_mean", "rollout_corr/ess", "rollout_corr/frac_truncated", "rollout_corr/weight_max",
                "m2po/masked_frac")
+REMADE = "grpo_remade"  # a seed's k = 0 run remade on the CPU of its k = 1, 2, 4 runs (module docstring)
 
 
 def lagged(k: int, correction: str) -> str:
@@ -59,12 +67,25 @@ def planned() -> list[tuple[str, str, str, tuple[str, ...]]]:
     return rows
 
 
+def secondary_lag(arm: str) -> bool:
+    return any(arm.startswith(f"grpo_k{k}_") for k in K_SECONDARY)
+
+
+def with_remade_k0(runs: list[P.RunEndpoints]) -> list[P.RunEndpoints]:
+    """``runs`` with each seed's ``grpo`` run replaced by its :data:`REMADE` run where there is one: the k = 0
+    reference of the k = 1, 2, 4 arms, made on their CPU."""
+    remade = {r.seed: replace(r, arm="grpo") for r in runs if r.arm == REMADE}
+    return [r for r in runs if r.arm != REMADE and not (r.arm == "grpo" and r.seed in remade)] + list(remade.values())
+
+
 def comparisons(runs: list[P.RunEndpoints]) -> list[dict[str, Any]]:
     """Every planned comparison over the complete seed pairs found, Holm-corrected within each family over all its
-    pre-registered comparisons (one not testable yet counts as p = 1, and is listed with n = 0)."""
+    pre-registered comparisons (one not testable yet counts as p = 1, and is listed with n = 0). The k = 1, 2, 4
+    arms are paired with a seed's :data:`REMADE` k = 0 run where it has one (:func:`with_remade_k0`)."""
     rows = []
+    same_cpu = with_remade_k0(runs)
     for family, arm, ref, endpoints in planned():
-        ps = P.pairs(runs, arm, ref, [WARM])
+        ps = P.pairs(same_cpu if ref == "grpo" and secondary_lag(arm) else runs, arm, ref, [WARM])
         rows += [{"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
                  for e in endpoints]
     return P.holm_within_families(rows, planned_size=True)
@@ -254,9 +275,29 @@ def machine_note(machines: dict[tuple[str, int], str], runs: list[P.RunEndpoints
     # at least one of its pairs spans them
     text = ("Pairs made on two CPUs: " + ", ".join(f"seed {s}" for s in mixed) + "." if mixed else
             "Each seed's recorded runs were made on one CPU.")
-    return (text + (f" Seeds {', '.join(map(str, unknown))} record no CPU (made before runs recorded it)."
-                    if unknown else "")
-            + (f" Seeds {', '.join(map(str, partly))} record it for some runs only." if partly else ""))
+    return (text + (f" {_seeds(unknown)} no CPU (made before runs recorded it)." if unknown else "")
+            + (f" {_seeds(partly)} it for some runs only." if partly else ""))
+
+
+def _seeds(seeds: list[int]) -> str:
+    return f"Seed {seeds[0]} records" if len(seeds) == 1 else f"Seeds {', '.join(map(str, seeds))} record"
+
+
+def remade_note(again: list[dict[str, Any]], runs: list[P.RunEndpoints]) -> str:
+    """What the :data:`REMADE` k = 0 runs are, and how each compares with its seed's packed k = 0 run."""
+    t = {(r.arm, r.seed): r for r in runs}
+
+    def relearned(r: P.RunEndpoints | None) -> str:
+        return "-" if r is None or not r.complete else ("not by 160" if r.censored else f"at {r.relearn}")
+
+    per_seed = "; ".join(
+        f"seed {c['seed']} " + ("identical" if c["identical"] else f"parted at step {c['first_difference']}")
+        + f", re-learned {relearned(t.get((REMADE, c['seed'])))} (packed {relearned(t.get(('grpo', c['seed'])))})"
+        for c in again)
+    cpus = sorted({c.get("machine", "not recorded") for c in again})
+    return (f"k = 0 remade for the k = 1, 2, 4 arms ({REMADE}; *post hoc*: one CPU per pair, as a run repeats bit "
+            f"for bit only on a like CPU): made on {', '.join(cpus)}; against the packed k = 0 run: {per_seed}. "
+            "The k = 8 arms keep the packed k = 0 run they were made beside.")
 
 
 def k0_stop_text(check: list[dict[str, Any]]) -> str:
@@ -278,12 +319,14 @@ def k0_stop_text(check: list[dict[str, Any]]) -> str:
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],
              check: list[dict[str, Any]] | None, overall: dict[tuple[str, int], float] | None = None,
              gone: dict[tuple[str, int], str] | None = None, machines: dict[tuple[str, int], str] | None = None,
-             k0_tails: list[int] | None = None) -> str:
+             k0_tails: list[str] | None = None, again: list[dict[str, Any]] | None = None) -> str:
     machines = machines or {}
     out = ["# Staleness and strategy collapse (preregistration_staleness.md)", "", decision(rows), "",
            without_divergent(runs, gone or {})
            + (f" (ratio_tail is also active at most checks of k = 0 runs, seeds {', '.join(map(str, k0_tails))}: "
               "the criterion is not specific to the lag.)" if k0_tails else ""), "", machine_note(machines, runs), ""]
+    if again:
+        out += [remade_note(again, runs), ""]
     if check is not None:
         same = sum(c["identical"] for c in check)
         differ = [c for c in check if not c["identical"]]
@@ -327,14 +370,24 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
     return "\n".join(out) + "\n"
 
 
-def analyse(out: Path, reference: Path | None = None) -> str:
+def analyse(out: Path, reference: Path | None = None, remade: Path | None = None) -> str:
     runs = P.read_runs(WARM, out)
     check = reproduces(runs, P.read_runs(WARM, reference), run_machines(out)) if reference is not None else None
     complete = {(r.arm, r.seed) for r in runs if r.complete}
-    k0_tails = [seed for arm, seed in sorted(complete)
+    k0_tails = [str(seed) for arm, seed in sorted(complete)
                 if arm == "grpo" and at_most_checks(finding_share(out / "runs" / arm / f"seed_{seed}"), "ratio_tail")]
-    return markdown(runs, comparisons(runs), lag_figures(out, complete), check, overall_at_horizon(out),
-                    divergent(out, complete), run_machines(out, None), k0_tails)
+    lag, gone = lag_figures(out, complete), divergent(out, complete)
+    machines, overall = run_machines(out, None), overall_at_horizon(out)
+    again = None
+    if remade is not None:
+        remade_runs = [r for r in P.read_runs(WARM, remade) if r.arm == "grpo"]
+        again = reproduces(remade_runs, runs, run_machines(remade))
+        runs += [replace(r, arm=REMADE) for r in remade_runs]
+        machines.update({(REMADE, s): m for (a, s), m in run_machines(remade, None).items() if a == "grpo"})
+        overall.update({(REMADE, s): v for (a, s), v in overall_at_horizon(remade).items() if a == "grpo"})
+        k0_tails += [f"{r.seed} ({REMADE})" for r in remade_runs if r.complete and at_most_checks(
+            finding_share(remade / "runs" / "grpo" / f"seed_{r.seed}"), "ratio_tail")]
+    return markdown(runs, comparisons(runs), lag, check, overall, gone, machines, k0_tails, again)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,13 +396,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", type=Path, help="the staleness experiment's directory (--preset staleness --out DIR)")
     p.add_argument("--reference", type=Path, default=None,
                    help="the persistence experiment's W2 directory, for the k = 0 check")
+    p.add_argument("--remade", type=Path, default=None,
+                   help="k = 0 runs remade on the CPU of the k = 1, 2, 4 runs of their seeds (an experiment directory "
+                        "of the grpo arm, same preset)")
     p.add_argument("--out", type=Path, default=Path("staleness.md"))
     args = p.parse_args(argv)
-    for d in (args.dir, args.reference):
+    for d in (args.dir, args.reference, args.remade):
         if d is not None and not (d / "runs").is_dir():
             print(f"{p.prog}: error: {d} is not an experiment directory (no runs/)", file=sys.stderr)
             return 2
-    args.out.write_text(analyse(args.dir, args.reference))
+    args.out.write_text(analyse(args.dir, args.reference, args.remade))
     print(args.out)
     return 0
 

@@ -183,9 +183,9 @@ def test_pairs_made_on_two_cpus_are_said():
     runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW}, seeds=3)
     note = S.machine_note({("grpo", 0): "AVX2", ("grpo_k8_none", 0): "AVX512", ("grpo", 1): "AVX2",
                            ("grpo_k8_none", 1): "AVX2"}, runs)
-    assert note == "Pairs made on two CPUs: seed 0. Seeds 2 record no CPU (made before runs recorded it)."
+    assert note == "Pairs made on two CPUs: seed 0. Seed 2 records no CPU (made before runs recorded it)."
     note = S.machine_note({("grpo", 0): "AVX2", ("grpo", 1): "AVX2", ("grpo_k8_none", 1): "AVX2"}, runs[:2] + runs[3:5])
-    assert note == ("Each seed's recorded runs were made on one CPU. Seeds 0 record it for some runs only.")
+    assert note == ("Each seed's recorded runs were made on one CPU. Seed 0 records it for some runs only.")
     # a run still training (incomplete) has recorded no CPU yet: it does not make its seed "some runs only"
     training = P.endpoints("W2", "grpo_k8_none", 0, FAST[:5])
     assert not training.complete
@@ -206,3 +206,30 @@ def test_a_cut_done_json_is_not_an_abort(tmp_path):
 
     (tmp_path / "done.json").write_text('{"arm": "grpo", "se')
     assert aborted(tmp_path) is None and aborted(tmp_path / "missing") is None
+
+
+def test_the_k1_2_4_arms_pair_with_the_k0_run_remade_on_their_cpu():
+    """A seed with a remade k = 0 run: its k = 1, 2, 4 arms are paired with it, its k = 8 arms with the packed one."""
+    runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW, "grpo_k2_none": SLOW}, seeds=3)
+    runs.append(P.endpoints("W2", S.REMADE, 0, NEVER))
+    rows = {(r["arm"], r["reference"], r["endpoint"]): r for r in S.comparisons(runs)}
+    k2 = rows["grpo_k2_none", "grpo", "relearn"]
+    assert k2["n"] == 3 and k2["mean_diff"] == pytest.approx((96 - 160 + 80 + 80) / 3)  # seed 0 against NEVER
+    assert rows["grpo_k8_none", "grpo", "relearn"]["mean_diff"] == 80  # seed 0 against the packed FAST
+    # a remade run not finished yet leaves its seed's k = 1, 2, 4 pairs out rather than pairing across CPUs
+    runs[-1] = P.endpoints("W2", S.REMADE, 0, NEVER[:5])
+    assert S.comparisons(runs)[0]["n"] == 3
+    assert {(r["arm"], r["reference"]): r["n"] for r in S.comparisons(runs)}["grpo_k2_none", "grpo"] == 2
+
+
+def test_the_remade_k0_runs_are_described_against_the_packed_ones():
+    runs = _runs({"grpo": FAST}, seeds=2) + [P.endpoints("W2", S.REMADE, s, c) for s, c in ((0, FAST), (1, NEVER))]
+    again = S.reproduces([P.endpoints("W2", "grpo", 0, FAST), P.endpoints("W2", "grpo", 1, NEVER)], runs,
+                         {0: "AVX512", 1: "AVX512"})
+    note = S.remade_note(again, runs)
+    assert note == ("k = 0 remade for the k = 1, 2, 4 arms (grpo_remade; *post hoc*: one CPU per pair, as a run "
+                    "repeats bit for bit only on a like CPU): made on AVX512; against the packed k = 0 run: seed 0 "
+                    "identical, re-learned at 16 (packed at 16); seed 1 parted at step 8, re-learned not by 160 "
+                    "(packed at 16). The k = 8 arms keep the packed k = 0 run they were made beside.")
+    md = S.markdown(runs, S.comparisons(runs), {}, None, again=again)
+    assert note in md and "| grpo_remade | 1 | yes |" in md
