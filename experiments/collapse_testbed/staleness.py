@@ -264,23 +264,35 @@ def without_divergent(runs: list[P.RunEndpoints], gone: dict[tuple[str, int], st
     return f"Diverging lagged runs (named as pre-registered): {named}. *Post hoc*, {repeat}{note}."
 
 
+def compared_pairs(runs: list[P.RunEndpoints]) -> set[tuple[tuple[str, int], tuple[str, int]]]:
+    """The runs ``((arm, seed), (reference arm, seed))`` of every complete pair the comparisons use, the reference
+    named :data:`REMADE` where :func:`comparisons` took a seed's remade k = 0 run."""
+    remade = {r.seed for r in runs if r.arm == REMADE}
+    same_cpu = with_remade_k0(runs)
+    found = set()
+    for _, arm, ref, _ in planned():
+        swap = ref == "grpo" and secondary_lag(arm)
+        for p in P.pairs(same_cpu if swap else runs, arm, ref, [WARM]):
+            found.add(((arm, p.seed), (REMADE if swap and p.seed in remade else ref, p.seed)))
+    return found
+
+
 def machine_note(machines: dict[tuple[str, int], str], runs: list[P.RunEndpoints]) -> str:
-    """Whether each seed's runs (its pairs) were made on one CPU, as far as the runs recorded it."""
-    seeds = sorted({r.seed for r in runs})
-    mixed = [s for s in seeds if len({m for (a, t), m in machines.items() if t == s}) > 1]
-    unknown = [s for s in seeds if not any(t == s for (_, t) in machines)]
-    partly = [s for s in seeds if s not in unknown  # a run still training has recorded nothing yet
-              and any((r.arm, r.seed) not in machines for r in runs if r.seed == s and r.complete)]
-    # every lagged arm is compared with k = 0 or with its k's uncorrected arm: two CPUs among a seed's runs means
-    # at least one of its pairs spans them
-    text = ("Pairs made on two CPUs: " + ", ".join(f"seed {s}" for s in mixed) + "." if mixed else
-            "Each seed's recorded runs were made on one CPU.")
-    return (text + (f" {_seeds(unknown)} no CPU (made before runs recorded it)." if unknown else "")
-            + (f" {_seeds(partly)} it for some runs only." if partly else ""))
+    """Whether each pair the comparisons use was made on one CPU, as far as its two runs recorded it."""
+    mixed, unknown = set(), set()
+    for a, b in compared_pairs(runs):
+        if a not in machines or b not in machines:
+            unknown.add(a[1])
+        elif machines[a] != machines[b]:
+            mixed.add(a[1])
+    text = ("Pairs made on two CPUs: " + ", ".join(f"seed {s}" for s in sorted(mixed)) + "." if mixed else
+            "Every compared pair whose two runs record their CPU was made on one CPU.")
+    return text + (f" {_seeds(sorted(unknown))} pairs with a run that records no CPU (made before runs recorded it)."
+                   if unknown else "")
 
 
 def _seeds(seeds: list[int]) -> str:
-    return f"Seed {seeds[0]} records" if len(seeds) == 1 else f"Seeds {', '.join(map(str, seeds))} record"
+    return f"Seed {seeds[0]} has" if len(seeds) == 1 else f"Seeds {', '.join(map(str, seeds))} have"
 
 
 def remade_note(again: list[dict[str, Any]], runs: list[P.RunEndpoints]) -> str:
@@ -291,7 +303,8 @@ def remade_note(again: list[dict[str, Any]], runs: list[P.RunEndpoints]) -> str:
         return "-" if r is None or not r.complete else ("not by 160" if r.censored else f"at {r.relearn}")
 
     per_seed = "; ".join(
-        f"seed {c['seed']} " + ("identical" if c["identical"] else f"parted at step {c['first_difference']}")
+        f"seed {c['seed']} " + (f"niche curve identical at {c['checkpoints']} checkpoints" if c["identical"]
+                                else f"niche curves parted at step {c['first_difference']}")
         + f", re-learned {relearned(t.get((REMADE, c['seed'])))} (packed {relearned(t.get(('grpo', c['seed'])))})"
         for c in again)
     cpus = sorted({c.get("machine", "not recorded") for c in again})

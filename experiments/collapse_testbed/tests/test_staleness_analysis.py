@@ -183,14 +183,29 @@ def test_pairs_made_on_two_cpus_are_said():
     runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW}, seeds=3)
     note = S.machine_note({("grpo", 0): "AVX2", ("grpo_k8_none", 0): "AVX512", ("grpo", 1): "AVX2",
                            ("grpo_k8_none", 1): "AVX2"}, runs)
-    assert note == "Pairs made on two CPUs: seed 0. Seed 2 records no CPU (made before runs recorded it)."
+    assert note == ("Pairs made on two CPUs: seed 0. Seed 2 has pairs with a run that records no CPU (made before runs "
+                    "recorded it).")
     note = S.machine_note({("grpo", 0): "AVX2", ("grpo", 1): "AVX2", ("grpo_k8_none", 1): "AVX2"}, runs[:2] + runs[3:5])
-    assert note == ("Each seed's recorded runs were made on one CPU. Seed 0 records it for some runs only.")
-    # a run still training (incomplete) has recorded no CPU yet: it does not make its seed "some runs only"
+    assert note == ("Every compared pair whose two runs record their CPU was made on one CPU. Seed 0 has pairs with a "
+                    "run that records no CPU (made before runs recorded it).")
+    # a run still training (incomplete) is in no pair yet, so it says nothing about its seed
     training = P.endpoints("W2", "grpo_k8_none", 0, FAST[:5])
     assert not training.complete
     note = S.machine_note({("grpo", 0): "AVX2"}, [runs[0], training])
-    assert note == "Each seed's recorded runs were made on one CPU."
+    assert note == "Every compared pair whose two runs record their CPU was made on one CPU."
+
+
+def test_the_cpu_note_judges_the_pairs_the_comparisons_use():
+    """A seed whose k = 0 and k = 8 runs came from one CPU and whose k = 2 and remade k = 0 runs from another has no
+    pair across CPUs; a k = 2 run paired with a k = 0 run of another CPU (no remade run) is one."""
+    runs = _runs({"grpo": FAST, "grpo_k8_none": SLOW, "grpo_k2_none": SLOW}, seeds=2)
+    runs.append(P.endpoints("W2", S.REMADE, 0, FAST))
+    machines = {("grpo", 0): "AVX2", ("grpo_k8_none", 0): "AVX2", ("grpo_k2_none", 0): "AVX512",
+                (S.REMADE, 0): "AVX512", ("grpo", 1): "AVX2", ("grpo_k8_none", 1): "AVX2",
+                ("grpo_k2_none", 1): "AVX512"}
+    assert S.compared_pairs(runs) >= {(("grpo_k2_none", 0), (S.REMADE, 0)), (("grpo_k8_none", 0), ("grpo", 0)),
+                                      (("grpo_k2_none", 1), ("grpo", 1))}
+    assert S.machine_note(machines, runs) == "Pairs made on two CPUs: seed 1."
 
 
 def test_a_lagged_run_the_trainer_aborted_is_named_diverging(tmp_path):
@@ -216,6 +231,10 @@ def test_the_k1_2_4_arms_pair_with_the_k0_run_remade_on_their_cpu():
     k2 = rows["grpo_k2_none", "grpo", "relearn"]
     assert k2["n"] == 3 and k2["mean_diff"] == pytest.approx((96 - 160 + 80 + 80) / 3)  # seed 0 against NEVER
     assert rows["grpo_k8_none", "grpo", "relearn"]["mean_diff"] == 80  # seed 0 against the packed FAST
+    runs.append(P.endpoints("W2", "grpo_k8_tis", 0, SLOW))
+    assert {(r["arm"], r["reference"], r["endpoint"]): r for r in S.comparisons(runs)}[
+        "grpo_k8_tis", "grpo", "relearn"]["mean_diff"] == 80  # the secondary k = 8 row keeps it too
+    runs.pop()
     # a remade run not finished yet leaves its seed's k = 1, 2, 4 pairs out rather than pairing across CPUs
     runs[-1] = P.endpoints("W2", S.REMADE, 0, NEVER[:5])
     assert S.comparisons(runs)[0]["n"] == 3
@@ -229,7 +248,8 @@ def test_the_remade_k0_runs_are_described_against_the_packed_ones():
     note = S.remade_note(again, runs)
     assert note == ("k = 0 remade for the k = 1, 2, 4 arms (grpo_remade; *post hoc*: one CPU per pair, as a run "
                     "repeats bit for bit only on a like CPU): made on AVX512; against the packed k = 0 run: seed 0 "
-                    "identical, re-learned at 16 (packed at 16); seed 1 parted at step 8, re-learned not by 160 "
+                    "niche curve identical at 21 checkpoints, re-learned at 16 (packed at 16); seed 1 niche curves "
+                    "parted at step 8, re-learned not by 160 "
                     "(packed at 16). The k = 8 arms keep the packed k = 0 run they were made beside.")
     md = S.markdown(runs, S.comparisons(runs), {}, None, again=again)
     assert note in md and "| grpo_remade | 1 | yes |" in md
