@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -78,16 +79,23 @@ def with_remade_k0(runs: list[P.RunEndpoints]) -> list[P.RunEndpoints]:
     return [r for r in runs if r.arm != REMADE and not (r.arm == "grpo" and r.seed in remade)] + list(remade.values())
 
 
-def comparisons(runs: list[P.RunEndpoints]) -> list[dict[str, Any]]:
-    """Every planned comparison over the complete seed pairs found, Holm-corrected within each family over all its
-    pre-registered comparisons (one not testable yet counts as p = 1, and is listed with n = 0). The k = 1, 2, 4
-    arms are paired with a seed's :data:`REMADE` k = 0 run where it has one (:func:`with_remade_k0`)."""
-    rows = []
+def planned_pairs(runs: list[P.RunEndpoints]
+                  ) -> Iterator[tuple[str, str, str, tuple[str, ...], list[P.Pair], bool]]:
+    """Per planned comparison, ``(family, arm, reference, endpoints, pairs, remade)``: its complete seed pairs, the
+    k = 1, 2, 4 arms paired with a seed's :data:`REMADE` k = 0 run where it has one (:func:`with_remade_k0`;
+    ``remade`` says whether this comparison's k = 0 side may be such a run)."""
     same_cpu = with_remade_k0(runs)
     for family, arm, ref, endpoints in planned():
-        ps = P.pairs(same_cpu if ref == "grpo" and secondary_lag(arm) else runs, arm, ref, [WARM])
-        rows += [{"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
-                 for e in endpoints]
+        remade = ref == "grpo" and secondary_lag(arm)
+        yield family, arm, ref, endpoints, P.pairs(same_cpu if remade else runs, arm, ref, [WARM]), remade
+
+
+def comparisons(runs: list[P.RunEndpoints]) -> list[dict[str, Any]]:
+    """Every planned comparison over the complete seed pairs found (:func:`planned_pairs`), Holm-corrected within
+    each family over all its pre-registered comparisons (one not testable yet counts as p = 1, and is listed with
+    n = 0)."""
+    rows = [{"family": family, "arm": arm, "reference": ref, "endpoint": e, **P.compare(ps, e)}
+            for family, arm, ref, endpoints, ps, _ in planned_pairs(runs) for e in endpoints]
     return P.holm_within_families(rows, planned_size=True)
 
 
@@ -267,14 +275,9 @@ def without_divergent(runs: list[P.RunEndpoints], gone: dict[tuple[str, int], st
 def compared_pairs(runs: list[P.RunEndpoints]) -> set[tuple[tuple[str, int], tuple[str, int]]]:
     """The runs ``((arm, seed), (reference arm, seed))`` of every complete pair the comparisons use, the reference
     named :data:`REMADE` where :func:`comparisons` took a seed's remade k = 0 run."""
-    remade = {r.seed for r in runs if r.arm == REMADE}
-    same_cpu = with_remade_k0(runs)
-    found = set()
-    for _, arm, ref, _ in planned():
-        swap = ref == "grpo" and secondary_lag(arm)
-        for p in P.pairs(same_cpu if swap else runs, arm, ref, [WARM]):
-            found.add(((arm, p.seed), (REMADE if swap and p.seed in remade else ref, p.seed)))
-    return found
+    remade_seeds = {r.seed for r in runs if r.arm == REMADE}
+    return {((arm, p.seed), (REMADE if remade and p.seed in remade_seeds else ref, p.seed))
+            for _, arm, ref, _, ps, remade in planned_pairs(runs) for p in ps}
 
 
 def machine_note(machines: dict[tuple[str, int], str], runs: list[P.RunEndpoints]) -> str:
@@ -387,19 +390,21 @@ def analyse(out: Path, reference: Path | None = None, remade: Path | None = None
     runs = P.read_runs(WARM, out)
     check = reproduces(runs, P.read_runs(WARM, reference), run_machines(out)) if reference is not None else None
     complete = {(r.arm, r.seed) for r in runs if r.complete}
-    k0_tails = [str(seed) for arm, seed in sorted(complete)
-                if arm == "grpo" and at_most_checks(finding_share(out / "runs" / arm / f"seed_{seed}"), "ratio_tail")]
+    def ratio_tail(d: Path, seed: int) -> bool:
+        return at_most_checks(finding_share(d / "runs" / "grpo" / f"seed_{seed}"), "ratio_tail")
+
+    k0_tails = [str(seed) for arm, seed in sorted(complete) if arm == "grpo" and ratio_tail(out, seed)]
     lag, gone = lag_figures(out, complete), divergent(out, complete)
     machines, overall = run_machines(out, None), overall_at_horizon(out)
     again = None
     if remade is not None:
         remade_runs = [r for r in P.read_runs(WARM, remade) if r.arm == "grpo"]
-        again = reproduces(remade_runs, runs, run_machines(remade))
+        remade_cpu = run_machines(remade)
+        again = reproduces(remade_runs, runs, remade_cpu)
         runs += [replace(r, arm=REMADE) for r in remade_runs]
-        machines.update({(REMADE, s): m for (a, s), m in run_machines(remade, None).items() if a == "grpo"})
+        machines.update({(REMADE, seed): m for seed, m in remade_cpu.items()})
         overall.update({(REMADE, s): v for (a, s), v in overall_at_horizon(remade).items() if a == "grpo"})
-        k0_tails += [f"{r.seed} ({REMADE})" for r in remade_runs if r.complete and at_most_checks(
-            finding_share(remade / "runs" / "grpo" / f"seed_{r.seed}"), "ratio_tail")]
+        k0_tails += [f"{r.seed} ({REMADE})" for r in remade_runs if r.complete and ratio_tail(remade, r.seed)]
     return markdown(runs, comparisons(runs), lag, check, overall, gone, machines, k0_tails, again)
 
 
