@@ -47,10 +47,11 @@ PERSISTENCE: dict[str, tuple[str, dict[str, str], str]] = {
 
 
 #: the staleness experiment's table (preregistration_staleness.md) -> (committed table, its pack, the pack of the k = 0
-#: runs remade on the CPU of a seed's k = 1, 2, 4 arms); the k = 0 check reads the persistence experiment's W2 pack
-STALENESS: dict[str, tuple[str, str, str]] = {
+#: runs remade on the CPU of a seed's k = 1, 2, 4 arms, the pack of k = 0 runs made again on one more CPU for the CPU
+#: check); the k = 0 check reads the persistence experiment's W2 pack
+STALENESS: dict[str, tuple[str, str, str, str]] = {
     "staleness": ("testbed_staleness_results.md", "data/testbed_staleness.json.gz",
-                  "data/testbed_staleness_k0_remade.json.gz")}
+                  "data/testbed_staleness_k0_remade.json.gz", "data/testbed_staleness_k0_cpu_check.json.gz")}
 
 
 def regenerate_staleness(name: str, work: Path) -> tuple[str, str]:
@@ -58,13 +59,16 @@ def regenerate_staleness(name: str, work: Path) -> tuple[str, str]:
     from experiments.collapse_testbed import staleness
     from experiments.collapse_testbed.pack import unpack_experiment
 
-    table, pack, remade = STALENESS[name]
+    table, pack, remade, cpu_check = STALENESS[name]
     unpack_experiment(HERE / pack, work / name / "runs")
     unpack_experiment(HERE / PERSISTENCE_PACKS["W2"], work / name / "W2")
     unpack_experiment(HERE / remade, work / name / "k0_remade")
+    unpack_experiment(HERE / cpu_check, work / name / "k0_cpu_check")
     with contextlib.redirect_stdout(io.StringIO()):
         rc = staleness.main([str(work / name / "runs"), "--reference", str(work / name / "W2"),
-                             "--remade", str(work / name / "k0_remade"), "--out", str(work / name / "staleness.md")])
+                             "--remade", str(work / name / "k0_remade"),
+                             "--cpu-check", str(work / name / "k0_cpu_check"),
+                             "--out", str(work / name / "staleness.md")])
     if rc != 0:
         raise RuntimeError(f"regenerating {name} failed (exit status {rc})")
     return (work / name / "staleness.md").read_text(), (DATA / table).read_text()

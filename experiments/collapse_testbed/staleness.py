@@ -126,15 +126,26 @@ def overall_at_horizon(out: Path, horizon: int = P.HORIZON) -> dict[tuple[str, i
     return found
 
 
+def machine_label(machine: dict[str, Any]) -> str:
+    """A CPU as far as float rounding goes: PyTorch's capability, then the model and AMX where the run recorded them
+    (``AVX512 (Intel(R) Xeon(R) Processor, AMX)``). The capability alone is too coarse: W2's GRPO seed 0 repeats bit
+    for bit on an AMD EPYC with AVX-512 and parts from step 1 on an Intel Xeon with AVX-512 and AMX, both
+    ``AVX512`` (collapse_testbed/results.md)."""
+    capability, model = str(machine.get("capability", "?")), machine.get("model")
+    if not model:
+        return capability
+    return f"{capability} ({model}{', AMX' if 'amx_tile' in machine.get('flags', []) else ''})"
+
+
 def run_machines(out: Path, arm: str | None = "grpo") -> dict[Any, str]:
-    """PyTorch's capability of the CPU each finished run was made on, where its ``done.json`` records it (runs made
+    """The CPU each finished run was made on (:func:`machine_label`), where its ``done.json`` records it (runs made
     before runs recorded their machine are left out): by seed for one ``arm``, by ``(arm, seed)`` for ``None``."""
     found: dict[Any, str] = {}
     for done in sorted((out / "runs").glob(f"{arm or '*'}/seed_*/done.json")):
         machine = json.loads(done.read_text()).get("machine")
         if machine:
             seed = int(done.parent.name[5:])
-            found[seed if arm else (done.parent.parent.name, seed)] = str(machine.get("capability", "?"))
+            found[seed if arm else (done.parent.parent.name, seed)] = machine_label(machine)
     return found
 
 
@@ -316,9 +327,10 @@ def remade_note(again: list[dict[str, Any]], runs: list[P.RunEndpoints]) -> str:
             "The k = 8 arms keep the packed k = 0 run they were made beside.")
 
 
-def k0_stop_text(check: list[dict[str, Any]]) -> str:
+def k0_stop_text(check: list[dict[str, Any]], shown: list[int] | None = None) -> str:
     """What the pre-registered stop rule says when the k = 0 check fails, and what the recorded CPUs say for and
-    against putting the difference down to the CPU (the experiment went on: *post hoc*)."""
+    against putting the difference down to the CPU (the experiment went on: *post hoc*); ``shown``: the seeds
+    whose k = 0 run, made again on another CPU, repeats the reference run bit for bit (:func:`cpu_check_note`)."""
     def cpus(cs: list[dict[str, Any]]) -> str:
         known = sorted({c["machine"] for c in cs if "machine" in c})
         unknown = sum("machine" not in c for c in cs)
@@ -329,13 +341,51 @@ def k0_stop_text(check: list[dict[str, Any]]) -> str:
     return ("The pre-registered rule stops the experiment here until the difference is found; it went on "
             "(*post hoc*), the difference put down to the CPU, each seed's runs made on one machine. Recorded CPUs: "
             f"the seeds that differ, {cpus(differ)}; the identical ones, {cpus(same) if same else 'none'}; the "
-            "reference runs, none. The CPU is a likely cause, not a shown one.")
+            "reference runs, none. " + _cause(differ, shown or []))
+
+
+def _cause(differ: list[dict[str, Any]], shown: list[int]) -> str:
+    shown = sorted(set(shown) & {c["seed"] for c in differ})
+    if not shown:
+        return "The CPU is a likely cause, not a shown one."
+    rest = [c["seed"] for c in differ if c["seed"] not in shown]
+    return (f"The CPU is shown to be the cause for {_seed_list(shown)} (made again on another CPU, they repeat the "
+            "reference runs bit for bit: the CPU check below)"
+            + (f", and is a likely one for {_seed_list(rest)}." if rest else "."))
+
+
+def _seed_list(seeds: list[int]) -> str:
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
+
+
+def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str, Any]],
+                   packed_machines: dict[int, str]) -> str:
+    """GRPO at k = 0 made again on one more CPU (*post hoc*), against the persistence experiment's W2 run of each
+    seed (``vs_reference``) and this experiment's packed k = 0 run (``vs_packed``; both from :func:`reproduces`):
+    which runs it repeats bit for bit tells whether the CPU, not the code, parted the k = 0 check's curves."""
+    def against(c: dict[str, Any] | None, what: str) -> str:
+        if c is None:
+            return f"no {what}"
+        return (f"identical to the {what} at {c['checkpoints']} checkpoints" if c["identical"]
+                else f"parted from the {what} at step {c['first_difference']}")
+
+    packed = {c["seed"]: c for c in vs_packed}
+    per_seed = "; ".join(
+        f"seed {c['seed']} {against(c, 'W2 run')}, "
+        + against(packed.get(c["seed"]), "packed k = 0 run")
+        + (f" (made on {packed_machines[c['seed']]})" if c["seed"] in packed_machines else " (its CPU not recorded)")
+        for c in vs_reference)
+    cpus = sorted({c.get("machine", "not recorded") for c in vs_reference})
+    return (f"CPU check (*post hoc*): GRPO at k = 0 made again on {', '.join(cpus)}: {per_seed}. A run that "
+            "repeats the reference on one CPU and parts from it on another parted by the CPU's rounding, not by a "
+            "change in the code or the settings.")
 
 
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],
              check: list[dict[str, Any]] | None, overall: dict[tuple[str, int], float] | None = None,
              gone: dict[tuple[str, int], str] | None = None, machines: dict[tuple[str, int], str] | None = None,
-             k0_tails: list[str] | None = None, again: list[dict[str, Any]] | None = None) -> str:
+             k0_tails: list[str] | None = None, again: list[dict[str, Any]] | None = None,
+             cpu_check: str = "", shown: list[int] | None = None) -> str:
     machines = machines or {}
     out = ["# Staleness and strategy collapse (preregistration_staleness.md)", "", decision(rows), "",
            without_divergent(runs, gone or {})
@@ -354,7 +404,9 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
                 + (" A run repeats bit for bit only on a like CPU (float rounding follows its vector "
                    "instructions); the reference runs' CPU is not recorded in their pack."
                    if any("machine" in c for c in differ) else "")
-                + (" " + k0_stop_text(check) if differ else ""), ""]
+                + (" " + k0_stop_text(check, shown) if differ else ""), ""]
+    if cpu_check:
+        out += [cpu_check, ""]
     overall = overall or {}
     out += ["| arm | runs (complete) | kept / borderline / lost | persistent loss | re-learned (steps; - = censored) "
             "| decade at 160 | area | all types at 160 | " + " | ".join(LAG_METRICS) + " |",
@@ -386,9 +438,17 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
     return "\n".join(out) + "\n"
 
 
-def analyse(out: Path, reference: Path | None = None, remade: Path | None = None) -> str:
+def analyse(out: Path, reference: Path | None = None, remade: Path | None = None,
+            cpu_check: Path | None = None) -> str:
     runs = P.read_runs(WARM, out)
-    check = reproduces(runs, P.read_runs(WARM, reference), run_machines(out)) if reference is not None else None
+    reference_runs = P.read_runs(WARM, reference) if reference is not None else []
+    check = reproduces(runs, reference_runs, run_machines(out)) if reference is not None else None
+    cpu_text, shown = "", []
+    if cpu_check is not None and reference is not None:
+        again_here = [r for r in P.read_runs(WARM, cpu_check) if r.arm == "grpo" and r.complete]
+        vs_reference = reproduces(again_here, reference_runs, run_machines(cpu_check))
+        cpu_text = cpu_check_note(vs_reference, reproduces(again_here, runs), run_machines(out))
+        shown = [c["seed"] for c in vs_reference if c["identical"]]
     complete = {(r.arm, r.seed) for r in runs if r.complete}
     def ratio_tail(d: Path, seed: int) -> bool:
         return at_most_checks(finding_share(d / "runs" / "grpo" / f"seed_{seed}"), "ratio_tail")
@@ -405,7 +465,7 @@ def analyse(out: Path, reference: Path | None = None, remade: Path | None = None
         machines.update({(REMADE, seed): m for seed, m in remade_cpu.items()})
         overall.update({(REMADE, s): v for (a, s), v in overall_at_horizon(remade).items() if a == "grpo"})
         k0_tails += [f"{r.seed} ({REMADE})" for r in remade_runs if r.complete and ratio_tail(remade, r.seed)]
-    return markdown(runs, comparisons(runs), lag, check, overall, gone, machines, k0_tails, again)
+    return markdown(runs, comparisons(runs), lag, check, overall, gone, machines, k0_tails, again, cpu_text, shown)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,13 +477,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remade", type=Path, default=None,
                    help="k = 0 runs remade on the CPU of the k = 1, 2, 4 runs of their seeds (an experiment directory "
                         "of the grpo arm, same preset)")
+    p.add_argument("--cpu-check", type=Path, default=None,
+                   help="k = 0 runs made again on one more CPU (an experiment directory of the grpo arm, same preset): "
+                        "which of the W2 and packed k = 0 runs they repeat bit for bit (needs --reference)")
     p.add_argument("--out", type=Path, default=Path("staleness.md"))
     args = p.parse_args(argv)
-    for d in (args.dir, args.reference, args.remade):
+    if args.cpu_check is not None and args.reference is None:
+        print(f"{p.prog}: error: --cpu-check compares with the W2 runs: give --reference too", file=sys.stderr)
+        return 2
+    for d in (args.dir, args.reference, args.remade, args.cpu_check):
         if d is not None and not (d / "runs").is_dir():
             print(f"{p.prog}: error: {d} is not an experiment directory (no runs/)", file=sys.stderr)
             return 2
-    args.out.write_text(analyse(args.dir, args.reference, args.remade))
+    args.out.write_text(analyse(args.dir, args.reference, args.remade, args.cpu_check))
     print(args.out)
     return 0
 

@@ -135,6 +135,18 @@ def test_run_machines_reads_the_cpu_each_run_recorded(tmp_path):
     assert S.run_machines(tmp_path, None) == {("grpo", 1): "AVX512", ("grpo_k8_tis", 1): "AVX2"}
 
 
+def test_a_cpu_is_its_capability_model_and_amx_where_recorded():
+    # two AVX512 CPUs that round differently are two machines: the model and AMX tell them apart
+    intel = {"model": "Intel(R) Xeon(R) Processor", "capability": "AVX512", "flags": ["avx512f", "amx_tile"]}
+    amd = {"model": "AMD EPYC", "capability": "AVX512", "flags": ["avx512f"]}
+    assert S.machine_label(intel) == "AVX512 (Intel(R) Xeon(R) Processor, AMX)"
+    assert S.machine_label(amd) == "AVX512 (AMD EPYC)"
+    assert S.machine_label({"capability": "AVX2"}) == "AVX2"  # a record without the model: the capability alone
+    runs = _runs({"grpo": FAST, "grpo_k1_none": SLOW}, seeds=1)
+    machines = {("grpo", 0): S.machine_label(intel), ("grpo_k1_none", 0): S.machine_label(amd)}
+    assert S.machine_note(machines, runs) == "Pairs made on two CPUs: seed 0."
+
+
 def test_lag_figures_leave_out_runs_still_training_and_overall_accuracy_is_read_per_run(tmp_path):
     for seed, lag in ((0, 8.0), (1, 2.0)):
         d = tmp_path / "runs" / "grpo_k8_none" / f"seed_{seed}"
@@ -253,3 +265,34 @@ def test_the_remade_k0_runs_are_described_against_the_packed_ones():
                     "(packed at 16). The k = 8 arms keep the packed k = 0 run they were made beside.")
     md = S.markdown(runs, S.comparisons(runs), {}, None, again=again)
     assert note in md and "| grpo_remade | 1 | yes |" in md
+
+
+def test_a_cpu_check_that_repeats_the_reference_shows_the_cpu_as_the_cause():
+    # seed 0 was identical in the k = 0 check; seeds 1 and 2 parted from the reference on the experiment's CPU
+    reference = [P.endpoints("W2", "grpo", s, FAST) for s in range(3)]
+    packed = [P.endpoints("W2", "grpo", 0, FAST)] + [P.endpoints("W2", "grpo", s, SLOW) for s in (1, 2)]
+    check = S.reproduces(packed, reference, {1: "AVX512 (Intel, AMX)", 2: "AVX512 (Intel, AMX)"})
+    # made again on a third CPU: seeds 0 and 1 repeat the reference, seed 2 does not
+    again = [P.endpoints("W2", "grpo", s, c) for s, c in ((0, FAST), (1, FAST), (2, NEVER))]
+    vs_reference = S.reproduces(again, reference, {s: "AVX512 (AMD EPYC)" for s in range(3)})
+    note = S.cpu_check_note(vs_reference, S.reproduces(again, packed), {1: "AVX512 (Intel, AMX)"})
+    assert note.startswith(
+        "CPU check (*post hoc*): GRPO at k = 0 made again on AVX512 (AMD EPYC): seed 0 identical to the W2 run at 21 "
+        "checkpoints, identical to the packed k = 0 run at 21 checkpoints (its CPU not recorded); seed 1 identical "
+        "to the W2 run at 21 checkpoints, parted from the packed k = 0 run at step 16 (made on AVX512 (Intel, AMX)); "
+        "seed 2 parted from the W2 run at step 8, parted from the packed k = 0 run at step 8 (its CPU not "
+        "recorded).")
+    shown = [c["seed"] for c in vs_reference if c["identical"]]
+    stop = S.k0_stop_text(check, shown)
+    # seed 0 never differed, so only seed 1 is shown; seed 2 stays a likely case
+    assert stop.endswith("The CPU is shown to be the cause for seed 1 (made again on another CPU, they repeat the "
+                         "reference runs bit for bit: the CPU check below), and is a likely one for seed 2.")
+    assert S.k0_stop_text(check).endswith("The CPU is a likely cause, not a shown one.")
+    md = S.markdown(packed, S.comparisons(packed), {}, check, cpu_check=note, shown=shown)
+    assert note in md and md.index("The CPU is shown") < md.index(note)
+
+
+def test_a_cpu_check_needs_the_reference(tmp_path, capsys):
+    (tmp_path / "runs").mkdir()
+    assert S.main([str(tmp_path), "--cpu-check", str(tmp_path)]) == 2
+    assert "give --reference too" in capsys.readouterr().err
