@@ -134,7 +134,9 @@ def machine_label(machine: dict[str, Any]) -> str:
     capability, model = str(machine.get("capability", "?")), machine.get("model")
     if not model:
         return capability
-    return f"{capability} ({model}{', AMX' if 'amx_tile' in machine.get('flags', []) else ''})"
+    if "flags" not in machine:  # AMX unknown, not absent
+        return f"{capability} ({model}, flags not recorded)"
+    return f"{capability} ({model}{', AMX' if 'amx_tile' in machine['flags'] else ''})"
 
 
 def run_machines(out: Path, arm: str | None = "grpo") -> dict[Any, str]:
@@ -358,27 +360,83 @@ def _seed_list(seeds: list[int]) -> str:
     return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
 
 
-def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str, Any]],
-                   packed_machines: dict[int, str]) -> str:
-    """GRPO at k = 0 made again on one more CPU (*post hoc*), against the persistence experiment's W2 run of each
-    seed (``vs_reference``) and this experiment's packed k = 0 run (``vs_packed``; both from :func:`reproduces`):
-    which runs it repeats bit for bit tells whether the CPU, not the code, parted the k = 0 check's curves."""
-    def against(c: dict[str, Any] | None, what: str) -> str:
-        if c is None:
-            return f"no {what}"
-        return (f"identical to the {what} at {c['checkpoints']} checkpoints" if c["identical"]
-                else f"parted from the {what} at step {c['first_difference']}")
+#: metric keys that measure the machine's speed, not the run: left out when two runs' records are compared
+WALL_CLOCK = ("time/", "throughput/", "mem/")
 
+
+def metrics_agree(a: Path, b: Path) -> tuple[int, int | None]:
+    """(steps both runs' ``metrics.jsonl`` hold, the first step whose records differ outside :data:`WALL_CLOCK`, or
+    ``None``; a run with fewer records differs at the first step it lacks): the training half of "bit for bit",
+    where :func:`reproduces` compares the niche curves."""
+    def records(d: Path) -> list[dict[str, Any]]:
+        path = d / "metrics.jsonl"
+        rows = read_jsonl(path) if path.is_file() else []
+        return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
+
+    ra, rb = records(a), records(b)
+    n = min(len(ra), len(rb))
+    first = next((i + 1 for i in range(n) if ra[i] != rb[i]), None if len(ra) == len(rb) else n + 1)
+    return n, first
+
+
+def cpu_check_result(check_dir: Path, reference_dir: Path, out: Path, runs: list[P.RunEndpoints],
+                     reference: list[P.RunEndpoints]) -> tuple[str, list[int]]:
+    """GRPO at k = 0 made again on one more CPU (*post hoc*; ``check_dir``), against the persistence experiment's W2
+    run (``reference``, in ``reference_dir``) and this experiment's packed run (``runs``, in ``out``) of each seed.
+    Returns :func:`cpu_check_note`'s text and the seeds it shows the CPU to be the cause for: the run made again
+    repeats the W2 run bit for bit (training metrics at every step, niche curve at every checkpoint; both runs
+    complete) where the packed run, made on a CPU recorded as another, did not."""
+    again = [r for r in P.read_runs(WARM, check_dir) if r.arm == "grpo" and r.complete]
+    check_cpu, packed_cpu = run_machines(check_dir), run_machines(out)
+    vs_reference = reproduces(again, [r for r in reference if r.complete], check_cpu)
+    for c in vs_reference:
+        c["steps"], c["metrics_first_difference"] = metrics_agree(
+            check_dir / "runs" / "grpo" / f"seed_{c['seed']}", reference_dir / "runs" / "grpo" / f"seed_{c['seed']}")
+    vs_packed = reproduces(again, [r for r in runs if r.complete])
+    shown = [c["seed"] for c in vs_reference
+             if c["identical"] and c["metrics_first_difference"] is None and c["steps"] > 0
+             and c["seed"] in packed_cpu and c.get("machine") not in (None, packed_cpu[c["seed"]])]
+    missing = sorted({r.seed for r in again} - {c["seed"] for c in vs_reference})
+    return cpu_check_note(vs_reference, vs_packed, packed_cpu, missing), shown
+
+
+def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str, Any]],
+                   packed_machines: dict[int, str], missing: list[int] | None = None) -> str:
+    """The CPU check in words (:func:`cpu_check_result`): per seed, the run made again against the W2 run
+    (``vs_reference``: :func:`reproduces` with ``steps`` and ``metrics_first_difference`` from :func:`metrics_agree`)
+    and against the packed k = 0 run (``vs_packed``), with the CPU each was made on; ``missing``: seeds made again
+    that have no finished W2 run to compare with."""
+    if not vs_reference:
+        return ("CPU check (*post hoc*): " + (f"{_seed_list(missing)} made again, with no finished W2 run to compare "
+                                              "with." if missing else "no finished k = 0 run made again yet."))
+    cpus = sorted({c.get("machine", "a CPU not recorded") for c in vs_reference})
     packed = {c["seed"]: c for c in vs_packed}
+
+    def against_w2(c: dict[str, Any]) -> str:
+        trained = (f"training metrics at {c['steps']} steps" if c["metrics_first_difference"] is None
+                   else f"training metrics parted at step {c['metrics_first_difference']}")
+        curve = (f"niche curve at {c['checkpoints']} checkpoints" if c["identical"]
+                 else f"niche curves parted at step {c['first_difference']}")
+        same = c["identical"] and c["metrics_first_difference"] is None
+        return f"{'identical to' if same else 'parted from'} the W2 run ({trained}; {curve})"
+
+    def against_packed(seed: int) -> str:
+        c = packed.get(seed)
+        if c is None:
+            return "no finished packed k = 0 run"
+        what = (f"identical to the packed k = 0 run at {c['checkpoints']} checkpoints" if c["identical"]
+                else f"parted from the packed k = 0 run at step {c['first_difference']}")
+        return what + (f" (made on {packed_machines[seed]})" if seed in packed_machines else " (its CPU not recorded)")
+
     per_seed = "; ".join(
-        f"seed {c['seed']} {against(c, 'W2 run')}, "
-        + against(packed.get(c["seed"]), "packed k = 0 run")
-        + (f" (made on {packed_machines[c['seed']]})" if c["seed"] in packed_machines else " (its CPU not recorded)")
-        for c in vs_reference)
-    cpus = sorted({c.get("machine", "not recorded") for c in vs_reference})
-    return (f"CPU check (*post hoc*): GRPO at k = 0 made again on {', '.join(cpus)}: {per_seed}. A run that "
-            "repeats the reference on one CPU and parts from it on another parted by the CPU's rounding, not by a "
-            "change in the code or the settings.")
+        f"seed {c['seed']}" + (f" (on {c.get('machine', 'a CPU not recorded')})" if len(cpus) > 1 else "")
+        + f" {against_w2(c)}, {against_packed(c['seed'])}" for c in vs_reference)
+    text = f"CPU check (*post hoc*): GRPO at k = 0 made again on {', '.join(cpus)}: {per_seed}."
+    if missing:
+        text += f" {_seed_list(missing).capitalize()} made again: no finished W2 run to compare with."
+    return text + (" A run that repeats the reference on one machine and parts from it on another was parted by that "
+                   "machine's rounding, not by the code or the settings, which repeat the reference on the first (the "
+                   "torch build is the one `scripts/setup.sh` pins; runs do not record it).")
 
 
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],
@@ -399,7 +457,7 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
         out += [f"k = 0 check against the persistence experiment's W2 GRPO runs: {same} of {len(check)} seeds "
                 "identical" + ("" if not differ else " (first differences: " + ", ".join(
                     f"seed {c['seed']} at step {c['first_difference']}"
-                    + (f", made on a CPU with PyTorch capability {c['machine']}" if "machine" in c else "")
+                    + (f", made on {c['machine']}" if "machine" in c else "")
                     for c in differ) + ")") + "."
                 + (" A run repeats bit for bit only on a like CPU (float rounding follows its vector "
                    "instructions); the reference runs' CPU is not recorded in their pack."
@@ -445,10 +503,7 @@ def analyse(out: Path, reference: Path | None = None, remade: Path | None = None
     check = reproduces(runs, reference_runs, run_machines(out)) if reference is not None else None
     cpu_text, shown = "", []
     if cpu_check is not None and reference is not None:
-        again_here = [r for r in P.read_runs(WARM, cpu_check) if r.arm == "grpo" and r.complete]
-        vs_reference = reproduces(again_here, reference_runs, run_machines(cpu_check))
-        cpu_text = cpu_check_note(vs_reference, reproduces(again_here, runs), run_machines(out))
-        shown = [c["seed"] for c in vs_reference if c["identical"]]
+        cpu_text, shown = cpu_check_result(cpu_check, reference, out, runs, reference_runs)
     complete = {(r.arm, r.seed) for r in runs if r.complete}
     def ratio_tail(d: Path, seed: int) -> bool:
         return at_most_checks(finding_share(d / "runs" / "grpo" / f"seed_{seed}"), "ratio_tail")

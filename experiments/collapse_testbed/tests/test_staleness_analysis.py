@@ -116,7 +116,7 @@ def test_the_k0_check_names_the_first_difference():
     check = S.reproduces(mine, ref, {1: "AVX2"})
     assert check[1]["machine"] == "AVX2" and "machine" not in check[0]
     md = S.markdown(mine, S.comparisons(mine), {}, check)
-    assert ("(first differences: seed 1 at step 24, made on a CPU with PyTorch capability AVX2). A run repeats bit "
+    assert ("(first differences: seed 1 at step 24, made on AVX2). A run repeats bit "
             "for bit only on a like CPU") in md
     # the stop rule's post hoc reading names the recorded CPUs, whatever they are, and claims no more
     assert ("Recorded CPUs: the seeds that differ, AVX2; the identical ones, 1 without a record; the reference runs, "
@@ -142,6 +142,7 @@ def test_a_cpu_is_its_capability_model_and_amx_where_recorded():
     assert S.machine_label(intel) == "AVX512 (Intel(R) Xeon(R) Processor, AMX)"
     assert S.machine_label(amd) == "AVX512 (AMD EPYC)"
     assert S.machine_label({"capability": "AVX2"}) == "AVX2"  # a record without the model: the capability alone
+    assert S.machine_label({"model": "AMD EPYC", "capability": "AVX512"}) == "AVX512 (AMD EPYC, flags not recorded)"
     runs = _runs({"grpo": FAST, "grpo_k1_none": SLOW}, seeds=1)
     machines = {("grpo", 0): S.machine_label(intel), ("grpo_k1_none", 0): S.machine_label(amd)}
     assert S.machine_note(machines, runs) == "Pairs made on two CPUs: seed 0."
@@ -267,29 +268,73 @@ def test_the_remade_k0_runs_are_described_against_the_packed_ones():
     assert note in md and "| grpo_remade | 1 | yes |" in md
 
 
-def test_a_cpu_check_that_repeats_the_reference_shows_the_cpu_as_the_cause():
-    # seed 0 was identical in the k = 0 check; seeds 1 and 2 parted from the reference on the experiment's CPU
-    reference = [P.endpoints("W2", "grpo", s, FAST) for s in range(3)]
-    packed = [P.endpoints("W2", "grpo", 0, FAST)] + [P.endpoints("W2", "grpo", s, SLOW) for s in (1, 2)]
-    check = S.reproduces(packed, reference, {1: "AVX512 (Intel, AMX)", 2: "AVX512 (Intel, AMX)"})
-    # made again on a third CPU: seeds 0 and 1 repeat the reference, seed 2 does not
-    again = [P.endpoints("W2", "grpo", s, c) for s, c in ((0, FAST), (1, FAST), (2, NEVER))]
-    vs_reference = S.reproduces(again, reference, {s: "AVX512 (AMD EPYC)" for s in range(3)})
-    note = S.cpu_check_note(vs_reference, S.reproduces(again, packed), {1: "AVX512 (Intel, AMX)"})
+def _k0_run(root, seed: int, curve, metrics: list[dict], machine: dict | None = None) -> None:
+    """A finished GRPO run of a staleness-like experiment under ``root``: its niche curve as checkpoint
+    evaluations, its training metrics, and the CPU its done.json records."""
+    d = root / "runs" / "grpo" / f"seed_{seed}"
+    for step, v in curve:
+        e = d / "ckpt_eval" / f"step_{step}"
+        e.mkdir(parents=True)
+        (e / "eval.json").write_text(json.dumps({"config": {"seed": 0}, "overall": {"pass@1": v},
+                                                 "by": {"groups": {"decade": {"pass@1": v}}}}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (d / "done.json").write_text(json.dumps({"machine": machine} if machine else {}))
+
+
+def test_a_cpu_check_that_repeats_the_reference_shows_the_cpu_as_the_cause(tmp_path):
+    intel = {"model": "Intel", "capability": "AVX512", "flags": ["amx_tile"]}
+    amd = {"model": "AMD EPYC", "capability": "AVX512", "flags": []}
+    trained = [{"loss/policy": 0.1 * i, "time/step_s": 1.0} for i in range(3)]
+    clocked = [dict(m, **{"time/step_s": 9.0, "throughput/tokens_per_s": 5.0}) for m in trained]  # speed only
+    w2, packed, again = tmp_path / "W2", tmp_path / "packed", tmp_path / "again"
+    for seed in range(5):
+        _k0_run(w2, seed, FAST, trained)
+    # seed 0 agreed in the k = 0 check; seeds 1-4 parted from W2 on the Intel Xeon
+    _k0_run(packed, 0, FAST, trained)
+    for seed in range(1, 5):
+        _k0_run(packed, seed, SLOW, trained, intel)
+    # made again on the AMD EPYC: seeds 0, 1 repeat W2; seed 2 only in its niche curve; seed 3 not at all;
+    # seed 4 was made again on the Intel Xeon itself, so repeating W2 there would not show the CPU; seed 5 has no W2
+    _k0_run(again, 0, FAST, clocked, amd)
+    _k0_run(again, 1, FAST, clocked, amd)
+    _k0_run(again, 2, FAST, trained[:2] + [{"loss/policy": 7.0}], amd)
+    _k0_run(again, 3, NEVER, trained, amd)
+    _k0_run(again, 4, FAST, trained, intel)
+    _k0_run(again, 5, FAST, trained, amd)
+    runs, reference = P.read_runs("W2", packed), P.read_runs("W2", w2)
+    note, shown = S.cpu_check_result(again, w2, packed, runs, reference)
+    assert shown == [1]
     assert note.startswith(
-        "CPU check (*post hoc*): GRPO at k = 0 made again on AVX512 (AMD EPYC): seed 0 identical to the W2 run at 21 "
-        "checkpoints, identical to the packed k = 0 run at 21 checkpoints (its CPU not recorded); seed 1 identical "
-        "to the W2 run at 21 checkpoints, parted from the packed k = 0 run at step 16 (made on AVX512 (Intel, AMX)); "
-        "seed 2 parted from the W2 run at step 8, parted from the packed k = 0 run at step 8 (its CPU not "
-        "recorded).")
-    shown = [c["seed"] for c in vs_reference if c["identical"]]
+        "CPU check (*post hoc*): GRPO at k = 0 made again on AVX512 (AMD EPYC), AVX512 (Intel, AMX): "
+        "seed 0 (on AVX512 (AMD EPYC)) identical to the W2 run (training metrics at 3 steps; niche curve at 21 "
+        "checkpoints), identical to the packed k = 0 run at 21 checkpoints (its CPU not recorded); "
+        "seed 1 (on AVX512 (AMD EPYC)) identical to the W2 run (training metrics at 3 steps; niche curve at 21 "
+        "checkpoints), parted from the packed k = 0 run at step 16 (made on AVX512 (Intel, AMX)); "
+        "seed 2 (on AVX512 (AMD EPYC)) parted from the W2 run (training metrics parted at step 3; niche curve at 21 "
+        "checkpoints)")
+    assert ("seed 3 (on AVX512 (AMD EPYC)) parted from the W2 run (training metrics at 3 steps; niche curves parted "
+            "at step 8)") in note
+    assert "Seed 5 made again: no finished W2 run to compare with." in note
+    check = S.reproduces(runs, reference, S.run_machines(packed))
     stop = S.k0_stop_text(check, shown)
-    # seed 0 never differed, so only seed 1 is shown; seed 2 stays a likely case
     assert stop.endswith("The CPU is shown to be the cause for seed 1 (made again on another CPU, they repeat the "
-                         "reference runs bit for bit: the CPU check below), and is a likely one for seed 2.")
+                         "reference runs bit for bit: the CPU check below), and is a likely one for seeds 2, 3, 4.")
     assert S.k0_stop_text(check).endswith("The CPU is a likely cause, not a shown one.")
-    md = S.markdown(packed, S.comparisons(packed), {}, check, cpu_check=note, shown=shown)
+    md = S.markdown(runs, S.comparisons(runs), {}, check, cpu_check=note, shown=shown)
     assert note in md and md.index("The CPU is shown") < md.index(note)
+    assert S.cpu_check_note([], [], {}) == "CPU check (*post hoc*): no finished k = 0 run made again yet."
+    assert S.cpu_check_note([], [], {}, [6]) == ("CPU check (*post hoc*): seed 6 made again, with no finished W2 run "
+                                                 "to compare with.")
+
+
+def test_metrics_agree_leaves_the_clock_out_and_finds_the_first_difference(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, rows in ((a, [{"x": 1, "time/s": 1}, {"x": 2}]), (b, [{"x": 1, "time/s": 5}, {"x": 3}, {"x": 4}])):
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert S.metrics_agree(a, b) == (2, 2)
+    assert S.metrics_agree(a, a) == (2, None)
+    assert S.metrics_agree(a, tmp_path / "none") == (0, 1)  # a run with fewer records differs where it ends
 
 
 def test_a_cpu_check_needs_the_reference(tmp_path, capsys):
