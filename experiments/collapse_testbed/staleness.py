@@ -436,7 +436,7 @@ def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str,
         text += f" {_seed_list(missing).capitalize()} made again: no finished W2 run to compare with."
     return text + (" A run that repeats the reference on one machine and parts from it on another was parted by that "
                    "machine's rounding, not by the code or the settings, which repeat the reference on the first (the "
-                   "torch build is the one `scripts/setup.sh` pins; runs do not record it).")
+                   "torch build is the one `scripts/setup.sh` pins; these runs do not record it).")
 
 
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],

@@ -80,13 +80,14 @@ def _cpuinfo() -> tuple[str, set[str]]:
 
 def cpu_info() -> dict[str, Any]:
     """What a CPU figure depends on: model, PyTorch's capability, the kernel-deciding flags present, native bf16,
-    logical CPUs and torch threads, and any environment override of the ISA that was in force."""
+    logical CPUs and torch threads, the torch build (its kernels decide the rounding as much as the CPU does), and
+    any environment override of the ISA that was in force."""
     import torch
 
     model, flags = _cpuinfo()
     info: dict[str, Any] = {"model": model, "capability": capability(), "bf16_native": bf16_gemm_native(),
                             "flags": [f for f in KERNEL_FLAGS if f in flags], "cpus": os.cpu_count(),
-                            "torch_threads": torch.get_num_threads()}
+                            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     overrides = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
                  if os.environ.get(k)}
     if overrides:

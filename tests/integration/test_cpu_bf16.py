@@ -29,7 +29,8 @@ def test_bf16_gemm_native_agrees_with_the_reorder_it_predicts():
 def test_cpu_info_records_what_a_figure_depends_on(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     info = cpu.cpu_info()
-    assert {"model", "capability", "bf16_native", "flags", "cpus", "torch_threads"} <= set(info)
+    assert {"model", "capability", "bf16_native", "flags", "cpus", "torch_threads", "torch"} <= set(info)
+    assert info["torch"] == torch.__version__  # the build rounds as much as the CPU does
     assert info["capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(info["flags"]) <= set(cpu.KERNEL_FLAGS) and info["isa_overrides"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
     json.dumps(info)

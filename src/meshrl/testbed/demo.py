@@ -197,12 +197,10 @@ def _train_in_workers(jobs: list[tuple[str, int, str]], model_path: str, s: Demo
 
 def machine() -> dict[str, Any]:
     """What the figures depend on besides the settings: the CPU record benchmarks keep (:func:`meshrl.cpu.cpu_info`:
-    model, kernel-deciding flags, native bf16) and the torch version."""
-    import torch
-
+    model, kernel-deciding flags, native bf16, the torch version)."""
     from meshrl.cpu import cpu_info
 
-    return {**cpu_info(), "torch": torch.__version__}
+    return cpu_info()
 
 
 def settings_of(summary: dict[str, Any]) -> DemoSettings:
