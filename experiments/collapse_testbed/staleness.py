@@ -329,31 +329,41 @@ def remade_note(again: list[dict[str, Any]], runs: list[P.RunEndpoints]) -> str:
             "The k = 8 arms keep the packed k = 0 run they were made beside.")
 
 
-def k0_stop_text(check: list[dict[str, Any]], shown: list[int] | None = None) -> str:
+def k0_stop_text(check: list[dict[str, Any]], shown: list[int] | None = None, against: list[int] | None = None) -> str:
     """What the pre-registered stop rule says when the k = 0 check fails, and what the recorded CPUs say for and
-    against putting the difference down to the CPU (the experiment went on: *post hoc*); ``shown``: the seeds
-    whose k = 0 run, made again on another CPU, repeats the reference run bit for bit (:func:`cpu_check_note`)."""
+    against putting the difference down to the CPU (the experiment went on: *post hoc*); ``shown`` and
+    ``against``: the seeds whose k = 0 run, made again on another CPU or on the packed run's own, repeats the
+    reference run (:func:`cpu_check_result`)."""
     def cpus(cs: list[dict[str, Any]]) -> str:
         known = sorted({c["machine"] for c in cs if "machine" in c})
         unknown = sum("machine" not in c for c in cs)
-        return (", ".join(known) if known else "") + (("; " if known else "") + f"{unknown} without a record"
-                                                       if unknown else "")
+        without = f"{unknown} seed{'' if unknown == 1 else 's'} without a record"
+        return (", ".join(known) if known else "") + (("; " if known else "") + without if unknown else "")
     differ = [c for c in check if not c["identical"]]
     same = [c for c in check if c["identical"]]
     return ("The pre-registered rule stops the experiment here until the difference is found; it went on "
             "(*post hoc*), the difference put down to the CPU, each seed's runs made on one machine. Recorded CPUs: "
             f"the seeds that differ, {cpus(differ)}; the identical ones, {cpus(same) if same else 'none'}; the "
-            "reference runs, none. " + _cause(differ, shown or []))
+            "reference runs, none. " + _cause(differ, shown or [], against or []))
 
 
-def _cause(differ: list[dict[str, Any]], shown: list[int]) -> str:
-    shown = sorted(set(shown) & {c["seed"] for c in differ})
-    if not shown:
+def _cause(differ: list[dict[str, Any]], shown: list[int], against: list[int]) -> str:
+    seeds = {c["seed"] for c in differ}
+    shown, against = sorted(set(shown) & seeds), sorted(set(against) & seeds)
+    rest = sorted(seeds - set(shown) - set(against))
+    one = len(shown) == 1
+    parts = ([f"The CPU is shown to be the cause for {_seed_list(shown)} (made again on another CPU, "
+              f"{'it repeats the reference run' if one else 'they repeat the reference runs'}: the CPU check below)"]
+             if shown else [])
+    if against:
+        parts.append(f"not explained by the CPU as recorded for {_seed_list(against)} (made again on the CPU its "
+                     "packed run records, it repeats the reference run: the CPU check below)")
+    if not parts:
         return "The CPU is a likely cause, not a shown one."
-    rest = [c["seed"] for c in differ if c["seed"] not in shown]
-    return (f"The CPU is shown to be the cause for {_seed_list(shown)} (made again on another CPU, they repeat the "
-            "reference runs bit for bit: the CPU check below)"
-            + (f", and is a likely one for {_seed_list(rest)}." if rest else "."))
+    if rest:
+        parts.append(f"a likely cause for {_seed_list(rest)}")
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:]
 
 
 def _seed_list(seeds: list[int]) -> str:
@@ -366,38 +376,45 @@ WALL_CLOCK = ("time/", "throughput/", "mem/")
 
 def metrics_agree(a: Path, b: Path) -> tuple[int, int | None]:
     """(steps both runs' ``metrics.jsonl`` hold, the first step whose records differ outside :data:`WALL_CLOCK`, or
-    ``None``; a run with fewer records differs at the first step it lacks): the training half of "bit for bit",
-    where :func:`reproduces` compares the niche curves."""
-    def records(d: Path) -> list[dict[str, Any]]:
+    ``None``; a step only one run holds differs): the training half of the comparison, where :func:`reproduces`
+    compares the niche curves."""
+    def records(d: Path) -> dict[int, dict[str, Any]]:
         path = d / "metrics.jsonl"
         rows = read_jsonl(path) if path.is_file() else []
-        return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
+        return {int(r.get("step", i + 1)): {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
+                for i, r in enumerate(rows)}
 
     ra, rb = records(a), records(b)
-    n = min(len(ra), len(rb))
-    first = next((i + 1 for i in range(n) if ra[i] != rb[i]), None if len(ra) == len(rb) else n + 1)
-    return n, first
+    differ = sorted(step for step in set(ra) | set(rb) if ra.get(step) != rb.get(step))
+    return len(set(ra) & set(rb)), (differ[0] if differ else None)
 
 
 def cpu_check_result(check_dir: Path, reference_dir: Path, out: Path, runs: list[P.RunEndpoints],
-                     reference: list[P.RunEndpoints]) -> tuple[str, list[int]]:
+                     reference: list[P.RunEndpoints]) -> tuple[str, list[int], list[int]]:
     """GRPO at k = 0 made again on one more CPU (*post hoc*; ``check_dir``), against the persistence experiment's W2
     run (``reference``, in ``reference_dir``) and this experiment's packed run (``runs``, in ``out``) of each seed.
-    Returns :func:`cpu_check_note`'s text and the seeds it shows the CPU to be the cause for: the run made again
-    repeats the W2 run bit for bit (training metrics at every step, niche curve at every checkpoint; both runs
-    complete) where the packed run, made on a CPU recorded as another, did not."""
-    again = [r for r in P.read_runs(WARM, check_dir) if r.arm == "grpo" and r.complete]
+    Returns :func:`cpu_check_note`'s text, the seeds it shows the CPU to be the cause for (the run made again
+    repeats the W2 run, every logged training metric at every step and the niche curve at every checkpoint, both
+    runs complete, on a CPU recorded as other than the packed run's) and the seeds where it speaks against the CPU
+    (the same, made on the CPU the packed run records)."""
+    made = [r for r in P.read_runs(WARM, check_dir) if r.arm == "grpo"]
+    again = [r for r in made if r.complete]
     check_cpu, packed_cpu = run_machines(check_dir), run_machines(out)
     vs_reference = reproduces(again, [r for r in reference if r.complete], check_cpu)
     for c in vs_reference:
         c["steps"], c["metrics_first_difference"] = metrics_agree(
             check_dir / "runs" / "grpo" / f"seed_{c['seed']}", reference_dir / "runs" / "grpo" / f"seed_{c['seed']}")
     vs_packed = reproduces(again, [r for r in runs if r.complete])
-    shown = [c["seed"] for c in vs_reference
-             if c["identical"] and c["metrics_first_difference"] is None and c["steps"] > 0
-             and c["seed"] in packed_cpu and c.get("machine") not in (None, packed_cpu[c["seed"]])]
+    repeats = [c for c in vs_reference if c["identical"] and c["metrics_first_difference"] is None and c["steps"] > 0
+               and c["seed"] in packed_cpu and c.get("machine") is not None]
+    shown = [c["seed"] for c in repeats if c["machine"] != packed_cpu[c["seed"]]]
+    against = [c["seed"] for c in repeats if c["machine"] == packed_cpu[c["seed"]]]
     missing = sorted({r.seed for r in again} - {c["seed"] for c in vs_reference})
-    return cpu_check_note(vs_reference, vs_packed, packed_cpu, missing), shown
+    text = cpu_check_note(vs_reference, vs_packed, packed_cpu, missing)
+    unfinished = sorted(r.seed for r in made if not r.complete)
+    if unfinished:
+        text += f" Not finished, left out: {_seed_list(unfinished)}."
+    return text, shown, against
 
 
 def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str, Any]],
@@ -417,7 +434,7 @@ def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str,
                    else f"training metrics parted at step {c['metrics_first_difference']}")
         curve = (f"niche curve at {c['checkpoints']} checkpoints" if c["identical"]
                  else f"niche curves parted at step {c['first_difference']}")
-        same = c["identical"] and c["metrics_first_difference"] is None
+        same = c["identical"] and c["metrics_first_difference"] is None and c["steps"] > 0
         return f"{'identical to' if same else 'parted from'} the W2 run ({trained}; {curve})"
 
     def against_packed(seed: int) -> str:
@@ -435,15 +452,15 @@ def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str,
     if missing:
         text += f" {_seed_list(missing).capitalize()} made again: no finished W2 run to compare with."
     return text + (" A run that repeats the reference on one machine and parts from it on another was parted by that "
-                   "machine's rounding, not by the code or the settings, which repeat the reference on the first (the "
-                   "torch build is the one `scripts/setup.sh` pins; these runs do not record it).")
+                   "machine's rounding, not by the code or the settings, which repeat the reference on the first."
+                   if any(c["identical"] and c["metrics_first_difference"] is None for c in vs_reference) else "")
 
 
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],
              check: list[dict[str, Any]] | None, overall: dict[tuple[str, int], float] | None = None,
              gone: dict[tuple[str, int], str] | None = None, machines: dict[tuple[str, int], str] | None = None,
              k0_tails: list[str] | None = None, again: list[dict[str, Any]] | None = None,
-             cpu_check: str = "", shown: list[int] | None = None) -> str:
+             cpu_check: str = "", shown: list[int] | None = None, against: list[int] | None = None) -> str:
     machines = machines or {}
     out = ["# Staleness and strategy collapse (preregistration_staleness.md)", "", decision(rows), "",
            without_divergent(runs, gone or {})
@@ -462,7 +479,7 @@ def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[s
                 + (" A run repeats bit for bit only on a like CPU (float rounding follows its vector "
                    "instructions); the reference runs' CPU is not recorded in their pack."
                    if any("machine" in c for c in differ) else "")
-                + (" " + k0_stop_text(check, shown) if differ else ""), ""]
+                + (" " + k0_stop_text(check, shown, against) if differ else ""), ""]
     if cpu_check:
         out += [cpu_check, ""]
     overall = overall or {}
@@ -501,9 +518,9 @@ def analyse(out: Path, reference: Path | None = None, remade: Path | None = None
     runs = P.read_runs(WARM, out)
     reference_runs = P.read_runs(WARM, reference) if reference is not None else []
     check = reproduces(runs, reference_runs, run_machines(out)) if reference is not None else None
-    cpu_text, shown = "", []
+    cpu_text, shown, against = "", [], []
     if cpu_check is not None and reference is not None:
-        cpu_text, shown = cpu_check_result(cpu_check, reference, out, runs, reference_runs)
+        cpu_text, shown, against = cpu_check_result(cpu_check, reference, out, runs, reference_runs)
     complete = {(r.arm, r.seed) for r in runs if r.complete}
     def ratio_tail(d: Path, seed: int) -> bool:
         return at_most_checks(finding_share(d / "runs" / "grpo" / f"seed_{seed}"), "ratio_tail")
@@ -520,7 +537,8 @@ def analyse(out: Path, reference: Path | None = None, remade: Path | None = None
         machines.update({(REMADE, seed): m for seed, m in remade_cpu.items()})
         overall.update({(REMADE, s): v for (a, s), v in overall_at_horizon(remade).items() if a == "grpo"})
         k0_tails += [f"{r.seed} ({REMADE})" for r in remade_runs if r.complete and ratio_tail(remade, r.seed)]
-    return markdown(runs, comparisons(runs), lag, check, overall, gone, machines, k0_tails, again, cpu_text, shown)
+    return markdown(runs, comparisons(runs), lag, check, overall, gone, machines, k0_tails, again, cpu_text, shown,
+                    against)
 
 
 def main(argv: list[str] | None = None) -> int:

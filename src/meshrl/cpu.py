@@ -97,10 +97,12 @@ def cpu_info() -> dict[str, Any]:
 
 def describe(info: dict[str, Any]) -> str:
     """The one line a benchmark prints beside its figures, from a :func:`cpu_info` record: ``cpu: <model>; PyTorch
-    capability <capability>; native bf16 <yes/no>; flags <comma list>``, and the ISA overrides where any was in
-    force (a figure taken under ``ONEDNN_MAX_CPU_ISA`` is not this CPU's own)."""
+    capability <capability>; native bf16 <yes/no>; flags <comma list>; torch <version>`` (where recorded), and the
+    ISA overrides where any was in force (a figure taken under ``ONEDNN_MAX_CPU_ISA`` is not this CPU's own)."""
     line = (f"cpu: {info['model']}; PyTorch capability {info['capability']}; "
             f"native bf16 {'yes' if info['bf16_native'] else 'no'}; flags {','.join(info['flags']) or 'none'}")
+    if info.get("torch"):
+        line += f"; torch {info['torch']}"
     overrides = info.get("isa_overrides")
     if overrides:
         line += "; ISA overrides " + ",".join(f"{k}={v}" for k, v in overrides.items())

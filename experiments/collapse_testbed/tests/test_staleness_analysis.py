@@ -4,6 +4,7 @@ rules, the lag figures and the k = 0 check."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -119,8 +120,8 @@ def test_the_k0_check_names_the_first_difference():
     assert ("(first differences: seed 1 at step 24, made on AVX2). A run repeats bit "
             "for bit only on a like CPU") in md
     # the stop rule's post hoc reading names the recorded CPUs, whatever they are, and claims no more
-    assert ("Recorded CPUs: the seeds that differ, AVX2; the identical ones, 1 without a record; the reference runs, "
-            "none. The CPU is a likely cause, not a shown one.") in md
+    assert ("Recorded CPUs: the seeds that differ, AVX2; the identical ones, 1 seed without a record; the reference "
+            "runs, none. The CPU is a likely cause, not a shown one.") in md
 
 
 def test_run_machines_reads_the_cpu_each_run_recorded(tmp_path):
@@ -302,8 +303,8 @@ def test_a_cpu_check_that_repeats_the_reference_shows_the_cpu_as_the_cause(tmp_p
     _k0_run(again, 4, FAST, trained, intel)
     _k0_run(again, 5, FAST, trained, amd)
     runs, reference = P.read_runs("W2", packed), P.read_runs("W2", w2)
-    note, shown = S.cpu_check_result(again, w2, packed, runs, reference)
-    assert shown == [1]
+    note, shown, against = S.cpu_check_result(again, w2, packed, runs, reference)
+    assert shown == [1] and against == [4]
     assert note.startswith(
         "CPU check (*post hoc*): GRPO at k = 0 made again on AVX512 (AMD EPYC), AVX512 (Intel, AMX): "
         "seed 0 (on AVX512 (AMD EPYC)) identical to the W2 run (training metrics at 3 steps; niche curve at 21 "
@@ -316,13 +317,27 @@ def test_a_cpu_check_that_repeats_the_reference_shows_the_cpu_as_the_cause(tmp_p
             "at step 8)") in note
     assert "Seed 5 made again: no finished W2 run to compare with." in note
     check = S.reproduces(runs, reference, S.run_machines(packed))
-    stop = S.k0_stop_text(check, shown)
-    assert stop.endswith("The CPU is shown to be the cause for seed 1 (made again on another CPU, they repeat the "
-                         "reference runs bit for bit: the CPU check below), and is a likely one for seeds 2, 3, 4.")
+    stop = S.k0_stop_text(check, shown, against)
+    # seed 0 never differed, so only seed 1 is shown; seed 4 repeating W2 on its packed run's own CPU speaks against
+    # the CPU; seeds 2 and 3 (parted from W2 again) stay likely cases
+    assert stop.endswith("The CPU is shown to be the cause for seed 1 (made again on another CPU, it repeats the "
+                         "reference run: the CPU check below); not explained by the CPU as recorded for seed 4 (made "
+                         "again on the CPU its packed run records, it repeats the reference run: the CPU check "
+                         "below); a likely cause for seeds 2, 3.")
     assert S.k0_stop_text(check).endswith("The CPU is a likely cause, not a shown one.")
-    md = S.markdown(runs, S.comparisons(runs), {}, check, cpu_check=note, shown=shown)
+    md = S.markdown(runs, S.comparisons(runs), {}, check, cpu_check=note, shown=shown, against=against)
     assert note in md and md.index("The CPU is shown") < md.index(note)
     assert S.cpu_check_note([], [], {}) == "CPU check (*post hoc*): no finished k = 0 run made again yet."
+    # a run made again without a CPU record, or with no metrics, shows nothing; an unfinished one is named
+    for seed in (1, 4):
+        shutil.rmtree(again / "runs" / "grpo" / f"seed_{seed}")
+    _k0_run(again, 1, FAST, clocked)  # no CPU recorded
+    _k0_run(again, 4, FAST, [], amd)  # no training metrics
+    _k0_run(again, 6, FAST[:5], trained, amd)  # still training
+    note, shown, against = S.cpu_check_result(again, w2, packed, runs, reference)
+    assert shown == [] and against == []
+    assert "seed 4 (on AVX512 (AMD EPYC)) parted from the W2 run (training metrics parted at step 1;" in note
+    assert note.endswith("Not finished, left out: seed 6.")
     assert S.cpu_check_note([], [], {}, [6]) == ("CPU check (*post hoc*): seed 6 made again, with no finished W2 run "
                                                  "to compare with.")
 
@@ -334,7 +349,14 @@ def test_metrics_agree_leaves_the_clock_out_and_finds_the_first_difference(tmp_p
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert S.metrics_agree(a, b) == (2, 2)
     assert S.metrics_agree(a, a) == (2, None)
-    assert S.metrics_agree(a, tmp_path / "none") == (0, 1)  # a run with fewer records differs where it ends
+    assert S.metrics_agree(a, tmp_path / "none") == (0, 1)  # a step only one run holds differs
+    c = tmp_path / "c"  # records matched by their step, not their line
+    c.mkdir()
+    (c / "metrics.jsonl").write_text(json.dumps({"step": 2, "x": 2}) + "\n" + json.dumps({"step": 1, "x": 1}) + "\n")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "x": 1}) + "\n" + json.dumps({"step": 2, "x": 2}) + "\n")
+    assert S.metrics_agree(c, d) == (2, None)
 
 
 def test_a_cpu_check_needs_the_reference(tmp_path, capsys):
