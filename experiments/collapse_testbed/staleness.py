@@ -308,7 +308,7 @@ def machine_note(machines: dict[tuple[str, int], str], runs: list[P.RunEndpoints
 
 
 def _seeds(seeds: list[int]) -> str:
-    return f"Seed {seeds[0]} has" if len(seeds) == 1 else f"Seeds {', '.join(map(str, seeds))} have"
+    return _seed_list(seeds).capitalize() + (" has" if len(seeds) == 1 else " have")
 
 
 def remade_note(again: list[dict[str, Any]], runs: list[P.RunEndpoints]) -> str:
@@ -389,24 +389,24 @@ def metrics_agree(a: Path, b: Path) -> tuple[int, int | None]:
     return len(set(ra) & set(rb)), (differ[0] if differ else None)
 
 
-def cpu_check_result(check_dir: Path, reference_dir: Path, out: Path, runs: list[P.RunEndpoints],
+def cpu_check_result(check_dir: Path, reference_dir: Path, runs: list[P.RunEndpoints], packed_cpu: dict[int, str],
                      reference: list[P.RunEndpoints]) -> tuple[str, list[int], list[int]]:
     """GRPO at k = 0 made again on one more CPU (*post hoc*; ``check_dir``), against the persistence experiment's W2
-    run (``reference``, in ``reference_dir``) and this experiment's packed run (``runs``, in ``out``) of each seed.
+    run (``reference``, in ``reference_dir``) and this experiment's packed run (``runs``; its CPU ``packed_cpu``, by
+    seed: :func:`run_machines`) of each seed.
     Returns :func:`cpu_check_note`'s text, the seeds it shows the CPU to be the cause for (the run made again
     repeats the W2 run, every logged training metric at every step and the niche curve at every checkpoint, both
     runs complete, on a CPU recorded as other than the packed run's) and the seeds where it speaks against the CPU
     (the same, made on the CPU the packed run records)."""
     made = [r for r in P.read_runs(WARM, check_dir) if r.arm == "grpo"]
     again = [r for r in made if r.complete]
-    check_cpu, packed_cpu = run_machines(check_dir), run_machines(out)
-    vs_reference = reproduces(again, [r for r in reference if r.complete], check_cpu)
+    vs_reference = reproduces(again, [r for r in reference if r.complete], run_machines(check_dir))
     for c in vs_reference:
         c["steps"], c["metrics_first_difference"] = metrics_agree(
             check_dir / "runs" / "grpo" / f"seed_{c['seed']}", reference_dir / "runs" / "grpo" / f"seed_{c['seed']}")
+        c["repeats"] = c["identical"] and c["metrics_first_difference"] is None and c["steps"] > 0
     vs_packed = reproduces(again, [r for r in runs if r.complete])
-    repeats = [c for c in vs_reference if c["identical"] and c["metrics_first_difference"] is None and c["steps"] > 0
-               and c["seed"] in packed_cpu and c.get("machine") is not None]
+    repeats = [c for c in vs_reference if c["repeats"] and c["seed"] in packed_cpu and c.get("machine") is not None]
     shown = [c["seed"] for c in repeats if c["machine"] != packed_cpu[c["seed"]]]
     against = [c["seed"] for c in repeats if c["machine"] == packed_cpu[c["seed"]]]
     missing = sorted({r.seed for r in again} - {c["seed"] for c in vs_reference})
@@ -420,7 +420,8 @@ def cpu_check_result(check_dir: Path, reference_dir: Path, out: Path, runs: list
 def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str, Any]],
                    packed_machines: dict[int, str], missing: list[int] | None = None) -> str:
     """The CPU check in words (:func:`cpu_check_result`): per seed, the run made again against the W2 run
-    (``vs_reference``: :func:`reproduces` with ``steps`` and ``metrics_first_difference`` from :func:`metrics_agree`)
+    (``vs_reference``: :func:`reproduces` with ``steps``, ``metrics_first_difference`` and ``repeats`` from
+    :func:`cpu_check_result`)
     and against the packed k = 0 run (``vs_packed``), with the CPU each was made on; ``missing``: seeds made again
     that have no finished W2 run to compare with."""
     if not vs_reference:
@@ -434,8 +435,7 @@ def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str,
                    else f"training metrics parted at step {c['metrics_first_difference']}")
         curve = (f"niche curve at {c['checkpoints']} checkpoints" if c["identical"]
                  else f"niche curves parted at step {c['first_difference']}")
-        same = c["identical"] and c["metrics_first_difference"] is None and c["steps"] > 0
-        return f"{'identical to' if same else 'parted from'} the W2 run ({trained}; {curve})"
+        return f"{'identical to' if c['repeats'] else 'parted from'} the W2 run ({trained}; {curve})"
 
     def against_packed(seed: int) -> str:
         c = packed.get(seed)
@@ -453,7 +453,7 @@ def cpu_check_note(vs_reference: list[dict[str, Any]], vs_packed: list[dict[str,
         text += f" {_seed_list(missing).capitalize()} made again: no finished W2 run to compare with."
     return text + (" A run that repeats the reference on one machine and parts from it on another was parted by that "
                    "machine's rounding, not by the code or the settings, which repeat the reference on the first."
-                   if any(c["identical"] and c["metrics_first_difference"] is None for c in vs_reference) else "")
+                   if any(c["repeats"] for c in vs_reference) else "")
 
 
 def markdown(runs: list[P.RunEndpoints], rows: list[dict[str, Any]], lag: dict[str, dict[str, float]],
@@ -517,10 +517,11 @@ def analyse(out: Path, reference: Path | None = None, remade: Path | None = None
             cpu_check: Path | None = None) -> str:
     runs = P.read_runs(WARM, out)
     reference_runs = P.read_runs(WARM, reference) if reference is not None else []
-    check = reproduces(runs, reference_runs, run_machines(out)) if reference is not None else None
+    packed_cpu = run_machines(out)
+    check = reproduces(runs, reference_runs, packed_cpu) if reference is not None else None
     cpu_text, shown, against = "", [], []
     if cpu_check is not None and reference is not None:
-        cpu_text, shown, against = cpu_check_result(cpu_check, reference, out, runs, reference_runs)
+        cpu_text, shown, against = cpu_check_result(cpu_check, reference, runs, packed_cpu, reference_runs)
     complete = {(r.arm, r.seed) for r in runs if r.complete}
     def ratio_tail(d: Path, seed: int) -> bool:
         return at_most_checks(finding_share(d / "runs" / "grpo" / f"seed_{seed}"), "ratio_tail")

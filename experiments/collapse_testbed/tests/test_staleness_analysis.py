@@ -303,7 +303,7 @@ def test_a_cpu_check_that_repeats_the_reference_shows_the_cpu_as_the_cause(tmp_p
     _k0_run(again, 4, FAST, trained, intel)
     _k0_run(again, 5, FAST, trained, amd)
     runs, reference = P.read_runs("W2", packed), P.read_runs("W2", w2)
-    note, shown, against = S.cpu_check_result(again, w2, packed, runs, reference)
+    note, shown, against = S.cpu_check_result(again, w2, runs, S.run_machines(packed), reference)
     assert shown == [1] and against == [4]
     assert note.startswith(
         "CPU check (*post hoc*): GRPO at k = 0 made again on AVX512 (AMD EPYC), AVX512 (Intel, AMX): "
@@ -334,7 +334,7 @@ def test_a_cpu_check_that_repeats_the_reference_shows_the_cpu_as_the_cause(tmp_p
     _k0_run(again, 1, FAST, clocked)  # no CPU recorded
     _k0_run(again, 4, FAST, [], amd)  # no training metrics
     _k0_run(again, 6, FAST[:5], trained, amd)  # still training
-    note, shown, against = S.cpu_check_result(again, w2, packed, runs, reference)
+    note, shown, against = S.cpu_check_result(again, w2, runs, S.run_machines(packed), reference)
     assert shown == [] and against == []
     assert "seed 4 (on AVX512 (AMD EPYC)) parted from the W2 run (training metrics parted at step 1;" in note
     assert note.endswith("Not finished, left out: seed 6.")
