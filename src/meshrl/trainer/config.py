@@ -23,6 +23,7 @@ from meshrl.rollout import BACKENDS
 from meshrl.settings import check_settings, section, setting
 from meshrl.trainer.plugins import PluginsConfig, validate_plugins
 from meshrl.trainer.schedule import SCHEDULES
+from meshrl.yaml_files import deep_merge, read_yaml_mapping
 
 ROLLOUT_BACKENDS = tuple(sorted(BACKENDS))  # the registry's: a registered backend is a choice (meshrl.rollout)
 LR_SCHEDULES = SCHEDULES
@@ -533,7 +534,7 @@ def load_config(
             _from_dict(RunConfig, _without_derived(loaded), "")
         except ValueError as e:
             raise ValueError(f"config file {path}: {e}") from None
-        data = _deep_merge(data, loaded)
+        data = deep_merge(data, loaded)
     for text in overrides or []:
         key, value = parse_override(text)
         set_dotted(data, key, value)
@@ -543,55 +544,6 @@ def load_config(
 def _without_derived(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` without the derived records ``config_record`` adds (a saved config.yaml loads back)."""
     return {k: v for k, v in data.items() if k not in ("resolved_recipe", "resolved_mesh", "resolved_task")}
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key repeated in one mapping (PyYAML keeps the last one silently)."""
-
-
-def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} repeats (first at line {seen[key] + 1})", key_node.start_mark)
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
-
-
-def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
-    """Parse a YAML file holding a mapping; every failure is a ``ValueError`` naming the file (and line)."""
-    if not path.is_file():
-        raise ValueError(f"{what} not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"{what} {path}, line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
-    try:
-        loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ValueError(f"{what} {path}{where}: YAML syntax error: {problem}") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ValueError(f"{what} {path} must hold a mapping at the top level, got {type(loaded).__name__}")
-    return loaded
-
-
-def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def config_record(cfg: RunConfig, task: Any = None) -> dict[str, Any]:
