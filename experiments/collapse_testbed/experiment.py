@@ -176,6 +176,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     from meshrl.cpu import cpu_info
     from meshrl.evaluation import run_eval
     from meshrl.jsonl import atomic_write_text
+    from meshrl.provenance import code_version
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.tasks import load_task
     from meshrl.trainer import load_config, train
@@ -200,7 +201,8 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
             # the failure counters and could finish it looking normal); not evaluated, so out of the tables, which
             # name it (results.incomplete_parts)
             record = {"arm": arm, "seed": seed, "aborted": abort_reason(err, run_dir),
-                      "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}
+                      "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "machine": cpu_info(),
+                      "code": code_version()}
             atomic_write_text(run_dir / "done.json", json.dumps(record))
             return {"arm": arm, "seed": seed, "seconds": record["wall_s"], "aborted": record["aborted"]}
     if not (run_dir / "eval" / "eval.json").is_file():
@@ -211,10 +213,12 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     if s.prune_checkpoints:
         prune_checkpoints(run_dir)
     # written last, after the pruning: done.json marks a run that is never touched again. Compute of this call
-    # (a resumed run adds its calls' figures; training time is in metrics.jsonl), and the CPU that made it: float
-    # rounding follows the CPU's vector instructions, so a seed reproduces bit for bit only on a like machine
+    # (a resumed run adds its calls' figures; training time is in metrics.jsonl), the CPU that made it (float
+    # rounding follows the CPU's vector instructions, so a seed reproduces bit for bit only on a like machine) and
+    # the code (meshrl.provenance: version, git commit, modified or not)
     atomic_write_text(run_dir / "done.json", json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
-                                                         "cpu_s": time.process_time() - cpu0, "machine": cpu_info()}))
+                                                         "cpu_s": time.process_time() - cpu0, "machine": cpu_info(),
+                                                         "code": code_version()}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.collapse_testbed import persistence as P
+from meshrl.cpu import machine_label
 from meshrl.jsonl import read_jsonl
 
 WARM = "W2"
@@ -124,19 +125,6 @@ def overall_at_horizon(out: Path, horizon: int = P.HORIZON) -> dict[tuple[str, i
         run = e.parents[2]
         found[run.parent.name, int(run.name[5:])] = float(json.loads(e.read_text())["overall"]["pass@1"])
     return found
-
-
-def machine_label(machine: dict[str, Any]) -> str:
-    """A CPU as far as float rounding goes: PyTorch's capability, then the model and AMX where the run recorded them
-    (``AVX512 (Intel(R) Xeon(R) Processor, AMX)``). The capability alone is too coarse: W2's GRPO seed 0 repeats bit
-    for bit on an AMD EPYC with AVX-512 and parts from step 1 on an Intel Xeon with AVX-512 and AMX, both
-    ``AVX512`` (collapse_testbed/results.md)."""
-    capability, model = str(machine.get("capability", "?")), machine.get("model")
-    if not model:
-        return capability
-    if "flags" not in machine:  # AMX unknown, not absent
-        return f"{capability} ({model}, flags not recorded)"
-    return f"{capability} ({model}{', AMX' if 'amx_tile' in machine['flags'] else ''})"
 
 
 def run_machines(out: Path, arm: str | None = "grpo") -> dict[Any, str]:

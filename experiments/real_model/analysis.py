@@ -13,6 +13,7 @@ import statistics
 from typing import Any
 
 from experiments.real_model.experiment import ARMS, Settings
+from meshrl.cpu import machine_label
 from meshrl.doctor.records import by_step
 
 FALL = 0.1
@@ -212,11 +213,9 @@ def fork_minus_grpo(runs: dict[str, Any]) -> dict[int, float]:
 
 
 def cpu_label(machine: dict[str, Any] | None) -> str:
-    """The CPU a run was made on, as the table names it: PyTorch's capability (what decides float rounding),
-    with native bf16 said; ``-`` where the run recorded none."""
-    if not machine:
-        return "-"
-    return f"{machine.get('capability', '?')}{', native bf16' if machine.get('bf16_native') else ''}"
+    """The CPU a run was made on, as the table names it (:func:`meshrl.cpu.machine_label`: PyTorch's capability,
+    the model and AMX, which together decide float rounding); ``-`` where the run recorded none."""
+    return machine_label(machine)
 
 
 def _f(x: float | None, digits: int = 3, sign: str = "") -> str:

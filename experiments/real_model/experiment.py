@@ -128,6 +128,7 @@ def run_all(s: Settings, out: Path) -> None:
 
     from experiments._runs import abort_reason, trainer_stops
     from meshrl.cpu import cpu_info
+    from meshrl.provenance import code_version
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.trainer import load_config, train
 
@@ -158,7 +159,7 @@ def run_all(s: Settings, out: Path) -> None:
                 log.warning("real model: %s seed %d ended early: %s", arm, seed, record["aborted"])
             # the CPU that made it: float rounding follows its vector instructions (a seed repeats bit for bit only
             # on a like machine), and "seconds" is this call's, a resumed run's last stretch only
-            record.update(seconds=time.perf_counter() - t0, machine=cpu_info())
+            record.update(seconds=time.perf_counter() - t0, machine=cpu_info(), code=code_version())
             atomic_write_text(run_dir / "done.json", json.dumps(record))
 
 
@@ -187,7 +188,8 @@ def pack(out: Path, dest: Path) -> Path:
             "evals": read_jsonl(run_dir / "evals.jsonl") if (run_dir / "evals.jsonl").is_file() else [],
             "metrics": metrics,
             "events": read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").is_file() else [],
-            "seconds": record["seconds"], "machine": record.get("machine"), "aborted": record.get("aborted")}
+            "seconds": record["seconds"], "machine": record.get("machine"), "code": record.get("code"),
+            "aborted": record.get("aborted")}
     step0 = {p.parent.name: json.loads(p.read_text())["overall"] for p in sorted(out.glob("step0/seed_*/eval.json"))}
     # the run selection is what was packed (settings.json holds the last call's, which may be running other seeds)
     settings = {**json.loads((out / "settings.json").read_text()),

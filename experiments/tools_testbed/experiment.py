@@ -145,6 +145,8 @@ def run_job(arm: str, seed: int, run_dir: Path, s: ToolsSettings, model_path: Pa
     import torch
 
     import meshrl.testbed  # noqa: F401  (registers testbed:tools)
+    from meshrl.cpu import cpu_info
+    from meshrl.provenance import code_version
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.trainer import load_config, train
 
@@ -159,7 +161,8 @@ def run_job(arm: str, seed: int, run_dir: Path, s: ToolsSettings, model_path: Pa
         train(cfg, run_dir, resume=ckpt is not None)
     measure_checkpoints(run_dir, s, seed)
     prune_checkpoints(run_dir)
-    (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0}))
+    (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
+                                                   "machine": cpu_info(), "code": code_version()}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
 
 

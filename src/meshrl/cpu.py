@@ -109,6 +109,22 @@ def describe(info: dict[str, Any]) -> str:
     return line
 
 
+def machine_label(machine: dict[str, Any] | None) -> str:
+    """A CPU as far as float rounding goes, from a :func:`cpu_info` record: PyTorch's capability, then the model and
+    AMX where the record has them (``AVX512 (Intel(R) Xeon(R) Processor, AMX)``); ``-`` for no record. The capability
+    alone is too coarse to name a CPU for reproduction: the collapse testbed's GRPO runs repeat bit for bit on an AMD
+    EPYC with AVX-512 and part from step 1 on an Intel Xeon with AVX-512 and AMX, both ``AVX512``
+    (experiments/collapse_testbed/results.md)."""
+    if not machine:
+        return "-"
+    capability, model = str(machine.get("capability", "?")), machine.get("model")
+    if not model:
+        return capability
+    if "flags" not in machine:  # AMX unknown, not absent
+        return f"{capability} ({model}, flags not recorded)"
+    return f"{capability} ({model}{', AMX' if 'amx_tile' in machine['flags'] else ''})"
+
+
 def emulated_bf16_settings(settings: dict[str, bool]) -> list[str]:
     """The settings among ``settings`` (``"key=value"`` as the config spells it -> in force) that ask for bf16 on
     a CPU without native bf16 (empty where the CPU has it or none is in force)."""

@@ -91,7 +91,7 @@ def test_nan_log_probs_take_the_nonfinite_skip_path(tmp_path, monkeypatch, worke
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2] and all(m["skipped/nonfinite"] == 1.0 for m in metrics)
     events = [e["event"] for e in read_jsonl(run / "events.jsonl")]
-    assert events == ["nonfinite_skip", "nonfinite_skip", "nonfinite_abort"]
+    assert events == ["run_start", "nonfinite_skip", "nonfinite_skip", "nonfinite_abort"]
     assert (run / "checkpoints" / "latest").read_text() == "step_000002"
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from meshrl.cli import main as cli_main
 from meshrl.jsonl import read_jsonl
+from meshrl.provenance import code_version
 from meshrl.runs import checkpoint as ckpt_mod
 from meshrl.runs.checkpoint import checkpoint_problem, save_checkpoint
 from meshrl.trainer import load_config, loop, train
@@ -109,6 +110,10 @@ def test_sigterm_mid_update_finishes_the_step_and_resumes_exactly(tmp_path, monk
     monkeypatch.undo()
     train(_cfg(steps=STEPS), run, resume=True)
     _assert_same_run(run, full_run)
+    # each start records the code and the CPU it ran on, at the step it started from
+    starts = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "run_start"]
+    assert [(e["step"], e["resumed"]) for e in starts] == [(0, False), (2, True)]
+    assert all(e["code"] == code_version() and e["machine"]["capability"] for e in starts)
 
 
 def test_second_sigterm_stops_at_once_without_saving_a_half_step(tmp_path, monkeypatch, full_run):

@@ -128,8 +128,12 @@ def test_a_pack_of_other_settings_is_refused_by_name(tmp_path):
 
 
 def test_the_table_names_the_cpu_of_each_run():
-    assert analysis.cpu_label({"capability": "AVX2", "bf16_native": False}) == "AVX2"
-    assert analysis.cpu_label({"capability": "AVX512", "bf16_native": True}) == "AVX512, native bf16"
+    assert analysis.cpu_label({"capability": "AVX2", "bf16_native": False}) == "AVX2"  # no model recorded
+    xeon = {"model": "Intel(R) Xeon(R) Processor", "capability": "AVX512", "flags": ["avx512f", "amx_tile"]}
+    epyc = {"model": "AMD EPYC", "capability": "AVX512", "flags": ["avx512f", "avx512_bf16"]}
+    # both AVX512, and they round differently: the label must tell them apart
+    assert analysis.cpu_label(xeon) == "AVX512 (Intel(R) Xeon(R) Processor, AMX)"
+    assert analysis.cpu_label(epyc) == "AVX512 (AMD EPYC)"
     assert analysis.cpu_label(None) == "-"  # a run made before runs recorded their machine
 
 

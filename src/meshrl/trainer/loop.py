@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from meshrl.cpu import cpu_info
 from meshrl.jsonl import JsonlWriter
 from meshrl.progress import progress_bar
+from meshrl.provenance import code_version
 from meshrl.runs.run_dir import prepare_fresh, prepare_resume, rewind_records, write_config
 from meshrl.trainer.config import RunConfig, config_record
 from meshrl.trainer.failure import NonFiniteAbort, RewardsFailed, StalledRun, record_stop
@@ -40,6 +42,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
     """
     run_dir = Path(run_dir)
     (prepare_resume if resume else prepare_fresh)(run_dir)
+    code = code_version()  # git runs before the trainer starts any thread or engine (vLLM's hold locks)
     trainer = Trainer(cfg, run_dir)
     if resume:
         try:
@@ -51,6 +54,10 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
     record = config_record(trainer.cfg, trainer.task)  # the trainer's: a correction a setting turned on shows
     write_config(record, run_dir)
     writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events", "evals")}
+    # the code and the CPU of this start (a resumed run's later steps may come from others): with the seed and the
+    # settings, what a run's numbers are a function of
+    writers["events"].write({"step": trainer.step_idx, "event": "run_start", "resumed": resume,
+                             "code": code, "machine": cpu_info()})
     health = LiveHealth(cfg, run_dir, record, writers) if cfg.health.every else None
     trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
     history = StepHistory(run_dir / "metrics.jsonl", trainer.step_idx)
