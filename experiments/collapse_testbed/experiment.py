@@ -215,7 +215,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     # written last, after the pruning: done.json marks a run that is never touched again. Compute of this call
     # (a resumed run adds its calls' figures; training time is in metrics.jsonl), the CPU that made it (float
     # rounding follows the CPU's vector instructions, so a seed reproduces bit for bit only on a like machine) and
-    # the code (meshrl.provenance: version, git commit, modified or not)
+    # the code of this call (meshrl.provenance; each start's is in events.jsonl's run_start records)
     atomic_write_text(run_dir / "done.json", json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
                                                          "cpu_s": time.process_time() - cpu0, "machine": cpu_info(),
                                                          "code": code_version()}))

@@ -111,7 +111,8 @@ def describe(info: dict[str, Any]) -> str:
 
 def machine_label(machine: dict[str, Any] | None) -> str:
     """A CPU as far as float rounding goes, from a :func:`cpu_info` record: PyTorch's capability, then the model and
-    AMX where the record has them (``AVX512 (Intel(R) Xeon(R) Processor, AMX)``); ``-`` for no record. The capability
+    AMX where the record has them (``AVX512 (Intel(R) Xeon(R) Processor, AMX)``), and any ISA override that was in
+    force (its kernels are not the CPU's own); ``-`` for no record. The capability
     alone is too coarse to name a CPU for reproduction: the collapse testbed's GRPO runs repeat bit for bit on an AMD
     EPYC with AVX-512 and part from step 1 on an Intel Xeon with AVX-512 and AMX, both ``AVX512``
     (experiments/collapse_testbed/results.md)."""
@@ -120,9 +121,10 @@ def machine_label(machine: dict[str, Any] | None) -> str:
     capability, model = str(machine.get("capability", "?")), machine.get("model")
     if not model:
         return capability
+    overrides = "".join(f"; {k}={v}" for k, v in (machine.get("isa_overrides") or {}).items())
     if "flags" not in machine:  # AMX unknown, not absent
-        return f"{capability} ({model}, flags not recorded)"
-    return f"{capability} ({model}{', AMX' if 'amx_tile' in machine['flags'] else ''})"
+        return f"{capability} ({model}, flags not recorded{overrides})"
+    return f"{capability} ({model}{', AMX' if 'amx_tile' in machine['flags'] else ''}{overrides})"
 
 
 def emulated_bf16_settings(settings: dict[str, bool]) -> list[str]:

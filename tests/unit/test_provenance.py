@@ -3,6 +3,7 @@ the CPU that made it."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -18,7 +19,10 @@ needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not i
 
 
 def _git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+    """git with none of the user's configuration (signing, hooks) or a calling hook's ``GIT_*`` variables."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GIT_")}, "GIT_CONFIG_GLOBAL": os.devnull,
+           "GIT_CONFIG_NOSYSTEM": "1"}
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, env=env).stdout.strip()
 
 
 def _checkout(root: Path) -> Path:
@@ -37,8 +41,12 @@ def test_a_source_checkout_records_its_commit_and_whether_tracked_files_changed(
     package = _checkout(tmp_path / "repo")
     head = _git(tmp_path / "repo", "rev-parse", "HEAD")
     assert provenance.describe_code(package, "9.9") == {"meshrl": "9.9", "commit": head, "dirty": False}
-    (package / "notes.txt").write_text("untracked\n")  # not code that was imported
+    (package / "notes.txt").write_text("untracked\n")  # not code
+    (tmp_path / "repo" / "README.md").write_text("docs are not code\n")
     assert provenance.describe_code(package, "9.9")["dirty"] is False
+    (package / "new_module.py").write_text("y = 1\n")  # untracked, and maybe imported
+    assert provenance.describe_code(package, "9.9")["dirty"] is True
+    (package / "new_module.py").unlink()
     (package / "__init__.py").write_text("x = 2\n")
     assert provenance.describe_code(package, "9.9") == {"meshrl": "9.9", "commit": head, "dirty": True}
     dirty = {"meshrl": "9.9", "commit": head, "dirty": True}
@@ -67,10 +75,36 @@ def test_no_git_or_no_repository_records_the_version_alone(tmp_path, monkeypatch
 def test_this_process_records_its_own_meshrl():
     code = provenance.code_version()
     assert code["meshrl"] == meshrl.__version__
-    # a source checkout (as the tests usually run) names a full commit; an installed copy names none
+    package = Path(meshrl.__file__).resolve().parent
+    root = package.parents[1]
+    if shutil.which("git") and package == (root / "src" / "meshrl") and (root / ".git").exists():
+        assert code["commit"] == _git(root, "rev-parse", "HEAD")  # a source checkout (setup.sh's editable install)
+        assert isinstance(code["dirty"], bool)
+    else:  # an installed copy names no commit
+        assert code["commit"] is None and code["dirty"] is None
     assert code["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", code["commit"])
-    assert (code["dirty"] is None) == (code["commit"] is None)
     assert provenance.code_version() is code  # read once per process
+
+
+def test_a_git_that_hangs_or_fails_records_no_commit(tmp_path, monkeypatch):
+    def hang(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], provenance.GIT_TIMEOUT_S)
+
+    monkeypatch.setattr(provenance.subprocess, "run", hang)
+    assert provenance.describe_code(tmp_path, "1.0") == {"meshrl": "1.0", "commit": None, "dirty": None}
+
+    def undecodable(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(provenance.subprocess, "run", undecodable)
+    assert provenance.describe_code(tmp_path, "1.0")["commit"] is None
+
+
+def test_describe_says_when_modified_is_unknown():
+    head = "a" * 40
+    assert provenance.describe({"meshrl": "1.0", "commit": head, "dirty": False}) == "meshrl 1.0 at aaaaaaa"
+    assert provenance.describe({"meshrl": "1.0", "commit": head, "dirty": None}) == (
+        "meshrl 1.0 at aaaaaaa, modified or not unknown")
 
 
 def test_the_cpu_label_tells_apart_cpus_of_one_capability():
@@ -81,3 +115,6 @@ def test_the_cpu_label_tells_apart_cpus_of_one_capability():
     assert machine_label({"capability": "AVX2"}) == "AVX2"  # a record without the model: the capability alone
     assert machine_label({"model": "AMD EPYC", "capability": "AVX512"}) == "AVX512 (AMD EPYC, flags not recorded)"
     assert machine_label(None) == "-" and machine_label({}) == "-"
+    # a run under an ISA override did not round as the CPU's own kernels do
+    capped = {**epyc, "isa_overrides": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
+    assert machine_label(capped) == "AVX512 (AMD EPYC; ONEDNN_MAX_CPU_ISA=AVX2)"

@@ -11,6 +11,7 @@ import pytest
 
 from experiments.real_model import analysis, experiment
 from experiments.real_model.__main__ import main
+from meshrl.provenance import code_version
 
 
 def test_fall_is_harm_only_when_it_lasts_two_evaluations():
@@ -69,6 +70,8 @@ def test_the_pipeline_on_the_tiny_model(tmp_path):
     assert all((out / "runs" / arm / "seed_0" / "done.json").is_file() for arm in ("grpo", "fork"))
     experiment.run_all(s, out)  # finished runs are skipped
     pack = experiment.pack(out, tmp_path / "pack.json.gz")
+    packed = experiment.read_pack(pack)["runs"]["grpo/seed_0"]
+    assert packed["code"] == code_version() and packed["machine"]["capability"]  # what made the run
     result = analysis.analyse(experiment.read_pack(pack))
     assert set(result["runs"]) == {"grpo/seed_0", "fork/seed_0"}
     r = result["runs"]["grpo/seed_0"]

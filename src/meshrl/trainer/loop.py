@@ -15,9 +15,11 @@ from typing import Any
 import torch
 
 from meshrl.cpu import cpu_info
+from meshrl.cpu import describe as describe_cpu
 from meshrl.jsonl import JsonlWriter
 from meshrl.progress import progress_bar
 from meshrl.provenance import code_version
+from meshrl.provenance import describe as describe_code
 from meshrl.runs.run_dir import prepare_fresh, prepare_resume, rewind_records, write_config
 from meshrl.trainer.config import RunConfig, config_record
 from meshrl.trainer.failure import NonFiniteAbort, RewardsFailed, StalledRun, record_stop
@@ -56,8 +58,11 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> StepH
     writers = {n: JsonlWriter(run_dir / f"{n}.jsonl") for n in ("metrics", "samples", "events", "evals")}
     # the code and the CPU of this start (a resumed run's later steps may come from others): with the seed and the
     # settings, what a run's numbers are a function of
-    writers["events"].write({"step": trainer.step_idx, "event": "run_start", "resumed": resume,
-                             "code": code, "machine": cpu_info()})
+    machine = cpu_info()
+    writers["events"].write({"step": trainer.step_idx, "event": "run_start", "resumed": resume, "code": code,
+                             "machine": machine})
+    log.info("%s at step %d: %s; %s", "resuming" if resume else "starting", trainer.step_idx, describe_code(code),
+             describe_cpu(machine))
     health = LiveHealth(cfg, run_dir, record, writers) if cfg.health.every else None
     trackers = Trackers(cfg.log.report_to, run_dir, cfg.to_dict())
     history = StepHistory(run_dir / "metrics.jsonl", trainer.step_idx)
