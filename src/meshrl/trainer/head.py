@@ -222,12 +222,12 @@ class LinearTokenTerms(torch.autograd.Function):
                     dz[rows] = grad.div_(temperature) if tempered else grad  # as autograd divides
                 if need_h:
                     d_hidden[a : a + chunk] = dz @ w
-                if need_w:
-                    part = (dz.t() @ h).float()
-                    d_weight = part if d_weight is None else d_weight.add_(part)
+                if need_w:  # added in float32 without a float32 copy of the product (exact: bf16 -> f32 is)
+                    part = dz.t() @ h
+                    d_weight = part.float() if d_weight is None else d_weight.add_(part)
                 if need_b:
-                    part = dz.sum(0).float()
-                    d_bias = part if d_bias is None else d_bias.add_(part)
+                    part = dz.sum(0)
+                    d_bias = part.float() if d_bias is None else d_bias.add_(part)
         ctx.kept = []  # overwritten by dz: a second backward (retain_graph) recomputes them
         d_weight = None if d_weight is None else d_weight.to(weight.dtype)
         d_bias = None if d_bias is None else d_bias.to(bias.dtype)
