@@ -218,7 +218,9 @@ class PhaseProbe:
                 for phase in self.PHASES}
 
 
-def meshrl_trainer(model_dir: Path, args, device: torch.device, run_dir: Path, *, mei: bool):
+def meshrl_trainer(model_dir: Path, args, device: torch.device, run_dir: Path, *, mei: bool,
+                   extra: tuple[str, ...] = ()):
+    """meshrl's side of the comparison; ``extra``: further ``key=value`` settings (memory_twin.py's)."""
     from meshrl.trainer import Trainer, load_config
 
     p, g = args.prompts, args.group
@@ -231,7 +233,7 @@ def meshrl_trainer(model_dir: Path, args, device: torch.device, run_dir: Path, *
         "train.ppo_epochs=1", "train.mini_batches=1", f"train.micro_batch_size={p * g}", "train.dtype=float32",
         f"train.autocast_bf16={'true' if args.bf16 else 'false'}", f"train.device={device}",
         "train.skip_zero_advantage=false", f"diag.mei.every={1 if mei else 0}", "log.progress=false",
-        "checkpoint.every=1000000",
+        "checkpoint.every=1000000", *extra,
     ]
     return Trainer(load_config(overrides=overrides), run_dir)
 

@@ -115,3 +115,51 @@ def test_gpu_smoke_reports_a_failing_case(tmp_path, monkeypatch):
     assert gpu_smoke.main(["--device", "cpu", "--only", "broken", "--json", str(out)]) == 1
     (res,) = json.loads(out.read_text())
     assert not res["ok"] and "no_such_recipe" in res["error"]
+
+
+def test_memory_twin_counts_a_known_step_by_category_and_phase():
+    import memory_twin
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(200, 800), torch.nn.ReLU(), torch.nn.Linear(800, 200))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(100, 200)
+    memory_twin.mark_phases({"forward": (model, "forward"), "update": (opt, "step")})
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # the optimizer's state exists before the profiled step, as in a run's later steps
+    with memory_twin.profiler() as prof:
+        step()
+    r = memory_twin.summarise_profile(prof)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert r["peak_make_up"]["parameter"] * memory_twin.GIB == param_bytes
+    assert r["peak_make_up"]["optimizer_state"] * memory_twin.GIB >= 2 * param_bytes  # AdamW's two moments
+    assert abs(sum(r["peak_make_up"].values()) - r["peak_gib"]) < 1e-12
+    assert set(r["phases"]) == {"forward", "update"} and r["peak_phase"] in r["phases"]
+    assert r["phases"][r["peak_phase"]]["peak_gib"] == r["peak_gib"]
+    # the forward holds the parameters, the optimizer's state and the input, and builds activations on them
+    assert r["phases"]["forward"]["peak_gib"] * memory_twin.GIB > param_bytes * 3 + x.numel() * 4
+    assert all(p["peak_gib"] <= r["peak_gib"] for p in r["phases"].values())
+
+
+@pytest.mark.slow  # meshrl and TRL, a warm-up and a profiled step each, tiny shape (~20 s)
+def test_memory_twin_dry_run_writes_both_sides(tmp_path):
+    out = tmp_path / "twin.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_twin.py"), "--dry-run", "--json",
+                           str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["env"]["shape"] == "tiny-qwen" and "rollout.decoder=static" in r["env"]["meshrl_settings"]
+    for side in ("meshrl", "trl"):
+        s = r[side]
+        assert s["peak_gib"] > 0 and s["peak_make_up"]["parameter"] > 0, (side, s)
+        assert abs(sum(s["peak_make_up"].values()) - s["peak_gib"]) < 1e-9
+        assert "rollout" in s["phases"]
+    assert {"rollout", "update"} <= set(r["meshrl"]["phases"]) and r["ratio_peak"] > 0
+    assert r["meshrl"]["peak_phase"] in r["meshrl"]["phases"]  # meshrl's phases cover its whole step
+    assert "meshrl / TRL peak live tensor bytes" in proc.stdout
