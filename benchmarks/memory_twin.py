@@ -9,7 +9,8 @@ decoder that CUDA replays as a graph run eagerly, no float32 attention), and rec
 step with PyTorch's profiler (``profile_memory``; the categories are those of ``torch.profiler``'s memory timeline:
 parameter, optimizer state, gradient, activation, temporary, input, autograd detail, unclassified). Printed and
 written per side: the step's peak of live tensor bytes, what it was made of, and (meshrl) each phase's own peak
-(rollout, old log-probs, update, weight sync: gpu_check's ``PhaseProbe`` phases) with its make-up.
+(rollout, old log-probs, update, weight sync: gpu_check's ``PhaseProbe`` phases, those that run) with its
+make-up; TRL marks its rollout only, so its peak's phase is None when the peak falls in its update.
 
 What this is not: a GPU figure. CUDA kernels differ from CPU ones in their workspaces (flash or memory-efficient
 attention against the CPU's), the caching allocator rounds and reserves, and a tensor that no operator touches
@@ -239,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
            "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
            "warmup": args.warmup, "bf16_autocast": args.bf16, "meshrl_settings": [*GPU_LAYOUT, *args.set],
            "cpu": cpu_info()}
+    for package in ("transformers", "trl"):
+        with contextlib.suppress(ImportError):
+            env[package] = __import__(package).__version__
     print(describe(env["cpu"]))
     tmp = Path(tempfile.mkdtemp(prefix="meshrl-memory-twin-"))
     model_dir = build_model_dir(shape, tmp / "model")
