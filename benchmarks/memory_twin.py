@@ -28,10 +28,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import io
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -95,7 +97,16 @@ def phase_windows(prof) -> dict[str, list[tuple[float, float]]]:
 
 def summarise_profile(prof) -> dict[str, Any]:
     """The step's peak of live tensor bytes with its make-up, the bytes alive at the step's start, and each
-    phase's peak (over all its ranges) with its make-up."""
+    phase's peak (over all its ranges) with its make-up. Allocations freed within the microsecond they were made in
+    are not seen (the timeline's resolution)."""
+    try:
+        return _summarise(prof)
+    except (ImportError, AttributeError, TypeError, ValueError) as e:  # the memory timeline is a private torch API
+        raise RuntimeError(f"torch {torch.__version__}: the profiler's memory timeline API is not the one this "
+                           f"script reads ({type(e).__name__}: {e})") from e
+
+
+def _summarise(prof) -> dict[str, Any]:
     times, sizes = timeline(prof)
     names = categories()
     if not times:
@@ -180,11 +191,15 @@ def run_trl(model_dir: Path, args, tmp: Path) -> dict[str, Any]:
                           args.max_new_tokens, args.lr, args.warmup + 1, tmp / "trl", Side("trl"), [Profile()],
                           use_cpu=True, bf16=args.bf16)
     mark_phases({"rollout": (trainer, "_generate_and_score_completions")})
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer.train()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.train()
+    finally:
+        if state["prof"] is not None and "seconds" not in state:  # the step failed or never ended: stop profiling
+            state["prof"].__exit__(None, None, None)
     del trainer, model
-    if state["prof"] is None:
-        raise RuntimeError("TRL ran no step to profile")
+    if "seconds" not in state:
+        raise RuntimeError("TRL finished no profiled step (it ran fewer steps than --warmup + 1)")
     return {**summarise_profile(state["prof"]), "profiled_step_s": state["seconds"]}
 
 
@@ -245,15 +260,23 @@ def main(argv: list[str] | None = None) -> int:
             env[package] = __import__(package).__version__
     print(describe(env["cpu"]))
     tmp = Path(tempfile.mkdtemp(prefix="meshrl-memory-twin-"))
+    try:
+        return _run_sides(args, shape, env, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the model directory: a GB or more at these shapes
+
+
+def _run_sides(args, shape: str, env: dict[str, Any], tmp: Path) -> int:
     model_dir = build_model_dir(shape, tmp / "model")
     result: dict[str, Any] = {"env": env}
     for name, run in (("meshrl", run_meshrl), ("trl", run_trl)):
         if (name == "trl" and args.no_trl) or (name == "meshrl" and args.no_meshrl):
             continue
-        try:
+        missing = [m for m in ("trl", "datasets") if name == "trl" and importlib.util.find_spec(m) is None]
+        if missing:  # say so, keep meshrl's figures
+            result[name] = {"skipped": f"not installed: {', '.join(missing)}"}
+        else:
             result[name] = run(model_dir, args, tmp)
-        except ImportError as e:  # TRL or datasets not installed: say so, keep meshrl's figures
-            result[name] = {"skipped": f"{type(e).__name__}: {e}"}
         report(name, result[name])
     if result.get("meshrl", {}).get("peak_gib") and result.get("trl", {}).get("peak_gib"):
         result["ratio_peak"] = result["meshrl"]["peak_gib"] / result["trl"]["peak_gib"]

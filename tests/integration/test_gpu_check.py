@@ -124,10 +124,16 @@ def test_memory_twin_counts_a_known_step_by_category_and_phase():
     model = torch.nn.Sequential(torch.nn.Linear(200, 800), torch.nn.ReLU(), torch.nn.Linear(800, 200))
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(100, 200)
-    memory_twin.mark_phases({"forward": (model, "forward"), "update": (opt, "step")})
+
+    class Backward:
+        def run(self, loss):
+            loss.backward()
+
+    backward = Backward()
+    memory_twin.mark_phases({"forward": (model, "forward"), "backward": (backward, "run"), "update": (opt, "step")})
 
     def step():
-        model(x).pow(2).mean().backward()
+        backward.run(model(x).pow(2).mean())
         opt.step()
         opt.zero_grad()
 
@@ -139,7 +145,7 @@ def test_memory_twin_counts_a_known_step_by_category_and_phase():
     assert r["peak_make_up"]["parameter"] * memory_twin.GIB == param_bytes
     assert r["peak_make_up"]["optimizer_state"] * memory_twin.GIB >= 2 * param_bytes  # AdamW's two moments
     assert abs(sum(r["peak_make_up"].values()) - r["peak_gib"]) < 1e-12
-    assert set(r["phases"]) == {"forward", "update"} and r["peak_phase"] in r["phases"]
+    assert set(r["phases"]) == {"forward", "backward", "update"} and r["peak_phase"] in r["phases"]
     assert r["phases"][r["peak_phase"]]["peak_gib"] == r["peak_gib"]
     # the forward holds the parameters, the optimizer's state and the input, and builds activations on them
     assert r["phases"]["forward"]["peak_gib"] * memory_twin.GIB > param_bytes * 3 + x.numel() * 4
@@ -160,6 +166,7 @@ def test_memory_twin_dry_run_writes_both_sides(tmp_path):
         assert s["peak_gib"] > 0 and s["peak_make_up"]["parameter"] > 0, (side, s)
         assert abs(sum(s["peak_make_up"].values()) - s["peak_gib"]) < 1e-9
         assert "rollout" in s["phases"]
+        assert s["start_make_up"]["optimizer_state"] > 0  # the profiled step came after the warm-up one
     assert {"rollout", "update"} <= set(r["meshrl"]["phases"]) and r["ratio_peak"] > 0
     assert r["meshrl"]["peak_phase"] in r["meshrl"]["phases"]  # meshrl's phases cover its whole step
     assert "meshrl / TRL peak live tensor bytes" in proc.stdout

@@ -222,7 +222,8 @@ class LinearTokenTerms(torch.autograd.Function):
                     dz[rows] = grad.div_(temperature) if tempered else grad  # as autograd divides
                 if need_h:
                     d_hidden[a : a + chunk] = dz @ w
-                if need_w:  # added in float32 without a float32 copy of the product (exact: bf16 -> f32 is)
+                if need_w:  # summed in float32 (exact: bf16 -> f32 is); a float32 copy of the product lives at most
+                    # for the add (a CPU makes one inside add_, CUDA converts as it reads), not into the next chunk
                     part = dz.t() @ h
                     d_weight = part.float() if d_weight is None else d_weight.add_(part)
                 if need_b:
