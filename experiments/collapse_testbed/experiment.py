@@ -28,6 +28,7 @@ import yaml
 
 from experiments.collapse_testbed.results import BASELINE_PROBES
 from meshrl.testbed.runconfig import base_overrides, eval_config
+from meshrl.yaml_files import read_yaml_mapping
 
 log = logging.getLogger("meshrl")
 HERE = Path(__file__).resolve().parent
@@ -37,15 +38,9 @@ __all__ = ["ARMS", "PRESETS", "ExperimentSettings", "base_overrides", "eval_conf
 
 
 def _read_yaml_mapping(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f", line {mark.line + 1}" if mark is not None else ""
-        raise ValueError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of names, got {type(data).__name__}")
-    return data
+    """The mapping ``path`` holds: a syntax error, a repeated name (YAML would keep the last one silently) or
+    anything but a mapping is a ValueError naming the file and line."""
+    return read_yaml_mapping(path, "experiment file")
 
 
 def load_arms(path: Path = ARMS_FILE) -> dict[str, list[str]]:

@@ -23,10 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from experiments.collapse_testbed.experiment import checkpoint_dirs, experiment_lock, prune_checkpoints
 from meshrl.testbed.runconfig import base_overrides
+from meshrl.yaml_files import read_yaml_mapping
 
 log = logging.getLogger("meshrl")
 HERE = Path(__file__).resolve().parent
@@ -38,12 +37,7 @@ TOOLS_KEYS = ("mesh.m=2", "eval.every=0", "diag.mei.every=0")
 
 def load_arms(path: Path = ARMS_FILE) -> dict[str, list[str]]:
     """Arm name -> ``meshrl train`` keys, in the file's order; every entry a list of ``key=value`` strings."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of arm names, got {type(data).__name__}")
+    data = read_yaml_mapping(path, "arms file")  # file and line named; a repeated arm name is refused
     for name, keys in data.items():
         if not isinstance(keys, list) or not all(isinstance(k, str) and "=" in k for k in keys):
             raise ValueError(f"{path}: arm {name!r} must be a list of key=value strings, got {keys!r}")

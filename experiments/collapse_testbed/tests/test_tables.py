@@ -244,7 +244,10 @@ def test_arm_and_preset_files_are_checked(tmp_path):
     assert list(ARMS)[:2] == ["grpo", "dapo"] and ARMS["mesh_mu1e-5"] == ["recipe=mesh", "mesh.mu=1e-5"]
     bad = tmp_path / "arms.yaml"
     bad.write_text("grpo: [recipe=grpo]\nbroken: [recipe=grpo\n")
-    with pytest.raises(ValueError, match=r"arms.yaml, line \d+: not valid YAML"):
+    with pytest.raises(ValueError, match=r"arms.yaml, line \d+, column \d+: YAML syntax error"):
+        load_arms(bad)
+    bad.write_text("grpo: [recipe=grpo]\nmesh: [recipe=mesh]\ngrpo: [recipe=dapo]\n")  # a name twice
+    with pytest.raises(ValueError, match=r"arms.yaml, line 3.*key 'grpo' repeats \(first at line 1\)"):
         load_arms(bad)
     bad.write_text("grpo: recipe=grpo\n")
     with pytest.raises(ValueError, match="arm 'grpo' must be a list of key=value"):
