@@ -161,7 +161,7 @@ def run_meshrl(model_dir: Path, args, tmp: Path) -> dict[str, Any]:
             t0 = time.perf_counter()
             trainer.step()
             seconds = time.perf_counter() - t0
-        speed = trainer.speed.name if hasattr(trainer, "speed") else None
+        speed = trainer.speed.name
     finally:
         trainer.close()
     return {**summarise_profile(prof), "profiled_step_s": seconds, "speed_path": speed}

@@ -4,6 +4,7 @@ with its step and reason and never resumed (a resume would reset the trainer's f
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def trainer_stops() -> tuple[type[BaseException], ...]:
@@ -11,6 +12,16 @@ def trainer_stops() -> tuple[type[BaseException], ...]:
     from meshrl.trainer import HealthStop, NonFiniteAbort, RewardsFailed, StalledRun
 
     return NonFiniteAbort, StalledRun, HealthStop, RewardsFailed
+
+
+def made_by() -> dict[str, Any]:
+    """What a run's numbers depend on besides its seed and settings, for its ``done.json``: the CPU
+    (:func:`meshrl.cpu.cpu_info`; float rounding follows it) and this call's code
+    (:func:`meshrl.provenance.code_version`; each start's is in events.jsonl's ``run_start`` records)."""
+    from meshrl.cpu import cpu_info
+    from meshrl.provenance import code_version
+
+    return {"machine": cpu_info(), "code": code_version()}
 
 
 def last_step(run_dir: Path) -> int | None:

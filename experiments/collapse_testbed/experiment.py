@@ -37,15 +37,9 @@ PRESETS_FILE = HERE / "presets.yaml"
 __all__ = ["ARMS", "PRESETS", "ExperimentSettings", "base_overrides", "eval_config", "run_experiment"]
 
 
-def _read_yaml_mapping(path: Path) -> dict[str, Any]:
-    """The mapping ``path`` holds: a syntax error, a repeated name (YAML would keep the last one silently) or
-    anything but a mapping is a ValueError naming the file and line."""
-    return read_yaml_mapping(path, "experiment file")
-
-
 def load_arms(path: Path = ARMS_FILE) -> dict[str, list[str]]:
     """Arm name -> ``meshrl train`` keys, in the file's order; every entry a list of ``key=value`` strings."""
-    arms = _read_yaml_mapping(path)
+    arms = read_yaml_mapping(path, "experiment file")  # file and line named; a repeated name is refused
     for name, keys in arms.items():
         if not isinstance(keys, list) or not all(isinstance(k, str) and "=" in k for k in keys):
             raise ValueError(f"{path}: arm {name!r} must be a list of key=value strings, got {keys!r}")
@@ -56,7 +50,7 @@ def load_presets(arms: dict[str, list[str]], path: Path = PRESETS_FILE) -> dict[
     """Preset name -> ExperimentSettings fields (lists as tuples); fields and arm names are checked."""
     known = {f.name for f in fields(ExperimentSettings)}
     presets: dict[str, dict[str, Any]] = {}
-    for name, values in _read_yaml_mapping(path).items():
+    for name, values in read_yaml_mapping(path, "experiment file").items():
         values = values or {}
         if not isinstance(values, dict):
             raise ValueError(f"{path}: preset {name!r} must be a mapping of settings, got {values!r}")
@@ -167,11 +161,9 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     import torch
 
     import meshrl.testbed  # noqa: F401  (registers the testbed tasks in this worker process)
-    from experiments._runs import abort_reason, trainer_stops
-    from meshrl.cpu import cpu_info
+    from experiments._runs import abort_reason, made_by, trainer_stops
     from meshrl.evaluation import run_eval
     from meshrl.jsonl import atomic_write_text
-    from meshrl.provenance import code_version
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.tasks import load_task
     from meshrl.trainer import load_config, train
@@ -196,8 +188,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
             # the failure counters and could finish it looking normal); not evaluated, so out of the tables, which
             # name it (results.incomplete_parts)
             record = {"arm": arm, "seed": seed, "aborted": abort_reason(err, run_dir),
-                      "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "machine": cpu_info(),
-                      "code": code_version()}
+                      "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, **made_by()}
             atomic_write_text(run_dir / "done.json", json.dumps(record))
             return {"arm": arm, "seed": seed, "seconds": record["wall_s"], "aborted": record["aborted"]}
     if not (run_dir / "eval" / "eval.json").is_file():
@@ -212,8 +203,7 @@ def _job(arm: str, seed: int, run_dir: Path, s: ExperimentSettings, model_path: 
     # rounding follows the CPU's vector instructions, so a seed reproduces bit for bit only on a like machine) and
     # the code of this call (meshrl.provenance; each start's is in events.jsonl's run_start records)
     atomic_write_text(run_dir / "done.json", json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
-                                                         "cpu_s": time.process_time() - cpu0, "machine": cpu_info(),
-                                                         "code": code_version()}))
+                                                         "cpu_s": time.process_time() - cpu0, **made_by()}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
 
 

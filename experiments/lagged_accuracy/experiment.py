@@ -103,9 +103,7 @@ def run_one(s: Settings, arm: str, seed: int, data: Path, d: Path) -> dict[str, 
     """Train one (arm, seed) into ``d``, from its last checkpoint when it has one; ``done.json`` last, with the CPU
     that made the run and, for a run the trainer ended (non-finite, stalled, a health stop, failed rewards), the
     step and reason: such a run is a result, recorded and not resumed (preregistration.md, "Amendments")."""
-    from experiments._runs import abort_reason, trainer_stops
-    from meshrl.cpu import cpu_info
-    from meshrl.provenance import code_version
+    from experiments._runs import abort_reason, made_by, trainer_stops
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.trainer import load_config, train
 
@@ -122,7 +120,7 @@ def run_one(s: Settings, arm: str, seed: int, data: Path, d: Path) -> dict[str, 
             aborted = abort_reason(err, d)
             log.warning("lagged accuracy: %s seed %d ended early: %s", arm, seed, aborted)
     record = {"arm": arm, "seed": seed, "steps": s.steps, "from_step": start, "seconds": time.perf_counter() - t0,
-              "machine": cpu_info(), "code": code_version(), "aborted": aborted}
+              **made_by(), "aborted": aborted}
     atomic_write_text(d / "done.json", json.dumps(record))
     return record
 

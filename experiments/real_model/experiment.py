@@ -126,9 +126,7 @@ def run_all(s: Settings, out: Path) -> None:
     """The pilot, then every (seed, arm) run and its step-0 evaluation, skipping what is done."""
     import torch
 
-    from experiments._runs import abort_reason, trainer_stops
-    from meshrl.cpu import cpu_info
-    from meshrl.provenance import code_version
+    from experiments._runs import abort_reason, made_by, trainer_stops
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.trainer import load_config, train
 
@@ -159,7 +157,7 @@ def run_all(s: Settings, out: Path) -> None:
                 log.warning("real model: %s seed %d ended early: %s", arm, seed, record["aborted"])
             # the CPU that made it: float rounding follows its vector instructions (a seed repeats bit for bit only
             # on a like machine), and "seconds" is this call's, a resumed run's last stretch only
-            record.update(seconds=time.perf_counter() - t0, machine=cpu_info(), code=code_version())
+            record.update(seconds=time.perf_counter() - t0, **made_by())
             atomic_write_text(run_dir / "done.json", json.dumps(record))
 
 

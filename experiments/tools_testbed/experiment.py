@@ -139,8 +139,7 @@ def run_job(arm: str, seed: int, run_dir: Path, s: ToolsSettings, model_path: Pa
     import torch
 
     import meshrl.testbed  # noqa: F401  (registers testbed:tools)
-    from meshrl.cpu import cpu_info
-    from meshrl.provenance import code_version
+    from experiments._runs import made_by
     from meshrl.runs.checkpoint import latest_checkpoint
     from meshrl.trainer import load_config, train
 
@@ -156,7 +155,7 @@ def run_job(arm: str, seed: int, run_dir: Path, s: ToolsSettings, model_path: Pa
     measure_checkpoints(run_dir, s, seed)
     prune_checkpoints(run_dir)
     (run_dir / "done.json").write_text(json.dumps({"arm": arm, "seed": seed, "wall_s": time.perf_counter() - t0,
-                                                   "machine": cpu_info(), "code": code_version()}))
+                                                   **made_by()}))
     return {"arm": arm, "seed": seed, "seconds": time.perf_counter() - t0}
 
 
